@@ -1,0 +1,118 @@
+"""The user-facing backward API: ``gg.backward`` and ``gg.grad``, with torch's meanings.
+
+Arguments are validated completely before the executor starts, so a bad call raises without
+touching any ``.grad`` or freeing any saved value. Grad mode is torch's own: ``gg.no_grad`` is
+``torch.no_grad``, so optimizers' internal ``no_grad`` regions are respected.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.autograd.grad_mode import enable_grad, no_grad, set_grad_enabled
+
+from .executor import run_backward
+
+__all__ = ["backward", "grad", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled"]
+
+_Disable = torch._C.DisableTorchFunctionSubclass
+_TensorOrTensors = torch.Tensor | Sequence[torch.Tensor]
+
+
+def is_grad_enabled() -> bool:
+    """True unless inside ``no_grad`` / ``set_grad_enabled(False)`` (torch's grad mode)."""
+    return torch.is_grad_enabled()
+
+
+def _as_tuple(x, what: str) -> tuple:
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if x is None:
+        return ()
+    try:
+        return tuple(x)
+    except TypeError:
+        raise TypeError(f"{what} must be a tensor or a sequence of tensors, got "
+                        f"{type(x).__name__}") from None
+
+
+def _make_root_grads(outputs: tuple, grads: tuple, create_graph: bool, is_grads_batched=False):
+    if grads and len(grads) != len(outputs):
+        raise RuntimeError(f"got {len(grads)} gradients for {len(outputs)} outputs; pass one "
+                           "gradient per output (None for scalar outputs)")
+    result = []
+    with _Disable():
+        for i, out in enumerate(outputs):
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"outputs[{i}] is a {type(out).__name__}, not a tensor")
+            if getattr(out, "_gg_node", None) is None:
+                raise RuntimeError(
+                    f"element {i} of tensors does not require grad and does not have a "
+                    "grad_fn. Make sure the leaves it comes from were created with "
+                    "requires_grad=True and that it was not computed under gg.no_grad().")
+            g = grads[i] if grads else None
+            if g is None:
+                if out.numel() != 1:
+                    raise RuntimeError(
+                        "grad can be implicitly created only for scalar outputs; output "
+                        f"{i} has shape {tuple(out.shape)}. Pass gradient= (a tensor of "
+                        "that shape) to backward().")
+                g = torch.ones_like(out, memory_format=torch.preserve_format)
+            elif not isinstance(g, torch.Tensor):
+                raise TypeError(f"gradient {i} must be a tensor or None, got {type(g).__name__}")
+            else:
+                if g.shape != out.shape:
+                    raise RuntimeError(
+                        f"Mismatch in shape: grad_output[{i}] has a shape of {g.shape} and "
+                        f"output[{i}] has a shape of {out.shape}.")
+                if g.dtype != out.dtype:
+                    raise RuntimeError(
+                        f"Mismatch in dtype: grad_output[{i}] is {g.dtype} but output[{i}] is "
+                        f"{out.dtype}; cast the gradient with .to({out.dtype}).")
+                if g.device != out.device:
+                    raise RuntimeError(
+                        f"Mismatch in device: grad_output[{i}] is on {g.device} but output[{i}] "
+                        f"is on {out.device}; move the gradient with .to('{out.device}').")
+            result.append(g)
+    return result
+
+
+def backward(tensors: _TensorOrTensors, grad_tensors: _TensorOrTensors | None = None,
+             retain_graph: bool | None = None, create_graph: bool = False,
+             inputs: _TensorOrTensors | None = None) -> None:
+    """Accumulate gradients of ``tensors`` into the leaves' ``.grad`` (``torch.autograd.backward``)."""
+    outputs = _as_tuple(tensors, "tensors")
+    grads = _as_tuple(grad_tensors, "grad_tensors") if grad_tensors is not None else ()
+    if inputs is not None:
+        inputs = _as_tuple(inputs, "inputs")
+        if not inputs:
+            raise RuntimeError("'inputs' argument to backward() cannot be empty.")
+    if retain_graph is None:
+        retain_graph = create_graph
+    root_grads = _make_root_grads(outputs, grads, create_graph)
+    run_backward(outputs, root_grads, retain_graph, create_graph, inputs=inputs,
+                 accumulate=True)
+
+
+def grad(outputs: _TensorOrTensors, inputs: _TensorOrTensors,
+         grad_outputs: _TensorOrTensors | None = None, retain_graph: bool | None = None,
+         create_graph: bool = False, allow_unused: bool | None = None,
+         materialize_grads: bool = False) -> tuple:
+    """Gradients of ``outputs`` w.r.t. ``inputs``, leaving ``.grad`` alone (``torch.autograd.grad``)."""
+    outs = _as_tuple(outputs, "outputs")
+    ins = _as_tuple(inputs, "inputs")
+    if not ins:
+        raise RuntimeError("grad requires at least one input tensor")
+    grads = _as_tuple(grad_outputs, "grad_outputs") if grad_outputs is not None else ()
+    if allow_unused is None:
+        allow_unused = materialize_grads
+    if retain_graph is None:
+        retain_graph = create_graph
+    root_grads = _make_root_grads(outs, grads, create_graph)
+    result = run_backward(outs, root_grads, retain_graph, create_graph, inputs=ins,
+                          accumulate=False, allow_unused=allow_unused)
+    if materialize_grads:
+        with _Disable():
+            result = tuple(torch.zeros_like(i) if g is None else g for g, i in zip(result, ins))
+    return result

@@ -1,0 +1,291 @@
+"""GraphExecutor: the backward pass.
+
+From the root nodes, one iterative depth-first walk over ``next_functions`` finds the nodes
+that lead to the wanted inputs and counts, for each, the edges that will bring it a
+gradient. Nodes then run in reverse topological order (Kahn's algorithm: a node runs when
+its last gradient has arrived), each rule called once with the summed gradient; saved values
+are freed as soon as a node has run unless ``retain_graph``. Leaves accumulate into the
+native ``.grad`` slot. Everything that can fail (freed graph, in-place-modified saved
+tensors) is checked for every node before the first rule runs, so an error changes nothing.
+
+Without ``create_graph`` the pass runs with the torch-function protocol and grad mode off:
+rules compute on plain tensors at kernel speed. With it, rules run on graphgrad tensors and
+are recorded, so the gradients can be differentiated again. Compiled by Cython.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .node import AccumulateGrad
+
+__all__ = ["run_backward"]
+
+_Disable = torch._C.DisableTorchFunctionSubclass
+_PlainTensor = torch.Tensor
+
+
+def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
+                 accumulate=True, allow_unused=False):
+    """Backpropagate ``root_grads`` from the ``roots`` tensors.
+
+    ``accumulate=True`` (``backward``): leaf gradients are added to ``.grad`` (only for
+    ``inputs`` when given). ``accumulate=False`` (``grad``): gradients w.r.t. ``inputs`` are
+    returned and ``.grad`` is left alone.
+    """
+    root_nodes = [(r._gg_node, getattr(r, "_gg_nr", 0)) for r in roots]
+    targets = None
+    if inputs is not None:
+        targets = {}
+        for k, t in enumerate(inputs):
+            node = getattr(t, "_gg_node", None) if isinstance(t, _PlainTensor) else None
+            if node is None:
+                raise RuntimeError(
+                    f"One of the differentiated Tensors (inputs[{k}]) does not require grad; "
+                    "pass only tensors with requires_grad=True as inputs.")
+            targets.setdefault(node, []).append((getattr(t, "_gg_nr", 0), k, t))
+    prev_grad_mode = torch.is_grad_enabled()
+    if create_graph:
+        torch._C._set_grad_enabled(True)
+        try:
+            return _run(root_nodes, root_grads, retain_graph, True, targets, inputs,
+                        accumulate, allow_unused)
+        finally:
+            torch._C._set_grad_enabled(prev_grad_mode)
+    torch._C._set_grad_enabled(False)
+    try:
+        with _Disable():
+            return _run(root_nodes, root_grads, retain_graph, False, targets, inputs,
+                        accumulate, allow_unused)
+    finally:
+        torch._C._set_grad_enabled(prev_grad_mode)
+
+
+def _walk(root_nodes, targets):
+    """Dependency counts over the nodes needed to reach the targets (all nodes if none)."""
+    deps = {}
+    order = []  # post-order: a node after all of its inputs
+    stack = []
+    for node, _ in root_nodes:
+        if node not in deps:
+            deps[node] = 0
+            stack.append((node, 0))
+    while stack:
+        node, i = stack.pop()
+        nexts = node.next_functions
+        while i < len(nexts):
+            parent = nexts[i][0]
+            i += 1
+            if parent is None:
+                continue
+            if parent in deps:
+                continue
+            deps[parent] = 0
+            stack.append((node, i))
+            stack.append((parent, 0))
+            break
+        else:
+            order.append(node)
+    if targets is None:
+        needed = None
+    else:
+        needed = {}
+        for node in order:
+            need = node in targets
+            if not need:
+                for parent, _ in node.next_functions:
+                    if parent is not None and needed.get(parent, False):
+                        need = True
+                        break
+            needed[node] = need
+    for node in order:
+        if needed is not None and not needed[node]:
+            continue
+        for parent, _ in node.next_functions:
+            if parent is not None and (needed is None or needed[parent]):
+                deps[parent] += 1
+    return deps, needed, order
+
+
+def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, accumulate,
+         allow_unused):
+    deps, needed, order = _walk(root_nodes, targets)
+    for node in order:  # everything that can fail, before anything changes
+        if needed is None or needed[node]:
+            node.check_saved()
+    buffers = {}
+    for (node, nr), g in zip(root_nodes, root_grads):
+        _add_to_buffer(buffers, node, nr, g)
+    captured = [None] * len(inputs) if inputs is not None else None
+    handed = set()
+    for g in root_grads:
+        handed.add(id(g))
+    ready = [node for node in dict.fromkeys(n for n, _ in root_nodes) if deps[node] == 0]
+    while ready:
+        node = ready.pop()
+        grads = buffers.pop(node, None)
+        if grads is None:
+            grads = [None] * node.num_outputs
+        if node.tensor_hooks is not None:
+            _run_tensor_hooks(node, grads)
+        if node.retained is not None:
+            _retain(node, grads, create_graph)
+        if node.prehooks is not None:
+            grads = _run_prehooks(node, grads)
+        is_target = targets is not None and node in targets
+        if is_target:
+            for nr, k, _t in targets[node]:
+                g = grads[nr]
+                if g is not None:
+                    captured[k] = g if captured[k] is None else captured[k] + g
+        if type(node) is AccumulateGrad:
+            if accumulate and (targets is None or is_target):
+                _accumulate(node, grads[0], create_graph, handed)
+            continue
+        if accumulate and is_target and inputs is not None:
+            # backward(inputs=[non_leaf]): accumulate into that tensor's .grad
+            for nr, _k, t in targets[node]:
+                if grads[nr] is not None:
+                    _accumulate_into(t, grads[nr], create_graph, handed)
+        nexts = node.next_functions
+        if needed is not None and not any(
+                p is not None and needed[p] for p, _ in nexts):
+            continue
+        if all(g is None for g in grads):
+            outs = ()
+        else:
+            outs = node.apply(grads, create_graph)
+            if node.hooks is not None:
+                outs = _run_hooks(node, outs, grads)
+        if not retain_graph:
+            node.release()
+        slot_pos = node.slot_pos
+        metas = node.input_meta
+        for j in range(len(nexts)):
+            parent, nr = nexts[j]
+            if parent is None or (needed is not None and not needed[parent]):
+                continue
+            g = _pick(outs, slot_pos[j])
+            if g is not None:
+                g = _fit(g, metas[j], node, j)
+                _add_to_buffer(buffers, parent, nr, g)
+            deps[parent] -= 1
+            if deps[parent] == 0:
+                ready.append(parent)
+    if inputs is None or accumulate:
+        return None
+    for k, g in enumerate(captured):
+        if g is None and not allow_unused:
+            raise RuntimeError(
+                f"One of the differentiated Tensors (inputs[{k}]) appears to not have been "
+                "used in the graph. Set allow_unused=True if this is the desired behavior.")
+    return tuple(captured)
+
+
+def _pick(outs, pos):
+    if type(pos) is tuple:
+        i, k = pos
+        if i >= len(outs) or outs[i] is None:
+            return None
+        return outs[i][k]
+    if pos >= len(outs):
+        return None
+    return outs[pos]
+
+
+def _add_to_buffer(buffers, node, nr, g):
+    buf = buffers.get(node)
+    if buf is None:
+        buf = [None] * node.num_outputs
+        buffers[node] = buf
+    old = buf[nr]
+    buf[nr] = g if old is None else old + g
+
+
+def _fit(g, meta, node, j):
+    """Undo broadcasting and match the input's dtype and device (the one shared helper)."""
+    if not isinstance(g, _PlainTensor):
+        raise TypeError(f"{node.name()} returned {type(g).__name__} as gradient {j}; "
+                        "a rule must return tensors or None")
+    shape, dtype, device = meta
+    if g.shape != shape:
+        g = unbroadcast(g, shape, node.name())
+    if g.dtype != dtype:
+        g = g.to(dtype)
+    if g.device != device:
+        g = g.to(device)
+    return g
+
+
+def unbroadcast(g, shape, name="rule"):
+    """Sum ``g`` down to ``shape``: the inverse of broadcasting ``shape`` up to ``g.shape``."""
+    try:
+        return g.sum_to_size(shape)
+    except RuntimeError:
+        raise RuntimeError(
+            f"{name} returned a gradient of shape {tuple(g.shape)}, which cannot be reduced "
+            f"to its input's shape {tuple(shape)}; the rule is wrong.") from None
+
+
+def _accumulate(node, g, create_graph, handed):
+    leaf = node.leaf_ref()
+    if leaf is None or g is None:
+        return
+    _accumulate_into(leaf, g, create_graph, handed)
+    if node.post_hooks is not None:
+        for hook in list(node.post_hooks):
+            hook(leaf)
+
+
+def _accumulate_into(t, g, create_graph, handed):
+    old = t.grad
+    if old is None:
+        if not create_graph and (id(g) in handed or g._is_view()):
+            g = g.clone()
+        handed.add(id(g))
+        t.grad = g
+    elif create_graph or (type(old) is not _PlainTensor and getattr(old, "_gg_node", None) is not None):
+        t.grad = old + g
+    else:
+        old.add_(g)
+
+
+def _run_tensor_hooks(node, grads):
+    for nr, hooks in node.tensor_hooks.items():
+        g = grads[nr]
+        if g is None:
+            continue
+        for hook in list(hooks):
+            r = hook(g)
+            if r is not None:
+                g = r
+        grads[nr] = g
+
+
+def _retain(node, grads, create_graph):
+    for nr, ref in node.retained.items():
+        t = ref()
+        g = grads[nr]
+        if t is None or g is None:
+            continue
+        old = t.grad
+        if old is None:
+            t.grad = g if create_graph else g.clone()
+        else:
+            t.grad = old + g
+
+
+def _run_prehooks(node, grads):
+    for hook in list(node.prehooks):
+        r = hook(tuple(grads))
+        if r is not None:
+            grads = list(r)
+    return grads
+
+
+def _run_hooks(node, outs, grads):
+    for hook in list(node.hooks):
+        r = hook(tuple(outs), tuple(grads))
+        if r is not None:
+            outs = tuple(r)
+    return outs

@@ -1,0 +1,241 @@
+"""AutogradGraph: the explicit, queryable view of what was recorded, on rustworkx.
+
+Recording appends a weak reference to each new Node to a pending list (cheap); the
+rustworkx ``PyDiGraph`` is brought up to date in bulk (``add_nodes_from`` / ``add_edges_from``)
+when someone looks at it or the list grows long. Payloads are weak references, so the graph
+never keeps a Node alive; dead entries are pruned when the graph has doubled since the last
+prune, so a loop that records without backward stays flat. Edges run from input to output
+(data flow), so ``rustworkx.ancestors`` of a node is everything it depends on.
+
+Without a ``with AutogradGraph():`` block, ops record into a per-thread default graph; the
+thread-local stack of graphs is the only module-level mutable state in graphgrad.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Iterator
+
+import rustworkx as rx
+
+from .references import node_saved_bytes, saved_bytes
+
+__all__ = ["AutogradGraph", "current_graph", "default_graph"]
+
+_FLUSH_AT = 4096
+_local = threading.local()
+
+
+def _stack() -> list:
+    try:
+        return _local.stack
+    except AttributeError:
+        _local.stack = [AutogradGraph(_default=True)]
+        return _local.stack
+
+
+def current_graph() -> "AutogradGraph":
+    """The graph new ops record into on this thread (innermost ``with`` or the default)."""
+    try:
+        return _local.stack[-1]
+    except AttributeError:
+        return _stack()[-1]
+
+
+def default_graph() -> "AutogradGraph":
+    """This thread's default graph."""
+    return _stack()[0]
+
+
+class AutogradGraph:
+    """A scope that records ops into a rustworkx graph and releases them on exit.
+
+    ``with AutogradGraph() as g: ...`` makes ``g`` the graph new ops record into on this
+    thread. Leaving the block frees every saved value its nodes hold; tensors computed
+    inside keep their values but can no longer be differentiated through.
+    """
+
+    _counter = 0
+
+    def __init__(self, _default: bool = False):
+        AutogradGraph._counter += 1
+        self.id = AutogradGraph._counter
+        self.is_default = _default
+        self.active = _default
+        self.pending: list = []
+        self._rx = rx.PyDiGraph(check_cycle=False, multigraph=True)
+        self._leaves: dict[int, int] = {}
+        self._prune_at = 1024
+
+    # -- context -----------------------------------------------------------------------
+    def __enter__(self) -> "AutogradGraph":
+        if self.active:
+            raise RuntimeError(f"{self!r} is already active; create a new AutogradGraph instead")
+        self.active = True
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack = _stack()
+        if stack[-1] is not self:
+            raise RuntimeError("AutogradGraph contexts must be exited in the order they were entered")
+        stack.pop()
+        self.active = False
+        self.release()
+
+    def release(self) -> None:
+        """Free everything recorded here: saved values, edges, the rustworkx graph."""
+        for node in list(self.nodes()):
+            node.release(2)
+        self.pending.clear()
+        self._rx.clear()
+        self._leaves.clear()
+
+    def __repr__(self) -> str:
+        kind = "default " if self.is_default else ""
+        return f"<{kind}AutogradGraph #{self.id}>"
+
+    # -- recording ---------------------------------------------------------------------
+    def record(self, node) -> None:
+        """Note a new node; the rustworkx graph catches up in bulk later."""
+        pending = self.pending
+        pending.append(weakref.ref(node))
+        if len(pending) >= _FLUSH_AT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Bring the rustworkx graph up to date with the pending nodes, in bulk."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        live = [(ref, node) for ref in pending if (node := ref()) is not None]
+        g = self._rx
+        indices = g.add_nodes_from([ref for ref, _ in live])
+        for (_, node), index in zip(live, indices):
+            node.graph_index = index
+        edges = []
+        for (_, node), index in zip(live, indices):
+            for slot, (parent, _nr) in enumerate(node.next_functions):
+                if parent is None:
+                    continue
+                if parent.graph is None:  # a leaf's AccumulateGrad: shared between graphs
+                    pindex = self._leaf_index(parent)
+                elif parent.graph is self and parent.graph_index >= 0:
+                    pindex = parent.graph_index
+                else:
+                    continue
+                edges.append((pindex, index, slot))
+        g.add_edges_from(edges)
+        if g.num_nodes() >= self._prune_at:
+            self.prune()
+
+    def _leaf_index(self, acc) -> int:
+        g = self._rx
+        index = self._leaves.get(id(acc))
+        if index is not None and g.has_node(index) and g[index]() is acc:
+            return index
+        index = g.add_node(weakref.ref(acc))
+        self._leaves[id(acc)] = index
+        return index
+
+    def prune(self) -> None:
+        """Remove entries whose Node has died; indices of live nodes are stable."""
+        g = self._rx
+        dead = [i for i in g.node_indices() if g[i]() is None]
+        if dead:
+            g.remove_nodes_from(dead)
+            self._leaves = {k: v for k, v in self._leaves.items() if g.has_node(v)}
+        self._prune_at = max(1024, 2 * g.num_nodes())
+
+    # -- the view ----------------------------------------------------------------------
+    @property
+    def rx(self) -> rx.PyDiGraph:
+        """The rustworkx graph: payloads are weak references to Nodes; edges input → output."""
+        self.flush()
+        self.prune()
+        return self._rx
+
+    def num_nodes(self) -> int:
+        """Live nodes recorded here (op nodes and the leaves they reach)."""
+        return self.rx.num_nodes()
+
+    def num_edges(self) -> int:
+        return self.rx.num_edges()
+
+    def nodes(self) -> Iterator:
+        """The live Nodes recorded here, in recording order."""
+        self.flush()
+        g = self._rx
+        for i in g.node_indices():
+            node = g[i]()
+            if node is not None:
+                yield node
+
+    def check_cycle(self) -> bool:
+        """True if the graph has a cycle (it never should: edges only point forward in time)."""
+        return not rx.is_directed_acyclic_graph(self.rx)
+
+    def index_of(self, tensor_or_node) -> int:
+        """The rustworkx index of a tensor's grad_fn (or leaf), or of a Node."""
+        node = _node_of(tensor_or_node)
+        self.flush()
+        if node.graph is None:
+            index = self._leaves.get(id(node))
+            if index is None or self._rx[index]() is not node:
+                raise KeyError(f"{node!r} is not in {self!r}")
+            return index
+        if node.graph is not self or node.graph_index < 0:
+            raise KeyError(f"{node!r} was not recorded in {self!r}")
+        return node.graph_index
+
+    def ancestors(self, tensor_or_node) -> list:
+        """The Nodes a tensor depends on (everything upstream of its grad_fn)."""
+        g = self.rx
+        return [g[i]() for i in sorted(rx.ancestors(g, self.index_of(tensor_or_node)))]
+
+    def leaves(self, tensor_or_node) -> list:
+        """The leaf tensors a tensor depends on (through this graph)."""
+        out = []
+        for node in self.ancestors(tensor_or_node):
+            if node is not None and node.graph is None:
+                leaf = node.variable
+                if leaf is not None:
+                    out.append(leaf)
+        return out
+
+    def saved_bytes(self) -> int:
+        """Bytes of tensor storage this graph's nodes keep alive for backward."""
+        return saved_bytes(self.nodes())
+
+    def node_saved_bytes(self, node) -> int:
+        return node_saved_bytes(node)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text: one box per op, leaves as ellipses, edges input → output."""
+        g = self.rx
+
+        def node_attr(ref):
+            node = ref()
+            if node is None:
+                return {"label": "(freed)"}
+            if node.graph is None:
+                leaf = node.variable
+                shape = "" if leaf is None else " " + "x".join(map(str, tuple(leaf.shape)))
+                return {"label": f"AccumulateGrad{shape}", "shape": "ellipse",
+                        "style": "filled", "fillcolor": "lightblue"}
+            return {"label": node.name(), "shape": "box"}
+
+        return g.to_dot(node_attr=node_attr, edge_attr=lambda slot: {"label": str(slot)},
+                        graph_attr={"rankdir": "TB"})
+
+
+def _node_of(obj):
+    from .node import Node
+
+    if isinstance(obj, Node):
+        return obj
+    node = getattr(obj, "_gg_node", None)
+    if node is None:
+        raise ValueError("this tensor does not require grad, so it is not in any graph")
+    return node

@@ -1,0 +1,222 @@
+"""Node (a recorded op's grad_fn) and AccumulateGrad (a leaf's gradient sink).
+
+Ownership is one-way: a Node references the Nodes of its inputs (``next_functions``) and the
+values its rule saved, never the tensor it produced. A leaf tensor owns its AccumulateGrad,
+which points back only weakly. So the graph of Python objects has no cycles and reference
+counting alone frees it. Compiled by Cython (see node.pxd); importable as plain Python.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .references import check_saved_versions, unpack_result
+
+__all__ = ["Node", "AccumulateGrad", "RemovableHandle"]
+
+_sequence = [0]
+
+
+class Node:
+    """The backward of one recorded op: its rule, saved values and edges towards its inputs.
+
+    ``next_functions[j]`` is ``(node, output_nr)`` for the op's j-th input, ``(None, 0)``
+    when that input needs no gradient; ``slot_pos[j]`` is the rule parameter it came from,
+    and ``input_meta[j]`` its shape/dtype/device (to undo broadcasting and cast the gradient).
+    """
+
+    def __init__(self, rule, next_functions, slot_pos, input_meta, saved, versions, graph):
+        self.rule = rule
+        self.next_functions = next_functions
+        self.slot_pos = slot_pos
+        self.input_meta = input_meta
+        self.saved = saved
+        self.versions = versions
+        self.result = None
+        self.num_outputs = 1
+        self.released = 0
+        self.graph = graph
+        self.graph_index = -1
+        self.tensor_hooks = None
+        self.retained = None
+        self.hooks = None
+        self.prehooks = None
+        self.trace = None
+        _sequence[0] += 1
+        self.sequence_nr = _sequence[0]
+
+    def name(self) -> str:
+        """The op's backward name, e.g. ``"MulBackward"``."""
+        return self.rule.name
+
+    def __repr__(self) -> str:
+        return f"<{self.rule.name} object at {id(self):#x}>"
+
+    # -- saved values ------------------------------------------------------------------
+    @property
+    def saved_values(self) -> dict:
+        """The values this node keeps for backward, by rule parameter name (views, not copies)."""
+        if self.released:
+            return {}
+        out = {}
+        for name, keep, value in zip(self.rule.params, self.rule.keep, self.saved):
+            if keep:
+                out[name] = value
+        if self.result is not None:
+            out["result"] = self.result.data
+        return out
+
+    @property
+    def needs_input_grad(self):
+        """One bool per rule parameter: does a gradient flow to it?"""
+        needs = [False] * len(self.rule.params)
+        for (parent, _), pos in zip(self.next_functions, self.slot_pos):
+            if parent is not None:
+                needs[pos[0] if type(pos) is tuple else pos] = True
+        return tuple(needs)
+
+    def check_saved(self):
+        """Raise if backward cannot run this node: freed saved values, or in-place changes."""
+        if self.released:
+            if self.released == 2:
+                raise RuntimeError(
+                    f"{self.rule.name}: this tensor's graph was released when its "
+                    "AutogradGraph context exited; compute it again inside a live graph "
+                    "to differentiate it."
+                )
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (or directly access "
+                "saved tensors after they have already been freed). Saved intermediate "
+                "values of the graph are freed when you call .backward() or autograd.grad(). "
+                "Specify retain_graph=True if you need to backward through the graph a "
+                f"second time or if you need to access saved tensors after calling backward. "
+                f"(node: {self.rule.name})"
+            )
+        if self.versions:
+            check_saved_versions(self.rule.name, self.saved, self.versions)
+        if self.result is not None:
+            self.result.check(self.rule.name)
+
+    def apply(self, grads, create_graph):
+        """Run the rule on the gradients of this node's outputs; return one per rule param."""
+        rule = self.rule
+        grad = grads if rule.multi_output else grads[0]
+        extra = {}
+        if self.result is not None:
+            extra["result"] = unpack_result(self, create_graph)
+        if rule.wants_needs:
+            extra["needs_input_grad"] = self.needs_input_grad
+        out = rule.invoke(rule.fn, grad, self.saved, extra)
+        if out is None or isinstance(out, torch.Tensor):
+            return (out,)
+        return out
+
+    def release(self, how=1):
+        """Drop what this node saved (after backward, or when its graph is released)."""
+        if self.versions or self.result is not None or how == 2:
+            self.released = how
+        self.saved = _none_like(self.saved)
+        self.result = None
+        self.versions = None
+        if how == 2:
+            self.next_functions = ()
+
+    # -- hooks -------------------------------------------------------------------------
+    def register_hook(self, fn):
+        """``fn(grad_inputs, grad_outputs)`` runs after this node; may return new grad_inputs."""
+        if self.hooks is None:
+            self.hooks = []
+        self.hooks.append(fn)
+        return RemovableHandle(self.hooks, fn)
+
+    def register_prehook(self, fn):
+        """``fn(grad_outputs)`` runs before this node; may return new grad_outputs."""
+        if self.prehooks is None:
+            self.prehooks = []
+        self.prehooks.append(fn)
+        return RemovableHandle(self.prehooks, fn)
+
+    def add_tensor_hook(self, output_nr, fn):
+        if self.tensor_hooks is None:
+            self.tensor_hooks = {}
+        hooks = self.tensor_hooks.setdefault(output_nr, [])
+        hooks.append(fn)
+        return RemovableHandle(hooks, fn)
+
+    def retain(self, output_nr, tensor):
+        if self.retained is None:
+            self.retained = {}
+        self.retained[output_nr] = weakref.ref(tensor)
+
+
+def _none_like(saved):
+    if saved is None:
+        return None
+    return (None,) * len(saved)
+
+
+class AccumulateGrad(Node):
+    """The sink of a leaf's gradient; holds the leaf weakly (the leaf holds this node)."""
+
+    def __init__(self, leaf):
+        Node.__init__(self, _ACCUMULATE_RULE, (), (), (), (), None, None)
+        self.leaf_ref = weakref.ref(leaf)
+        self.post_hooks = None
+
+    @property
+    def variable(self):
+        """The leaf tensor (or None if it has been freed)."""
+        return self.leaf_ref()
+
+    def name(self) -> str:
+        return "AccumulateGrad"
+
+    def __repr__(self) -> str:
+        return f"<AccumulateGrad object at {id(self):#x}>"
+
+    def check_saved(self):
+        pass
+
+    def release(self, how=1):
+        pass
+
+    def add_post_hook(self, fn):
+        if self.post_hooks is None:
+            self.post_hooks = []
+        self.post_hooks.append(fn)
+        return RemovableHandle(self.post_hooks, fn)
+
+
+class _AccumulateRule:
+    name = "AccumulateGrad"
+    params = ()
+    keep = ()
+    multi_output = False
+
+
+_ACCUMULATE_RULE = _AccumulateRule()
+
+
+class RemovableHandle:
+    """Returned by every ``register_*hook``: ``remove()`` takes the hook out again."""
+
+    def __init__(self, hooks, fn):
+        self._hooks = hooks
+        self._fn = fn
+
+    def remove(self) -> None:
+        hooks = self._hooks
+        if self._fn is not None:
+            try:
+                hooks.remove(self._fn)
+            except ValueError:
+                pass
+        self._fn = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()

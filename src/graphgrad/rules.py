@@ -1,0 +1,263 @@
+"""The derivative-rule registry: from a torch function to the rule that differentiates it.
+
+A rule is an ordinary Python function written with torch ops, declared next to the torch
+functions it serves::
+
+    @derivative(torch.sin, torch.Tensor.sin)
+    def sin(grad, input):
+        return grad * input.cos()
+
+Its parameters after ``grad`` mirror the torch signature, so Python itself binds a call's
+positional and keyword arguments to names. What a rule keeps alive is what its body reads:
+a parameter the body never uses is not saved, a parameter annotated ``Meta`` is saved as its
+shape/dtype/device only, and a keyword-only ``result`` parameter asks for the op's output.
+A keyword-only ``needs_input_grad`` receives one bool per parameter, so a rule can skip
+gradients nobody needs.
+The rule returns one gradient per parameter, in order (a bare tensor for the first; trailing
+ones may be left out; ``None`` for no gradient). Broadcasting is undone by the engine.
+"""
+
+from __future__ import annotations
+
+import dis
+import inspect
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["Meta", "Rule", "derivative", "decomposition", "nondifferentiable", "RULES", "rule_for"]
+
+#: torch function (as it reaches ``__torch_function__``) -> Rule
+RULES: dict[Any, "Rule"] = {}
+
+# Rule kinds, read by dispatch.
+DIFFERENTIABLE = 0
+DECOMPOSITION = 1
+NONDIFFERENTIABLE = 2
+
+
+class Meta:
+    """A tensor's shape, dtype and device: what a rule needs when it needs no values.
+
+    Annotate a rule parameter with ``Meta`` and the node keeps this small record instead of
+    the tensor, so the tensor's memory is not held until backward.
+    """
+
+    __slots__ = ("shape", "dtype", "device")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.shape = tensor.shape
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def __repr__(self) -> str:
+        return f"Meta(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+
+_LOADS = {"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_DEREF", "LOAD_CLOSURE",
+          "LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"}
+
+
+def _names_read(fn: Callable) -> set[str]:
+    """The local names a function's body loads (its own code and nested code objects)."""
+    names: set[str] = set()
+    stack = [fn.__code__]
+    while stack:
+        code = stack.pop()
+        for ins in dis.get_instructions(code):
+            if ins.opname in _LOADS:
+                val = ins.argval
+                names.update(val if isinstance(val, tuple) else (val,))
+        # a name read only inside a nested function or comprehension is a cell of the outer one
+        names.update(code.co_cellvars)
+        stack.extend(c for c in code.co_consts if hasattr(c, "co_code"))
+    return names
+
+
+class Rule:
+    """One derivative rule and what the engine needs to call it cheaply.
+
+    ``bind(*args, **kwargs)`` returns the call's arguments as a tuple in the rule's parameter
+    order (Python does the binding); ``keep[i]`` says whether parameter ``i`` is saved
+    (0: no, 1: the value, 2: its Meta); ``n_slots`` parameters are the op's inputs for
+    ``next_functions`` (those without defaults; later ones only when a tensor is passed).
+    """
+
+    __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
+                 "wants_needs", "multi_output", "inplace_of", "params", "invoke")
+
+    def __init__(self, fn: Callable, kind: int, name: str | None = None,
+                 multi_output: bool = False):
+        self.fn = fn
+        self.kind = kind
+        self.name = name or (fn.__name__[:1].upper() + fn.__name__[1:] + "Backward")
+        self.multi_output = multi_output
+        self.inplace_of = None
+        if kind != DIFFERENTIABLE:
+            self.bind = None
+            self.keep = ()
+            self.n_required = 0
+            self.saves_result = False
+            self.wants_needs = False
+            self.params = ()
+            self.invoke = None
+            return
+        sig = inspect.signature(fn)
+        params = list(sig.parameters.values())[1:]  # drop grad
+        engine_given = {p.name for p in params if p.kind is p.KEYWORD_ONLY
+                        and p.name in ("result", "needs_input_grad")}
+        self.saves_result = "result" in engine_given
+        self.wants_needs = "needs_input_grad" in engine_given
+        params = [p for p in params if not (p.kind is p.KEYWORD_ONLY and p.name in engine_given)]
+        self.params = tuple(p.name for p in params)
+        read = _names_read(fn)
+        self.keep = tuple(
+            (2 if p.annotation in (Meta, "Meta") else 1) if p.name in read else 0 for p in params
+        )
+        self.n_required = 0
+        for p in params:
+            if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY):
+                break
+            self.n_required += 1
+        self.bind = _make_binder(fn.__name__, params)
+        self.invoke = _make_invoker(fn.__name__, params)
+
+    def __repr__(self) -> str:
+        return f"<Rule {self.name}>"
+
+
+def _make_binder(name: str, params: list[inspect.Parameter]) -> Callable:
+    """Compile ``def bind(<the rule's parameters>): return (<them>,)`` once per rule."""
+    namespace: dict[str, Any] = {}
+    parts, names = [], []
+    seen_kwonly = False
+    for i, p in enumerate(params):
+        text = p.name
+        if p.kind is p.VAR_POSITIONAL:
+            text = "*" + p.name
+            seen_kwonly = True
+        elif p.kind is p.VAR_KEYWORD:
+            text = "**" + p.name
+        elif p.kind is p.KEYWORD_ONLY and not seen_kwonly:
+            parts.append("*")
+            seen_kwonly = True
+        if p.default is not p.empty:
+            namespace[f"_default{i}"] = p.default
+            text += f"=_default{i}"
+        parts.append(text)
+        names.append(p.name)
+    src = f"def bind_{name}({', '.join(parts)}):\n    return ({''.join(n + ', ' for n in names)})\n"
+    exec(src, namespace)  # noqa: S102 - the source is built from a signature, not user text
+    return namespace[f"bind_{name}"]
+
+
+def _make_invoker(name: str, params: list[inspect.Parameter]) -> Callable:
+    """Compile ``def invoke(fn, grad, saved, extra): return fn(grad, saved[0], ..., **extra)``.
+
+    Saved values are stored positionally; this puts each back the way the rule takes it.
+    """
+    parts = ["grad"]
+    for i, p in enumerate(params):
+        if p.kind is p.VAR_POSITIONAL:
+            parts.append(f"*(saved[{i}] or ())")
+        elif p.kind is p.VAR_KEYWORD:
+            parts.append(f"**(saved[{i}] or {{}})")
+        elif p.kind is p.KEYWORD_ONLY:
+            parts.append(f"{p.name}=saved[{i}]")
+        else:
+            parts.append(f"saved[{i}]")
+    parts.append("**extra")
+    src = f"def invoke_{name}(fn, grad, saved, extra):\n    return fn({', '.join(parts)})\n"
+    namespace: dict[str, Any] = {}
+    exec(src, namespace)  # noqa: S102 - built from a signature
+    return namespace[f"invoke_{name}"]
+
+
+def _register(funcs: tuple, rule: Rule) -> Rule:
+    for f in funcs:
+        if f in RULES and RULES[f] is not rule:
+            raise ValueError(f"{_qualname(f)} already has a rule ({RULES[f].name})")
+        RULES[f] = rule
+    return rule
+
+
+def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
+               multi_output: bool = False) -> Callable[[Callable], Callable]:
+    """Register ``fn`` as the derivative rule of the torch functions ``funcs``.
+
+    ``inplace`` lists in-place variants (``torch.Tensor.mul_``) that use the same rule: the
+    engine saves a copy of ``input`` first when the rule reads it.
+    """
+
+    def register(fn: Callable) -> Callable:
+        rule = Rule(fn, DIFFERENTIABLE, name, multi_output)
+        _register(funcs, rule)
+        if inplace:
+            irule = Rule(fn, DIFFERENTIABLE, name, multi_output)
+            irule.inplace_of = rule
+            _register(inplace, irule)
+        fn.rule = rule
+        return fn
+
+    return register
+
+
+def decomposition(*funcs: Any) -> Callable[[Callable], Callable]:
+    """Register ``fn`` as a composite: it runs with recording on, so its primitives are recorded."""
+
+    def register(fn: Callable) -> Callable:
+        _register(funcs, Rule(fn, DECOMPOSITION, fn.__name__))
+        return fn
+
+    return register
+
+
+def nondifferentiable(*funcs: Any) -> None:
+    """Declare functions whose outputs never require grad (factories, ``*_like``, comparisons)."""
+    rule = Rule(lambda *a, **k: None, NONDIFFERENTIABLE, "nondifferentiable")
+    for f in funcs:
+        RULES.setdefault(f, rule)
+
+
+def rule_for(func: Any) -> Rule | None:
+    """The rule registered for a torch function, or None."""
+    return RULES.get(func)
+
+
+def _qualname(func: Any) -> str:
+    return qualified_name(func)
+
+
+def qualified_name(func: Any) -> str:
+    """``torch.sin``, ``torch.Tensor.add_``, ``torch.nn.functional.linear``: how users know it."""
+    name = getattr(func, "__name__", None) or repr(func)
+    if name == "__get__" or name == "__set__":
+        owner = getattr(func, "__self__", None)
+        return f"torch.Tensor.{getattr(owner, '__name__', '?')}.{name}"
+    qual = getattr(func, "__qualname__", name)
+    if qual.startswith("TensorBase.") or qual.startswith("Tensor."):
+        return "torch.Tensor." + qual.split(".", 1)[1]
+    objclass = getattr(func, "__objclass__", None)
+    if objclass is not None and issubclass(objclass, torch._C.TensorBase):
+        return "torch.Tensor." + name
+    module = getattr(func, "__module__", None) or ""
+    if module.startswith("torch.nn.functional") or module == "torch._C._nn":
+        return "torch.nn.functional." + name
+    if module in ("torch._C._linalg",) or module.startswith("torch.linalg"):
+        return "torch.linalg." + name
+    if module.startswith("torch") or module == "" or module == "builtins":
+        return "torch." + name
+    return f"{module}.{name}"

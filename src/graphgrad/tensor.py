@@ -1,0 +1,210 @@
+"""graphgrad.Tensor: a torch.Tensor whose autograd is graphgrad's.
+
+Values live in the torch tensor itself (PyTorch kernels compute them); the only graph state a
+tensor carries is one attribute, ``_gg_node``: its grad_fn, or for a leaf that requires grad
+its AccumulateGrad, or None. ``requires_grad``, ``is_leaf`` and ``grad_fn`` are read from it.
+The torch-level ``requires_grad`` stays False: torch's own autograd never records these tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import dispatch
+from .node import AccumulateGrad, Node, RemovableHandle
+
+__all__ = ["Tensor", "tensor", "as_tensor", "wrap_output"]
+
+_Disable = torch._C.DisableTorchFunctionSubclass
+wrap_output = dispatch.wrap_output
+
+
+class Tensor(torch.Tensor):
+    """A torch.Tensor recorded by graphgrad. Create with ``gg.tensor`` or ``gg.as_tensor``."""
+
+    _gg_node = None
+    _gg_nr = 0
+
+    __torch_function__ = classmethod(dispatch.torch_function)
+
+    def __new__(cls, data: Any = (), requires_grad: bool = False) -> "Tensor":
+        return as_tensor(data, requires_grad=requires_grad)
+
+    # -- autograd state ----------------------------------------------------------------
+    @property
+    def requires_grad(self) -> bool:
+        return self._gg_node is not None
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self.requires_grad_(value)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "Tensor":
+        """Make this leaf require grad (or not), like ``torch.Tensor.requires_grad_``."""
+        node = self._gg_node
+        if node is not None and type(node) is not AccumulateGrad:
+            if requires_grad:
+                return self
+            raise RuntimeError(
+                "you can only change requires_grad flags of leaf variables. If you want to "
+                "use a computed variable in a subgraph that doesn't require differentiation "
+                "use var_no_grad = var.detach().")
+        if requires_grad:
+            if node is None:
+                with _Disable():
+                    ok = self.is_floating_point() or self.is_complex()
+                    dtype = self.dtype
+                if not ok:
+                    raise RuntimeError(
+                        "only Tensors of floating point and complex dtype can require "
+                        f"gradients (this one is {dtype}); convert it first, e.g. x.float().")
+                self._gg_node = AccumulateGrad(self)
+        elif node is not None:
+            self._gg_node = None
+        return self
+
+    @property
+    def is_leaf(self) -> bool:
+        node = self._gg_node
+        return node is None or type(node) is AccumulateGrad
+
+    @property
+    def grad_fn(self) -> Node | None:
+        node = self._gg_node
+        return None if node is None or type(node) is AccumulateGrad else node
+
+    @property
+    def output_nr(self) -> int:
+        return self._gg_nr
+
+    @property
+    def retains_grad(self) -> bool:
+        node = self._gg_node
+        if node is None or type(node) is AccumulateGrad or node.retained is None:
+            return False
+        ref = node.retained.get(self._gg_nr)
+        return ref is not None and ref() is self
+
+    # -- backward and hooks -------------------------------------------------------------
+    def backward(self, gradient: torch.Tensor | None = None, retain_graph: bool | None = None,
+                 create_graph: bool = False,
+                 inputs: torch.Tensor | Sequence[torch.Tensor] | None = None) -> None:
+        """Accumulate d(self)/d(leaf) into each leaf's ``.grad``, like ``torch.Tensor.backward``."""
+        from .autograd import backward
+
+        backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+
+    def detach(self) -> "Tensor":
+        """A new tensor sharing data (and version counter) with this one, outside the graph."""
+        with _Disable():
+            out = torch.Tensor.detach(self)
+        out.__class__ = Tensor
+        return out
+
+    def detach_(self) -> "Tensor":
+        """Take this tensor out of the graph, in place."""
+        self._gg_node = None
+        if self._gg_nr:
+            self._gg_nr = 0
+        return self
+
+    def retain_grad(self) -> None:
+        """Keep this non-leaf tensor's gradient in ``.grad`` during backward."""
+        node = self._gg_node
+        if node is None:
+            raise RuntimeError("can't retain_grad on Tensor that has requires_grad=False")
+        if type(node) is not AccumulateGrad:
+            node.retain(self._gg_nr, self)
+
+    def register_hook(self, hook: Callable[[torch.Tensor], torch.Tensor | None]) -> RemovableHandle:
+        """``hook(grad)`` runs when this tensor's gradient is computed; it may return a new one."""
+        node = self._gg_node
+        if node is None:
+            raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+        return node.add_tensor_hook(self._gg_nr, hook)
+
+    def register_post_accumulate_grad_hook(self, hook: Callable[["Tensor"], None]) -> RemovableHandle:
+        """``hook(tensor)`` runs after this leaf's ``.grad`` has been accumulated."""
+        node = self._gg_node
+        if type(node) is not AccumulateGrad:
+            raise RuntimeError("post accumulate grad hooks can only be registered on leaf "
+                               "tensors that require grad")
+        return node.add_post_hook(hook)
+
+    # -- python protocol -----------------------------------------------------------------
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        with _Disable():
+            plain = torch.Tensor.detach(self)
+            text = torch.Tensor.__repr__(plain, tensor_contents=tensor_contents)
+        node = self._gg_node
+        if node is None:
+            return text
+        extra = "requires_grad=True" if type(node) is AccumulateGrad else f"grad_fn=<{node.name()}>"
+        return text[:-1] + f", {extra})"
+
+    def __deepcopy__(self, memo: dict) -> "Tensor":
+        if not self.is_leaf:
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the "
+                "deepcopy protocol at the moment. If you were attempting to deepcopy a module, "
+                "this may be because of a torch.nn.utils.weight_norm usage.")
+        if id(self) in memo:
+            return memo[id(self)]
+        with _Disable():
+            new = torch.Tensor.clone(self)
+            grad = torch.Tensor.grad.__get__(self)
+        new.__class__ = type(self)
+        memo[id(self)] = new
+        if self.requires_grad:
+            new.requires_grad_(True)
+        if grad is not None:
+            import copy
+
+            with _Disable():
+                torch.Tensor.grad.__set__(new, copy.deepcopy(grad, memo))
+        return new
+
+    def __reduce_ex__(self, protocol: int):
+        with _Disable():
+            plain = torch.Tensor.detach(self)
+        return (_rebuild, (plain, self.requires_grad and self.is_leaf))
+
+
+def _rebuild(data: torch.Tensor, requires_grad: bool) -> Tensor:
+    return as_tensor(data, requires_grad=requires_grad)
+
+
+dispatch.set_tensor_class(Tensor)
+
+
+def tensor(data: Any, *, dtype: torch.dtype | None = None, device: Any = None,
+           requires_grad: bool = False) -> Tensor:
+    """Like ``torch.tensor``: a new leaf tensor copied from ``data``."""
+    with _Disable():
+        t = torch.tensor(data, dtype=dtype, device=device)
+    t.__class__ = Tensor
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def as_tensor(data: Any, dtype: torch.dtype | None = None, device: Any = None,
+              requires_grad: bool = False) -> Tensor:
+    """Wrap ``data`` as a graphgrad leaf, sharing storage with it when it is a tensor.
+
+    The result is a new tensor object (the caller's tensor is not changed) that shares data
+    and version counter with ``data``; with ``requires_grad=True`` it is a leaf that requires
+    grad.
+    """
+    if isinstance(data, Tensor) and dtype in (None, data.dtype) and (
+            device is None or torch.device(device) == data.device) and data.requires_grad == requires_grad:
+        return data
+    with _Disable():
+        t = torch.as_tensor(data, dtype=dtype, device=device)
+        t = torch.Tensor.detach(t)
+    t.__class__ = Tensor
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
