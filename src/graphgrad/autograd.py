@@ -7,7 +7,7 @@ touching any ``.grad`` or freeing any saved value. Grad mode is torch's own: ``g
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.autograd.grad_mode import enable_grad, no_grad, set_grad_enabled

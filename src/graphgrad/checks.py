@@ -8,7 +8,7 @@ differences, element by element, and on failure reports the worst element.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

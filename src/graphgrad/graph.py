@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Iterator
+from collections.abc import Iterator
 
 import rustworkx as rx
 
@@ -35,7 +35,7 @@ def _stack() -> list:
         return _local.stack
 
 
-def current_graph() -> "AutogradGraph":
+def current_graph() -> AutogradGraph:
     """The graph new ops record into on this thread (innermost ``with`` or the default)."""
     try:
         return _local.stack[-1]
@@ -43,7 +43,7 @@ def current_graph() -> "AutogradGraph":
         return _stack()[-1]
 
 
-def default_graph() -> "AutogradGraph":
+def default_graph() -> AutogradGraph:
     """This thread's default graph."""
     return _stack()[0]
 
@@ -69,7 +69,7 @@ class AutogradGraph:
         self._prune_at = 1024
 
     # -- context -----------------------------------------------------------------------
-    def __enter__(self) -> "AutogradGraph":
+    def __enter__(self) -> AutogradGraph:
         if self.active:
             raise RuntimeError(f"{self!r} is already active; create a new AutogradGraph instead")
         self.active = True

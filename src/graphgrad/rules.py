@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import dis
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 __all__ = ["Meta", "Rule", "derivative", "decomposition", "nondifferentiable", "RULES", "rule_for"]
 
 #: torch function (as it reaches ``__torch_function__``) -> Rule
-RULES: dict[Any, "Rule"] = {}
+RULES: dict[Any, Rule] = {}
 
 # Rule kinds, read by dispatch.
 DIFFERENTIABLE = 0

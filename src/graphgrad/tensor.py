@@ -8,7 +8,8 @@ The torch-level ``requires_grad`` stays False: torch's own autograd never record
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ class Tensor(torch.Tensor):
 
     __torch_function__ = classmethod(dispatch.torch_function)
 
-    def __new__(cls, data: Any = (), requires_grad: bool = False) -> "Tensor":
+    def __new__(cls, data: Any = (), requires_grad: bool = False) -> Tensor:
         return as_tensor(data, requires_grad=requires_grad)
 
     # -- autograd state ----------------------------------------------------------------
@@ -41,7 +42,7 @@ class Tensor(torch.Tensor):
     def requires_grad(self, value: bool) -> None:
         self.requires_grad_(value)
 
-    def requires_grad_(self, requires_grad: bool = True) -> "Tensor":
+    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
         """Make this leaf require grad (or not), like ``torch.Tensor.requires_grad_``."""
         node = self._gg_node
         if node is not None and type(node) is not AccumulateGrad:
@@ -96,14 +97,14 @@ class Tensor(torch.Tensor):
 
         backward(self, gradient, retain_graph, create_graph, inputs=inputs)
 
-    def detach(self) -> "Tensor":
+    def detach(self) -> Tensor:
         """A new tensor sharing data (and version counter) with this one, outside the graph."""
         with _Disable():
             out = torch.Tensor.detach(self)
         out.__class__ = Tensor
         return out
 
-    def detach_(self) -> "Tensor":
+    def detach_(self) -> Tensor:
         """Take this tensor out of the graph, in place."""
         self._gg_node = None
         if self._gg_nr:
@@ -125,7 +126,7 @@ class Tensor(torch.Tensor):
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
         return node.add_tensor_hook(self._gg_nr, hook)
 
-    def register_post_accumulate_grad_hook(self, hook: Callable[["Tensor"], None]) -> RemovableHandle:
+    def register_post_accumulate_grad_hook(self, hook: Callable[[Tensor], None]) -> RemovableHandle:
         """``hook(tensor)`` runs after this leaf's ``.grad`` has been accumulated."""
         node = self._gg_node
         if type(node) is not AccumulateGrad:
@@ -144,7 +145,7 @@ class Tensor(torch.Tensor):
         extra = "requires_grad=True" if type(node) is AccumulateGrad else f"grad_fn=<{node.name()}>"
         return text[:-1] + f", {extra})"
 
-    def __deepcopy__(self, memo: dict) -> "Tensor":
+    def __deepcopy__(self, memo: dict) -> Tensor:
         if not self.is_leaf:
             raise RuntimeError(
                 "Only Tensors created explicitly by the user (graph leaves) support the "
