@@ -95,7 +95,7 @@ class Node:
                 f"(node: {self.rule.name})"
             )
         if self.versions:
-            check_saved_versions(self.rule.name, self.saved, self.versions)
+            check_saved_versions(self.rule.name, self.rule.params, self.saved, self.versions)
         if self.result is not None:
             self.result.check(self.rule.name)
 

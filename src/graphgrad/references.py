@@ -60,21 +60,23 @@ def save_arguments(keep, values):
     return tuple(saved), tuple(versions)
 
 
-def check_saved_versions(name, saved, versions):
+def check_saved_versions(name, params, saved, versions):
     """Raise the in-place-modification error if a saved tensor changed since it was saved."""
     for pos, version in versions:
         if type(pos) is tuple:
             value = saved[pos[0]][pos[1]]
+            what = f"{params[pos[0]]}[{pos[1]}]"
         else:
             value = saved[pos]
+            what = params[pos]
         if value._version != version:
-            raise RuntimeError(_modified_message(name, pos, value, version))
+            raise RuntimeError(_modified_message(name, what, value, version))
 
 
-def _modified_message(name, pos, tensor, version):
+def _modified_message(name, what, tensor, version):
     return (
         "one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: [{describe(tensor)}], saved by {name} (argument {pos}), is at "
+        f"inplace operation: [{describe(tensor)}], saved by {name} as its '{what}', is at "
         f"version {tensor._version}; expected version {version} instead. Hint: clone the "
         "tensor before changing it in place, or change it after backward."
     )
@@ -83,7 +85,7 @@ def _modified_message(name, pos, tensor, version):
 def describe(tensor) -> str:
     """``torch.FloatTensor [3, 4]``-style description used in error messages."""
     with torch._C.DisableTorchFunctionSubclass():
-        return f"{tensor.dtype} {list(tensor.shape)} on {tensor.device}"
+        return f"{tensor.type()} {list(tensor.shape)}"
 
 
 def unpack_result(node, create_graph):

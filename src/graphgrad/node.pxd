@@ -1,0 +1,27 @@
+# Cython declarations that make node.py's classes extension types when compiled
+# (fixed attribute slots instead of a __dict__; weak-referenceable).
+
+cdef class Node:
+    cdef public object rule
+    cdef public tuple next_functions
+    cdef public tuple slot_pos
+    cdef public tuple input_meta
+    cdef public object saved
+    cdef public object versions
+    cdef public object result
+    cdef public Py_ssize_t num_outputs
+    cdef public int released
+    cdef public object graph
+    cdef public Py_ssize_t graph_index
+    cdef public object tensor_hooks
+    cdef public object retained
+    cdef public object hooks
+    cdef public object prehooks
+    cdef public object trace
+    cdef public Py_ssize_t sequence_nr
+    cdef object __weakref__
+
+
+cdef class AccumulateGrad(Node):
+    cdef public object leaf_ref
+    cdef public object post_hooks

@@ -1,0 +1,281 @@
+"""Memory safety: the graph frees itself by reference counting alone (cyclic GC disabled).
+
+Every test runs with the cyclic garbage collector off, so anything that is only freed by
+``gc.collect()`` (a reference cycle) shows up as a weak reference that is still alive, or as
+live objects that pile up in a loop.
+"""
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphgrad as gg
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def no_cyclic_gc():
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def leaf(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return gg.as_tensor(torch.randn(*shape, dtype=DT, generator=g), requires_grad=True)
+
+
+def count_gg_tensors():
+    # issubclass(type(o)) rather than isinstance(o): isinstance reads o.__class__, which some
+    # deprecated torch module attributes turn into warnings
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), gg.Tensor))
+
+
+# -- weak references die without the cyclic GC ------------------------------------------
+def test_intermediates_and_nodes_freed_after_backward():
+    x = leaf(5)
+    w = leaf(5, seed=1)
+    a = x * w
+    b = a.sin()
+    c = b.exp()
+    loss = c.sum()
+    refs = [weakref.ref(t) for t in (a, b, c, loss)]
+    node_refs = [weakref.ref(t.grad_fn) for t in (a, b, c, loss)]
+    loss.backward()
+    del a, b, c, loss
+    assert [r() for r in refs] == [None] * 4
+    assert [r() for r in node_refs] == [None] * 4
+    # the leaves and their gradients are untouched
+    assert x.grad is not None and w.grad is not None
+    expected = (x * w).detach().sin().exp() * (x * w).detach().cos() * w.detach()
+    torch.testing.assert_close(x.grad, expected.as_subclass(torch.Tensor), rtol=1e-7, atol=1e-7)
+
+
+def test_forward_without_backward_frees_itself():
+    x = leaf(4, 3)
+    h = torch.tanh(x @ x.t())
+    out = (h * 3).mean()
+    refs = [weakref.ref(t) for t in (h, out)] + [weakref.ref(t.grad_fn) for t in (h, out)]
+    del h, out
+    assert all(r() is None for r in refs)
+
+
+def test_output_dies_while_its_grad_fn_is_alive():
+    """A Node never references the tensor it produced."""
+    x = leaf(3)
+    y = x.exp()  # saves its result (a plain alias), not the output tensor
+    node = y.grad_fn
+    ref = weakref.ref(y)
+    del y
+    assert ref() is None
+    assert node.name() == "ExpBackward"
+
+
+def test_saved_tensor_freed_right_after_backward():
+    x = leaf(100)
+    y = x * 2  # an intermediate saved only by sin's node
+    z = y.sin().sum()
+    ref = weakref.ref(y)
+    del y
+    assert ref() is not None  # the sin node keeps it for backward
+    z.backward()
+    assert ref() is None  # freed by backward although z is still alive
+    assert z.grad_fn is not None
+    torch.testing.assert_close(x.grad, (2 * (2 * x.detach()).cos()).as_subclass(torch.Tensor))
+
+
+def test_saved_tensor_kept_with_retain_graph_until_output_dropped():
+    x = leaf(100)
+    y = x * 2
+    z = y.sin().sum()
+    ref = weakref.ref(y)
+    del y
+    z.backward(retain_graph=True)
+    assert ref() is not None
+    z.backward()  # the retained graph still works
+    torch.testing.assert_close(x.grad, (4 * (2 * x.detach()).cos()).as_subclass(torch.Tensor))
+    assert ref() is None
+    x.grad = None
+    y = x * 2
+    z = y.sin().sum()
+    ref = weakref.ref(y)
+    del y
+    z.backward(retain_graph=True)
+    assert ref() is not None
+    del z
+    assert ref() is None
+
+
+def test_grad_api_frees_saved_tensors():
+    x = leaf(10)
+    y = x.cos()
+    z = (y * y).sum()
+    ref = weakref.ref(y)
+    del y
+    (g,) = gg.grad(z, x)
+    assert ref() is None
+    assert x.grad is None
+    expected = -2 * x.detach().cos() * x.detach().sin()
+    torch.testing.assert_close(g, expected.as_subclass(torch.Tensor), rtol=1e-7, atol=1e-7)
+
+
+def test_retain_grad_creates_no_cycle():
+    x = leaf(6)
+    y = x.sin()
+    y.retain_grad()
+    z = (y * y).sum()
+    refs = [weakref.ref(y), weakref.ref(y.grad_fn), weakref.ref(z)]
+    z.backward()
+    torch.testing.assert_close(y.grad, (2 * x.detach().sin()).as_subclass(torch.Tensor))
+    del y, z
+    assert all(r() is None for r in refs)
+    assert gc.collect() == 0
+
+
+def test_tensor_hook_creates_no_cycle():
+    x = leaf(6)
+    y = x.sin()
+    seen = []
+    handle = y.register_hook(lambda g: seen.append(g.clone()) or g * 2)
+    z = y.sum()
+    refs = [weakref.ref(y), weakref.ref(y.grad_fn), weakref.ref(z)]
+    z.backward()
+    assert len(seen) == 1
+    torch.testing.assert_close(x.grad, (2 * x.detach().cos()).as_subclass(torch.Tensor))
+    del y, z
+    assert all(r() is None for r in refs)
+    del handle
+    assert gc.collect() == 0
+
+
+def test_leaf_dies_with_its_accumulate_grad():
+    """AccumulateGrad holds its leaf weakly; a used-then-dropped leaf is freed."""
+    x = leaf(3)
+    acc_ref = weakref.ref(x._gg_node)
+    loss = (x * x).sum()
+    loss.backward()
+    ref = weakref.ref(x)
+    del x, loss
+    assert ref() is None
+    assert acc_ref() is None
+
+
+# -- the AutogradGraph context ---------------------------------------------------------
+def test_context_exit_frees_saved_tensors():
+    x = leaf(1000)
+    with gg.AutogradGraph() as g:
+        y = x * 3
+        z = y.sin()  # saves y
+        ref = weakref.ref(y)
+        del y
+        assert ref() is not None
+        assert g.saved_bytes() > 0
+    assert ref() is None  # freed on exit, although z is alive
+    assert z.grad_fn is not None
+    assert g.saved_bytes() == 0
+    assert g.num_nodes() == 0
+
+
+def test_context_exit_frees_result_saved_by_node():
+    x = leaf(50)
+    with gg.AutogradGraph() as g:
+        y = x.exp()  # the node keeps an alias of y's data
+        node = y.grad_fn
+        data_ref = weakref.ref(node.saved_values["result"])
+    assert data_ref() is None
+    assert g.saved_bytes() == 0
+    del y, node
+
+
+# -- loops stay flat -------------------------------------------------------------------
+class MLP:
+    def __init__(self, seed=0):
+        self.params = [leaf(16, 8, seed=seed), leaf(16, seed=seed + 1),
+                       leaf(1, 16, seed=seed + 2), leaf(1, seed=seed + 3)]
+        g = torch.Generator().manual_seed(seed + 10)
+        self.x = gg.as_tensor(torch.randn(32, 8, dtype=DT, generator=g))
+        self.y = gg.as_tensor(torch.randn(32, 1, dtype=DT, generator=g))
+
+    def loss(self):
+        w1, b1, w2, b2 = self.params
+        h = torch.tanh(F.linear(self.x, w1, b1))
+        return F.mse_loss(F.linear(h, w2, b2), self.y)
+
+
+def _measure(step, n_first=200, n_total=2000):
+    marks = {}
+    for i in range(1, n_total + 1):
+        step()
+        if i in (n_first, n_total):
+            marks[i] = (count_gg_tensors(), gg.default_graph().num_nodes(), len(gc.get_objects()))
+    return marks[n_first], marks[n_total]
+
+
+def test_forward_loop_without_backward_is_flat():
+    model = MLP()
+
+    def step():
+        model.loss()
+
+    (t1, n1, o1), (t2, n2, o2) = _measure(step)
+    assert t2 <= t1 + 2, (t1, t2)
+    assert n2 <= n1 + 8, (n1, n2)
+    assert o2 <= o1 + 200, (o1, o2)
+    assert t2 <= 6 + 2  # the 4 parameters, x, y (and no intermediates)
+
+
+def test_training_loop_is_flat_and_acyclic():
+    model = MLP(seed=3)
+    opt = torch.optim.SGD(model.params, lr=0.01)
+    losses = []
+
+    def step():
+        opt.zero_grad()
+        loss = model.loss()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+
+    gc.collect()
+    (t1, n1, o1), (t2, n2, o2) = _measure(step)
+    assert t2 <= t1 + 2, (t1, t2)
+    assert n2 <= n1 + 8, (n1, n2)
+    assert o2 <= o1 + 200, (o1, o2)
+    assert losses[-1] < losses[0]  # it did train
+    assert gc.collect() == 0  # no reference cycles were created
+
+
+def test_forward_loop_creates_no_cycles():
+    model = MLP(seed=5)
+    gc.collect()
+    for _ in range(300):
+        loss = model.loss()
+        h = loss * 2
+        del loss, h
+    assert gc.collect() == 0
+
+
+def test_context_loop_is_flat_and_acyclic():
+    model = MLP(seed=7)
+    opt = torch.optim.SGD(model.params, lr=0.01)
+
+    def step():
+        with gg.AutogradGraph() as g:
+            opt.zero_grad()
+            loss = model.loss()
+            loss.backward()
+            opt.step()
+            assert g.num_nodes() > 0
+
+    gc.collect()
+    (t1, _, o1), (t2, _, o2) = _measure(step, 100, 600)
+    assert t2 <= t1 + 2
+    assert o2 <= o1 + 200
+    assert gc.collect() == 0
