@@ -91,6 +91,9 @@ def backward(tensors: _TensorOrTensors, grad_tensors: _TensorOrTensors | None = 
     if retain_graph is None:
         retain_graph = create_graph
     root_grads = _make_root_grads(outputs, grads, create_graph)
+    for t in inputs or ():
+        if isinstance(t, torch.Tensor) and not t.is_leaf:
+            t.retain_grad()  # like torch: a non-leaf input accumulates into its .grad
     run_backward(outputs, root_grads, retain_graph, create_graph, inputs=inputs,
                  accumulate=True)
 

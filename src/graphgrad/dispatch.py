@@ -278,7 +278,12 @@ def _base_requires_grad(view):
 
 def _no_rule(func, args, kwargs, inputs):
     name = qualified_name(func)
-    if is_inplace(func) or ("out" in kwargs and kwargs["out"] is not None):
+    if "out" in kwargs and kwargs["out"] is not None:
+        raise RuntimeError(
+            f"{name}(): functions with out=... arguments don't support automatic "
+            "differentiation, but one of the arguments requires grad. Call it without out=, "
+            "or under gg.no_grad().")
+    if is_inplace(func):
         self = args[0] if args else None
         node = getattr(self, "_gg_node", None) if isinstance(self, _PlainTensor) else None
         if node is not None and node.graph is None:

@@ -127,11 +127,11 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         if grads is None:
             grads = [None] * node.num_outputs
         if node.tensor_hooks is not None:
-            _run_tensor_hooks(node, grads)
+            _run_tensor_hooks(node, grads, handed)
         if node.retained is not None:
-            _retain(node, grads, create_graph)
+            _retain(node, grads)
         if node.prehooks is not None:
-            grads = _run_prehooks(node, grads)
+            grads = _run_prehooks(node, grads, handed)
         is_target = targets is not None and node in targets
         if is_target:
             for nr, k, _t in targets[node]:
@@ -142,11 +142,6 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             if accumulate and (targets is None or is_target):
                 _accumulate(node, grads[0], create_graph, handed)
             continue
-        if accumulate and is_target and inputs is not None:
-            # backward(inputs=[non_leaf]): accumulate into that tensor's .grad
-            for nr, _k, t in targets[node]:
-                if grads[nr] is not None:
-                    _accumulate_into(t, grads[nr], create_graph, handed)
         nexts = node.next_functions
         if needed is not None and not any(
                 p is not None and needed[p] for p, _ in nexts):
@@ -156,7 +151,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         else:
             outs = node.apply(grads, create_graph)
             if node.hooks is not None:
-                outs = _run_hooks(node, outs, grads)
+                outs = _run_hooks(node, outs, grads, handed)
         if not retain_graph:
             node.release()
         slot_pos = node.slot_pos
@@ -238,9 +233,10 @@ def _accumulate(node, g, create_graph, handed):
 
 
 def _accumulate_into(t, g, create_graph, handed):
+    """Add ``g`` to ``t.grad``; store a copy when anyone else may hold ``g`` (or its storage)."""
     old = t.grad
     if old is None:
-        if not create_graph and (id(g) in handed or g._is_view()):
+        if id(g) in handed or g._is_view():
             g = g.clone()
         handed.add(id(g))
         t.grad = g
@@ -250,41 +246,43 @@ def _accumulate_into(t, g, create_graph, handed):
         old.add_(g)
 
 
-def _run_tensor_hooks(node, grads):
+def _run_tensor_hooks(node, grads, handed):
     for nr, hooks in node.tensor_hooks.items():
         g = grads[nr]
         if g is None:
             continue
         for hook in list(hooks):
+            handed.add(id(g))  # the hook may keep it: never accumulate into it in place
             r = hook(g)
             if r is not None:
                 g = r
         grads[nr] = g
 
 
-def _retain(node, grads, create_graph):
+def _retain(node, grads):
     for nr, ref in node.retained.items():
         t = ref()
         g = grads[nr]
         if t is None or g is None:
             continue
         old = t.grad
-        if old is None:
-            t.grad = g if create_graph else g.clone()
-        else:
-            t.grad = old + g
+        t.grad = g.clone() if old is None else old + g
 
 
-def _run_prehooks(node, grads):
+def _run_prehooks(node, grads, handed):
     for hook in list(node.prehooks):
+        for g in grads:
+            handed.add(id(g))
         r = hook(tuple(grads))
         if r is not None:
             grads = list(r)
     return grads
 
 
-def _run_hooks(node, outs, grads):
+def _run_hooks(node, outs, grads, handed):
     for hook in list(node.hooks):
+        for g in outs:
+            handed.add(id(g))
         r = hook(tuple(outs), tuple(grads))
         if r is not None:
             outs = tuple(r)
