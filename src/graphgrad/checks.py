@@ -32,17 +32,26 @@ def _numerical_jacobian(fn, inputs, k, eps):
     """d(all outputs, flattened and concatenated) / d(inputs[k]), shape (n_out, n_in)."""
     x = inputs[k]
     with torch._C.DisableTorchFunctionSubclass():
-        flat = torch.Tensor.detach(x).reshape(-1)
+        plain = torch.Tensor.detach(x)  # shares storage: perturbing it perturbs x
     columns = []
-    for i in range(flat.numel()):
-        orig = flat[i].item()
-        flat[i] = orig + eps
+    for i in range(plain.numel()):
+        index = _unravel(i, plain.shape)
+        orig = plain[index].item()
+        plain[index] = orig + eps
         plus = torch.cat([o.detach().reshape(-1) for o in _outputs(fn, inputs)])
-        flat[i] = orig - eps
+        plain[index] = orig - eps
         minus = torch.cat([o.detach().reshape(-1) for o in _outputs(fn, inputs)])
-        flat[i] = orig
+        plain[index] = orig
         columns.append((plus - minus) / (2 * eps))
     return torch.stack(columns, 1)
+
+
+def _unravel(i, shape):
+    index = []
+    for size in reversed(shape):
+        index.append(i % size)
+        i //= size
+    return tuple(reversed(index))
 
 
 def _analytical_jacobian(fn, inputs, k):
@@ -50,7 +59,7 @@ def _analytical_jacobian(fn, inputs, k):
     rows = []
     for o in outs:
         for j in range(o.numel()):
-            g = torch.zeros_like(o.detach())
+            g = torch.zeros(o.shape, dtype=o.dtype, device=o.device)
             g.reshape(-1)[j] = 1
             (gx,) = _grad(o, inputs[k], g, retain_graph=True, allow_unused=True)
             rows.append(torch.zeros(inputs[k].numel(), dtype=torch.float64) if gx is None

@@ -254,7 +254,10 @@ def _record_inplace(func, rule, args, kwargs, inputs):
     graph = current_graph()
     any_grad, nexts, slot_pos, metas = _slots(base_rule, values, graph)
     if base_rule.keep and base_rule.keep[0] == 1:  # the rule reads the value before the op
-        values = (self.clone(),) + tuple(values[1:])
+        copy = self.clone()
+        if old is not None and _grad_enabled():
+            copy = wrap_output(copy, old, getattr(self, "_gg_nr", 0))
+        values = (copy,) + tuple(values[1:])
     saved, versions = save_arguments(base_rule.keep, values)
     out = func(*args, **kwargs)
     if not any_grad:

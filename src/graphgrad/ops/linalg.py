@@ -10,7 +10,7 @@ from ..rules import derivative
 T = torch.Tensor
 
 
-@derivative(torch.matmul, T.matmul, T.__matmul__, T.__rmatmul__)
+@derivative(torch.matmul, T.matmul, T.__matmul__)
 def matmul(grad, input, other, *, needs_input_grad):
     a, b = input, other
     if a.dim() == 1 and b.dim() == 1:
@@ -34,10 +34,17 @@ def matmul(grad, input, other, *, needs_input_grad):
         ga = grad @ b.mT
     if needs_input_grad[1]:
         if b.dim() == 2 and a.dim() > 2:  # a weight shared over a batch: one big mm
-            gb = a.reshape(-1, a.shape[-1]).mT @ grad.reshape(-1, grad.shape[-1])
+            gb = a.flatten(0, -2).mT @ grad.flatten(0, -2)
         else:
             gb = a.mT @ grad
     return ga, gb
+
+
+@derivative(T.__rmatmul__)
+def rmatmul(grad, input, other, *, needs_input_grad):
+    """``other @ input``."""
+    g_other, g_input = matmul(grad, other, input, needs_input_grad=needs_input_grad[::-1])
+    return g_input, g_other
 
 
 @derivative(torch.mm, T.mm, torch.bmm, T.bmm)

@@ -17,7 +17,7 @@ def reduced_dims(dim, ndim: int) -> list[int]:
         dim = (dim,)
     if len(dim) == 0:
         return list(range(ndim))
-    return sorted(d % ndim if ndim else 0 for d in dim)
+    return sorted(d % ndim for d in dim) if ndim else []
 
 
 def expand_reduced(grad, input: Meta, dim, keepdim: bool):

@@ -28,7 +28,13 @@ def transpose(grad, input, dim0, dim1):
     return grad.transpose(dim0, dim1)
 
 
-@derivative(torch.t, T.t, T.T.__get__, T.mT.__get__)
+@derivative(T.T.__get__)
+def reverse_dims(grad, input):
+    """``.T``: reverses all dimensions (deprecated for ndim != 2 but still allowed)."""
+    return grad.permute(*range(grad.dim() - 1, -1, -1))
+
+
+@derivative(torch.t, T.t, T.mT.__get__)
 def t(grad, input):
     """2-D transpose (``.T`` of a matrix, ``.mT``: the last two dims)."""
     return grad.transpose(-2, -1) if grad.dim() >= 2 else grad
