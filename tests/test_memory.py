@@ -76,6 +76,62 @@ def test_intermediates_and_nodes_freed_after_backward():
     torch.testing.assert_close(x.grad, expected.as_subclass(torch.Tensor), rtol=1e-7, atol=1e-7)
 
 
+def _inplace(x):
+    y = x * 2
+    y.mul_(3)
+    y.sin_()
+    return y
+
+
+def _setitem(x):
+    y = x * 2
+    y[0] = x[1] * 5
+    return y
+
+
+OPS = {
+    "inplace": _inplace,
+    "setitem": _setitem,
+    "getitem": lambda x: x[1:] * x[:-1],
+    "softmax": lambda x: F.softmax(x.view(2, 3), -1),
+    "cross_entropy": lambda x: F.cross_entropy(x.view(2, 3), torch.tensor([0, 2])),
+    "attention": lambda x: F.scaled_dot_product_attention(*[x.view(1, 2, 3)] * 3),
+    "relu_": lambda x: torch.relu_(x * 1),
+    "where": lambda x: torch.where(x > 0, x, x * x),
+    "silu": lambda x: F.silu(x),
+    "cast": lambda x: x.float().double(),
+    "matmul": lambda x: x.view(2, 3) @ x.view(3, 2),
+    "gather": lambda x: torch.gather(x, 0, torch.tensor([0, 0, 1])).index_select(0, torch.tensor([1])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_op_graphs_freed_after_backward(name):
+    x = leaf(6)
+    out = OPS[name](x)
+    refs = [weakref.ref(out), weakref.ref(out.grad_fn)]
+    out.sum().backward()
+    assert x.grad is not None
+    del out
+    assert [r() for r in refs] == [None, None]
+    assert unreachable_graph_objects() == []
+
+
+def test_create_graph_grad_frees_both_graphs():
+    x = leaf(6)
+    y = (x.sin() ** 2).sum()
+    (g,) = gg.grad(y, x, create_graph=True)
+    out = (g * g).sum()
+    refs = [weakref.ref(t) for t in (y, g, out, y.grad_fn, g.grad_fn)]
+    out.backward()
+    xt = x.detach().as_subclass(torch.Tensor)
+    # d/dx sum(sin(2x)^2) = 4 sin(2x) cos(2x)
+    torch.testing.assert_close(x.grad, 4 * (2 * xt).sin() * (2 * xt).cos(), rtol=1e-7, atol=1e-7)
+    del y, g, out
+    assert all(r() is None for r in refs)
+    assert unreachable_graph_objects() == []
+
+
 def test_forward_without_backward_frees_itself():
     x = leaf(4, 3)
     h = torch.tanh(x @ x.t())
@@ -300,3 +356,19 @@ def test_context_loop_is_flat_and_acyclic():
     assert t2 <= t1 + 2
     assert o2 <= o1 + 200
     assert gc.collect() == 0
+
+
+def test_a_rule_saves_only_what_wanted_gradients_need():
+    """``x * 2`` keeps nothing (torch keeps only the number); ``x * w`` keeps x only if w needs grad."""
+    x = gg.as_tensor(torch.randn(1000, dtype=torch.float64), requires_grad=True)
+    w = gg.as_tensor(torch.randn(1000, dtype=torch.float64))
+    with gg.AutogradGraph() as g:
+        y = x * 2
+        z = x * w  # w needs no grad: x is not needed, w is (for x's gradient)
+        assert g.saved_bytes() == 8000
+        w.requires_grad_()
+        v = x * w  # now both are needed
+        assert g.saved_bytes() == 16000
+        (y.sum() + z.sum() + v.sum()).backward()
+    torch.testing.assert_close(x.grad, 2 + 2 * w.detach())
+    torch.testing.assert_close(w.grad, x.detach())

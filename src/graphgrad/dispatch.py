@@ -185,9 +185,26 @@ def _slots(rule, values, graph):
     return any_grad, tuple(nexts), tuple(slot_pos), tuple(metas)
 
 
+def _keep(rule, nexts, slot_pos):
+    """What to save: what the rule reads, less what only unneeded gradients would use."""
+    if rule.saved_for is None:
+        return rule.keep
+    wanted = set()
+    for j in range(len(nexts)):
+        if nexts[j][0] is not None:
+            pos = slot_pos[j]
+            wanted.add(pos[0] if type(pos) is tuple else pos)
+    keep = list(rule.keep)
+    for i, users in rule.saved_for:
+        if keep[i] and not any(u in wanted for u in users):
+            keep[i] = 2  # only its shape/dtype/device
+    return keep
+
+
 def _check_same_graph(node, graph):
     g = node.graph
-    if g is not None and g is not graph and g.active:
+    # another thread's default graph is never released: building on it is safe
+    if g is not None and g is not graph and g.active and not (g.is_default and graph.is_default):
         raise RuntimeError(
             f"this op mixes tensors from two live graphs: an input was recorded in {g!r} but "
             f"the current graph is {graph!r}. Compute all inputs inside the same "
@@ -202,7 +219,7 @@ def _record(func, rule, args, kwargs, inputs):
     out = func(*args, **kwargs)
     if not any_grad:
         return _wrap_plain(out, inputs)
-    saved, versions = save_arguments(rule.keep, values)
+    saved, versions = save_arguments(_keep(rule, nexts, slot_pos), values)
     node = Node(rule, nexts, slot_pos, metas, saved, versions, graph)
     out = _attach(out, node, rule, inputs)
     graph.record(node)
@@ -253,12 +270,13 @@ def _record_inplace(func, rule, args, kwargs, inputs):
     values = _bind(func, base_rule, args, kwargs)
     graph = current_graph()
     any_grad, nexts, slot_pos, metas = _slots(base_rule, values, graph)
-    if base_rule.keep and base_rule.keep[0] == 1:  # the rule reads the value before the op
+    keep = _keep(base_rule, nexts, slot_pos)
+    if keep and keep[0] == 1:  # the rule reads the value before the op
         copy = self.clone()
         if old is not None and _grad_enabled():
             copy = wrap_output(copy, old, getattr(self, "_gg_nr", 0))
         values = (copy,) + tuple(values[1:])
-    saved, versions = save_arguments(base_rule.keep, values)
+    saved, versions = save_arguments(keep, values)
     out = func(*args, **kwargs)
     if not any_grad:
         return out

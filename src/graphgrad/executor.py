@@ -111,7 +111,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
          allow_unused):
     deps, needed, order = _walk(root_nodes, targets)
     for node in order:  # everything that can fail, before anything changes
-        if needed is None or needed[node]:
+        if needed is None or needed[node] or node.released == 2:
             node.check_saved()
     buffers = {}
     for (node, nr), g in zip(root_nodes, root_grads):

@@ -98,10 +98,10 @@ class Rule:
     """
 
     __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
-                 "wants_needs", "multi_output", "inplace_of", "params", "invoke")
+                 "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for")
 
     def __init__(self, fn: Callable, kind: int, name: str | None = None,
-                 multi_output: bool = False):
+                 multi_output: bool = False, saved_for: dict | None = None):
         self.fn = fn
         self.kind = kind
         self.name = name or (fn.__name__[:1].upper() + fn.__name__[1:] + "Backward")
@@ -115,6 +115,7 @@ class Rule:
             self.wants_needs = False
             self.params = ()
             self.invoke = None
+            self.saved_for = None
             return
         sig = inspect.signature(fn)
         params = list(sig.parameters.values())[1:]  # drop grad
@@ -135,6 +136,17 @@ class Rule:
             self.n_required += 1
         self.bind = _make_binder(fn.__name__, params)
         self.invoke = _make_invoker(fn.__name__, params)
+        self.saved_for = None
+        if saved_for:
+            index = {name: i for i, name in enumerate(self.params)}
+            unknown = [n for n in saved_for if n not in index] + [
+                n for users in saved_for.values() for n in ((users,) if isinstance(users, str) else users)
+                if n not in index]
+            if unknown:
+                raise ValueError(f"{fn.__name__}: saved_for names unknown parameters {unknown}")
+            self.saved_for = tuple(
+                (index[name], tuple(index[u] for u in ((users,) if isinstance(users, str) else users)))
+                for name, users in saved_for.items())
 
     def __repr__(self) -> str:
         return f"<Rule {self.name}>"
@@ -196,18 +208,22 @@ def _register(funcs: tuple, rule: Rule) -> Rule:
 
 
 def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
-               multi_output: bool = False) -> Callable[[Callable], Callable]:
+               multi_output: bool = False,
+               saved_for: dict[str, str | tuple[str, ...]] | None = None) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the derivative rule of the torch functions ``funcs``.
 
     ``inplace`` lists in-place variants (``torch.Tensor.mul_``) that use the same rule: the
-    engine saves a copy of ``input`` first when the rule reads it.
+    engine saves a copy of ``input`` first when the rule reads it. ``saved_for`` maps a
+    parameter to the parameters whose gradients need it (``{"input": "other"}`` for mul): its
+    values are saved only when one of those requires grad, otherwise only its ``Meta`` (so
+    the rule must consult ``needs_input_grad`` before using its values).
     """
 
     def register(fn: Callable) -> Callable:
-        rule = Rule(fn, DIFFERENTIABLE, name, multi_output)
+        rule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for)
         _register(funcs, rule)
         if inplace:
-            irule = Rule(fn, DIFFERENTIABLE, name, multi_output)
+            irule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for)
             irule.inplace_of = rule
             _register(inplace, irule)
         fn.rule = rule

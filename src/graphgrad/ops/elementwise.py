@@ -27,16 +27,20 @@ def rsub(grad, input, other, *, alpha=1):
     return (-grad if alpha == 1 else grad * -alpha), grad
 
 
-@derivative(torch.mul, T.mul, T.__mul__, T.__rmul__, inplace=(T.mul_, T.__imul__))
-def mul(grad, input, other):
-    return grad * other, grad * input
+@derivative(torch.mul, T.mul, T.__mul__, T.__rmul__, inplace=(T.mul_, T.__imul__),
+            saved_for={"input": "other", "other": "input"})
+def mul(grad, input, other, *, needs_input_grad):
+    return (grad * other if needs_input_grad[0] else None,
+            grad * input if needs_input_grad[1] else None)
 
 
-@derivative(torch.div, T.div, T.__truediv__, inplace=(T.div_, T.__itruediv__))
-def div(grad, input, other, *, rounding_mode=None):
+@derivative(torch.div, T.div, T.__truediv__, inplace=(T.div_, T.__itruediv__),
+            saved_for={"input": "other"})
+def div(grad, input, other, *, rounding_mode=None, needs_input_grad):
     if rounding_mode is not None:  # floor/trunc division is piecewise constant
         return grad * 0, None
-    return grad / other, -grad * input / (other * other)
+    return (grad / other if needs_input_grad[0] else None,
+            -grad * input / (other * other) if needs_input_grad[1] else None)
 
 
 @derivative(T.__rdiv__, T.__rtruediv__)

@@ -10,11 +10,12 @@ from ..rules import derivative
 T = torch.Tensor
 
 
-@derivative(torch.matmul, T.matmul, T.__matmul__)
+@derivative(torch.matmul, T.matmul, T.__matmul__, saved_for={"input": "other", "other": "input"})
 def matmul(grad, input, other, *, needs_input_grad):
     a, b = input, other
     if a.dim() == 1 and b.dim() == 1:
-        return grad * b, grad * a
+        return (grad * b if needs_input_grad[0] else None,
+                grad * a if needs_input_grad[1] else None)
     ga = gb = None
     if a.dim() == 1:  # (k) @ (..., k, n) -> (..., n)
         g = grad.unsqueeze(-2)
@@ -40,20 +41,20 @@ def matmul(grad, input, other, *, needs_input_grad):
     return ga, gb
 
 
-@derivative(T.__rmatmul__)
+@derivative(T.__rmatmul__, saved_for={"input": "other", "other": "input"})
 def rmatmul(grad, input, other, *, needs_input_grad):
     """``other @ input``."""
     g_other, g_input = matmul(grad, other, input, needs_input_grad=needs_input_grad[::-1])
     return g_input, g_other
 
 
-@derivative(torch.mm, T.mm, torch.bmm, T.bmm)
+@derivative(torch.mm, T.mm, torch.bmm, T.bmm, saved_for={"input": "mat2", "mat2": "input"})
 def mm(grad, input, mat2, *, needs_input_grad):
     return (grad @ mat2.mT if needs_input_grad[0] else None,
             input.mT @ grad if needs_input_grad[1] else None)
 
 
-@derivative(F.linear)
+@derivative(F.linear, saved_for={"input": "weight", "weight": "input"})
 def linear(grad, input, weight, bias=None, *, needs_input_grad):
     """``input @ weight.T + bias``; the bias gradient is the engine's unbroadcast of ``grad``."""
     grad_input = grad_weight = None
