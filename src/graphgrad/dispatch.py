@@ -76,32 +76,24 @@ def _wrap_plain(out, inputs):
     return out
 
 
+def _node_of(t):
+    """The graph node of a tensor argument (None for plain tensors and no-grad ones)."""
+    return None if type(t) is _PlainTensor else getattr(t, "_gg_node", None)
+
+
 def _scan(args, kwargs, inputs):
-    """Collect the tensor arguments; return True if any requires grad."""
+    """Collect the tensor arguments (one level into lists); True if any requires grad."""
     found = False
-    for a in args:
-        if isinstance(a, _PlainTensor):
-            inputs.append(a)
-            if type(a) is not _PlainTensor and getattr(a, "_gg_node", None) is not None:
-                found = True
-        elif type(a) is list or type(a) is tuple:
-            for b in a:
-                if isinstance(b, _PlainTensor):
-                    inputs.append(b)
-                    if type(b) is not _PlainTensor and getattr(b, "_gg_node", None) is not None:
-                        found = True
-    if kwargs:
-        for a in kwargs.values():
+    for values in (args, kwargs.values() if kwargs else ()):
+        for a in values:
             if isinstance(a, _PlainTensor):
                 inputs.append(a)
-                if type(a) is not _PlainTensor and getattr(a, "_gg_node", None) is not None:
-                    found = True
+                found = found or _node_of(a) is not None
             elif type(a) is list or type(a) is tuple:
                 for b in a:
                     if isinstance(b, _PlainTensor):
                         inputs.append(b)
-                        if type(b) is not _PlainTensor and getattr(b, "_gg_node", None) is not None:
-                            found = True
+                        found = found or _node_of(b) is not None
     return found
 
 
@@ -154,35 +146,29 @@ def _slots(rule, values, graph):
     for i in range(len(values)):
         v = values[i]
         if isinstance(v, _PlainTensor):
-            node = None if type(v) is _PlainTensor else getattr(v, "_gg_node", None)
-            if node is not None:
-                _check_same_graph(node, graph)
-                nexts.append((node, getattr(v, "_gg_nr", 0)))
-                metas.append((v.shape, v.dtype, v.device))
-                any_grad = True
-            else:
-                nexts.append((None, 0))
-                metas.append(None)
-            slot_pos.append(i)
+            any_grad = _add_slot(v, i, graph, nexts, slot_pos, metas) or any_grad
         elif type(v) is list or type(v) is tuple:
             for j in range(len(v)):
-                b = v[j]
-                if isinstance(b, _PlainTensor):
-                    node = None if type(b) is _PlainTensor else getattr(b, "_gg_node", None)
-                    if node is not None:
-                        _check_same_graph(node, graph)
-                        nexts.append((node, getattr(b, "_gg_nr", 0)))
-                        metas.append((b.shape, b.dtype, b.device))
-                        any_grad = True
-                    else:
-                        nexts.append((None, 0))
-                        metas.append(None)
-                    slot_pos.append((i, j))
+                if isinstance(v[j], _PlainTensor):
+                    any_grad = _add_slot(v[j], (i, j), graph, nexts, slot_pos, metas) or any_grad
         elif i < n_required:
             nexts.append((None, 0))
             metas.append(None)
             slot_pos.append(i)
     return any_grad, tuple(nexts), tuple(slot_pos), tuple(metas)
+
+
+def _add_slot(t, pos, graph, nexts, slot_pos, metas):
+    node = _node_of(t)
+    slot_pos.append(pos)
+    if node is None:
+        nexts.append((None, 0))
+        metas.append(None)
+        return False
+    _check_same_graph(node, graph)
+    nexts.append((node, getattr(t, "_gg_nr", 0)))
+    metas.append((t.shape, t.dtype, t.device))
+    return True
 
 
 def _keep(rule, nexts, slot_pos):
@@ -256,7 +242,7 @@ def _attach(out, node, rule, inputs):
 def _record_inplace(func, rule, args, kwargs, inputs):
     """Record ``self.op_(...)``: self's grad_fn becomes the new node, whose input is self's old one."""
     self = args[0]
-    old = None if type(self) is _PlainTensor else getattr(self, "_gg_node", None)
+    old = _node_of(self)
     if old is not None and old.graph is None:
         raise RuntimeError(
             f"a leaf Variable that requires grad is being used in an in-place operation "
@@ -294,7 +280,7 @@ def _record_inplace(func, rule, args, kwargs, inputs):
 
 def _base_requires_grad(view):
     base = view._base
-    return base is not None and type(base) is not _PlainTensor and getattr(base, "_gg_node", None) is not None
+    return base is not None and _node_of(base) is not None
 
 
 def _no_rule(func, args, kwargs, inputs):
