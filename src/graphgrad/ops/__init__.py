@@ -1,3 +1,16 @@
 """Derivative rules, one module per op family. Importing this package registers them all."""
 
-from . import elementwise, linalg, loss, nn, reduction, shape  # noqa: F401
+from . import (  # noqa: F401
+    activation,
+    attention,
+    conv,
+    elementwise,
+    indexing,
+    linalg,
+    loss,
+    normalization,
+    pooling,
+    reduction,
+    resample,
+    shape,
+)

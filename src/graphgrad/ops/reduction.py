@@ -1,10 +1,11 @@
-"""Reductions: sum and mean over all or some dimensions."""
+"""Reductions: sum and mean over all or some dimensions; softmax and log_softmax."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from ..rules import Meta, derivative
+from ..rules import Meta, decomposition, derivative
 
 T = torch.Tensor
 
@@ -44,3 +45,27 @@ def mean(grad, input: Meta, dim=None, keepdim=False, *, dtype=None):
 @derivative(T.sum_to_size)
 def sum_to_size(grad, input: Meta, *size):
     return grad.expand(input.shape)
+
+
+@derivative(torch.softmax, T.softmax, torch._softmax)
+def softmax(grad, input, dim, dtype=None, *, result):
+    return result * (grad - (grad * result).sum(dim, keepdim=True))
+
+
+@derivative(torch.log_softmax, T.log_softmax)
+def log_softmax(grad, input, dim, dtype=None, *, result):
+    return grad - result.exp() * grad.sum(dim, keepdim=True)
+
+
+@decomposition(F.softmax)
+def softmax_function(input, dim=None, _stacklevel=3, dtype=None):
+    if dim is None:
+        dim = F._get_softmax_dim("softmax", input.dim(), _stacklevel)
+    return torch.softmax(input, dim, dtype=dtype)
+
+
+@decomposition(F.log_softmax)
+def log_softmax_function(input, dim=None, _stacklevel=3, dtype=None):
+    if dim is None:
+        dim = F._get_softmax_dim("log_softmax", input.dim(), _stacklevel)
+    return torch.log_softmax(input, dim, dtype=dtype)

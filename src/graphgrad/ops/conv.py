@@ -1,0 +1,1 @@
+"""conv rules (being written)."""

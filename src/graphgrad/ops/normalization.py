@@ -1,0 +1,1 @@
+"""normalization rules (being written)."""

@@ -1,0 +1,1 @@
+"""resample rules (being written)."""

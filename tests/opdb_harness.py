@@ -1,0 +1,182 @@
+"""graphgrad against torch.autograd on PyTorch's own sample inputs (``op_db``).
+
+Each op family's test file declares ``REFERENCE``: OpInfo name -> options, e.g.::
+
+    REFERENCE = {
+        "add": {},                                   # first and second derivatives, all samples
+        "nn.functional.relu": {"second_order": False, "why": "..."},
+        "nn.functional.conv2d": {"max_samples": 8},
+    }
+
+and an optional ``unsupported(op, sample) -> str | None`` naming samples that use an option
+graphgrad documents as unsupported (those must raise graphgrad's NotImplementedError). Every
+float64 sample is run on torch tensors and on graphgrad copies (every tensor in the input,
+args and kwargs, also inside lists): outputs, gradients for a random upstream gradient, and
+(unless ``second_order`` is False) second derivatives must match at rtol=atol=1e-7.
+``tools/gen_ops_doc.py`` reads the same tables to write ``docs/ops.md``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.testing._internal.common_methods_invocations import op_db
+from torch.utils import _pytree as pytree
+
+import graphgrad as gg
+
+TOL = dict(rtol=1e-7, atol=1e-7, equal_nan=True)
+OPS_BY_NAME: dict[str, list] = {}
+for _op in op_db:
+    OPS_BY_NAME.setdefault(_op.name, []).append(_op)
+
+
+def op_id(op) -> str:
+    return op.name + ("." + op.variant_test_name if op.variant_test_name else "")
+
+
+def opinfos(reference: dict) -> list:
+    """The float64 CPU OpInfos (all variants) for the names in a REFERENCE table."""
+    missing = [name for name in reference if name not in OPS_BY_NAME]
+    if missing:
+        raise KeyError(f"not in op_db: {missing}")
+    return [op for name in reference for op in OPS_BY_NAME[name]
+            if op.supports_autograd and op.supports_dtype(torch.float64, "cpu")]
+
+
+def samples(op, max_samples: int | None = None) -> list:
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, sample in enumerate(op.sample_inputs("cpu", torch.float64, requires_grad=True)):
+            if max_samples is not None and i >= max_samples:
+                break
+            out.append(sample)
+    return out
+
+
+def plain(t):
+    return t.detach().as_subclass(torch.Tensor)
+
+
+def _to_gg(tree):
+    """graphgrad copies of every tensor in ``tree`` (the same tensor twice stays one tensor)."""
+    memo = {}
+
+    def convert(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in memo:
+            memo[id(t)] = gg.as_tensor(t.detach().clone(), requires_grad=t.requires_grad)
+        return memo[id(t)]
+
+    return pytree.tree_map(convert, tree)
+
+
+def _clone_tree(tree):
+    memo = {}
+
+    def convert(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in memo:
+            memo[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
+        return memo[id(t)]
+
+    return pytree.tree_map(convert, tree)
+
+
+def _grad_leaves(tree):
+    seen, out = set(), []
+    for t in pytree.tree_leaves(tree):
+        if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _call(op, sample, tree):
+    inp, args, kwargs = tree
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return sample.output_process_fn_grad(op.op(inp, *args, **kwargs))
+
+
+def _assert_grads_close(have, want, what):
+    for k, (h, w) in enumerate(zip(have, want)):
+        if h is None or w is None:
+            other = w if h is None else h
+            assert other is None or not plain(other).any(), f"{what} {k}: None vs nonzero"
+        else:
+            torch.testing.assert_close(plain(h), plain(w), **TOL,
+                                       msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
+def _differentiable_outputs(expected, got):
+    e_outs, g_outs = pytree.tree_leaves(expected), pytree.tree_leaves(got)
+    assert len(e_outs) == len(g_outs), "different number of outputs"
+    for e, g in zip(e_outs, g_outs):
+        if isinstance(e, torch.Tensor):
+            torch.testing.assert_close(plain(g), plain(e), **TOL)
+        else:
+            assert g == e
+    pairs = [(e, g) for e, g in zip(e_outs, g_outs)
+             if isinstance(e, torch.Tensor) and e.requires_grad]
+    assert all(g.requires_grad for _, g in pairs), "graphgrad output does not require grad"
+    return pairs
+
+
+def check_sample(op, sample, gen, second_order=True, unsupported=None) -> bool:
+    """Compare one sample; False if it was an unsupported option (which must raise)."""
+    tree = _clone_tree((sample.input, sample.args, sample.kwargs))
+    gg_tree = _to_gg(tree)
+    reason = unsupported(op, sample) if unsupported is not None else None
+    if reason is not None:
+        with pytest.raises(NotImplementedError, match="graphgrad"):
+            out = _call(op, sample, gg_tree)
+            gg.grad([o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)
+                     and o.requires_grad], _grad_leaves(gg_tree), allow_unused=True)
+        return False
+    pairs = _differentiable_outputs(_call(op, sample, tree), _call(op, sample, gg_tree))
+    ins, gg_ins = _grad_leaves(tree), _grad_leaves(gg_tree)
+    assert len(ins) == len(gg_ins)
+    if not pairs or not ins:
+        return True
+    vs = [torch.randn(e.shape, dtype=e.dtype, generator=gen) for e, _ in pairs]
+    vs_t = [v.clone().requires_grad_(second_order) for v in vs]
+    vs_g = [gg.as_tensor(v.clone(), requires_grad=second_order) for v in vs]
+    want = torch.autograd.grad([e for e, _ in pairs], ins, vs_t, allow_unused=True,
+                               create_graph=second_order)
+    have = gg.grad([g for _, g in pairs], gg_ins, vs_g, allow_unused=True,
+                   create_graph=second_order)
+    _assert_grads_close(have, want, "gradient of input")
+    if not second_order:
+        return True
+    keep = [k for k, w in enumerate(want) if w is not None and w.requires_grad]
+    if not keep:
+        return True
+    ws = [torch.randn(want[k].shape, dtype=want[k].dtype, generator=gen) for k in keep]
+    for k in keep:
+        assert have[k] is not None and have[k].requires_grad, \
+            f"graphgrad's gradient of input {k} is not differentiable (create_graph)"
+    want2 = torch.autograd.grad([want[k] for k in keep], ins + vs_t, ws, allow_unused=True)
+    have2 = gg.grad([have[k] for k in keep], gg_ins + vs_g, [w.clone() for w in ws],
+                    allow_unused=True)
+    _assert_grads_close(have2, want2, "second derivative w.r.t. input")
+    return True
+
+
+def run_opinfo(op, options: dict, unsupported=None) -> int:
+    """Check every sample of ``op``; return how many were compared."""
+    gen = torch.Generator().manual_seed(0)
+    compared = 0
+    for i, sample in enumerate(samples(op, options.get("max_samples"))):
+        try:
+            compared += check_sample(op, sample, gen, options.get("second_order", True),
+                                     unsupported)
+        except Exception as e:
+            raise AssertionError(f"{op_id(op)} sample {i}: {sample.summary()}") from e
+    assert compared > 0, "every sample was filtered out"
+    return compared

@@ -1,0 +1,22 @@
+"""linalg ops on PyTorch's sample inputs (op_db): values, gradients, second derivatives."""
+
+import pytest
+
+from opdb_harness import op_id, opinfos, run_opinfo
+
+REFERENCE = {
+    "matmul": {},
+    "mm": {},
+    "bmm": {},
+    "nn.functional.linear": {},
+    "__rmatmul__": {},
+}
+
+unsupported = None
+
+OPS = opinfos(REFERENCE)
+
+
+@pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
+def test_opdb(op):
+    run_opinfo(op, REFERENCE[op.name], unsupported)

@@ -1,0 +1,32 @@
+"""shape ops on PyTorch's sample inputs (op_db): values, gradients, second derivatives."""
+
+import pytest
+
+from opdb_harness import op_id, opinfos, run_opinfo
+
+REFERENCE = {
+    "reshape": {},
+    "reshape_as": {},
+    "view": {},
+    "view_as": {},
+    "flatten": {},
+    "squeeze": {},
+    "unsqueeze": {},
+    "transpose": {},
+    "t": {},
+    "T": {},
+    "mT": {},
+    "permute": {},
+    "expand": {},
+    "expand_as": {},
+    "broadcast_to": {},
+}
+
+unsupported = None
+
+OPS = opinfos(REFERENCE)
+
+
+@pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
+def test_opdb(op):
+    run_opinfo(op, REFERENCE[op.name], unsupported)
