@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dis
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -98,7 +99,8 @@ class Rule:
     """
 
     __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
-                 "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for")
+                 "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for",
+                 "family")
 
     def __init__(self, fn: Callable, kind: int, name: str | None = None,
                  multi_output: bool = False, saved_for: dict | None = None):
@@ -107,6 +109,8 @@ class Rule:
         self.name = name or (fn.__name__[:1].upper() + fn.__name__[1:] + "Backward")
         self.multi_output = multi_output
         self.inplace_of = None
+        module = getattr(fn, "__module__", "") or ""
+        self.family = module.rsplit(".", 1)[-1] if module.startswith("graphgrad.ops.") else "user"
         if kind != DIFFERENTIABLE:
             self.bind = None
             self.keep = ()
@@ -245,6 +249,8 @@ def decomposition(*funcs: Any) -> Callable[[Callable], Callable]:
 def nondifferentiable(*funcs: Any) -> None:
     """Declare functions whose outputs never require grad (factories, ``*_like``, comparisons)."""
     rule = Rule(lambda *a, **k: None, NONDIFFERENTIABLE, "nondifferentiable")
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    rule.family = caller.rsplit(".", 1)[-1] if caller.startswith("graphgrad.ops.") else "user"
     for f in funcs:
         RULES.setdefault(f, rule)
 
@@ -271,8 +277,10 @@ def qualified_name(func: Any) -> str:
     if objclass is not None and issubclass(objclass, torch._C.TensorBase):
         return "torch.Tensor." + name
     module = getattr(func, "__module__", None) or ""
-    if module.startswith("torch.nn.functional") or module == "torch._C._nn":
+    if module.startswith("torch.nn.functional") or getattr(torch.nn.functional, name, None) is func:
         return "torch.nn.functional." + name
+    if module == "torch._C._nn":
+        return "torch._C._nn." + name
     if module in ("torch._C._linalg",) or module.startswith("torch.linalg"):
         return "torch.linalg." + name
     if module.startswith("torch") or module == "" or module == "builtins":
