@@ -10,12 +10,29 @@ from .native import load_engine as _load_engine
 
 _load_engine(__name__, _os.path.dirname(__file__))
 
-from . import ops  # noqa: E402,F401  (registers the derivative rules)
-from .autograd import backward, enable_grad, grad, is_grad_enabled, no_grad, set_grad_enabled  # noqa: E402
+from . import (  # noqa: E402,F401
+    functional,
+    ops,  # noqa: E402,F401  (registers the derivative rules)
+    viz,
+)
+from .autograd import (  # noqa: E402
+    backward,
+    detect_anomaly,
+    enable_grad,
+    grad,
+    is_anomaly_enabled,
+    is_grad_enabled,
+    no_grad,
+    set_detect_anomaly,
+    set_grad_enabled,
+)
+from .checkpoint import checkpoint  # noqa: E402
 from .checks import gradcheck, gradgradcheck  # noqa: E402
+from .function import Function, FunctionCtx  # noqa: E402
 from .graph import AutogradGraph, current_graph, default_graph  # noqa: E402
 from .node import AccumulateGrad, Node, RemovableHandle  # noqa: E402
 from .rules import Meta, decomposition, derivative, nondifferentiable  # noqa: E402
+from .saved_hooks import save_on_cpu, saved_tensors_hooks  # noqa: E402
 from .tensor import Tensor, as_tensor, tensor  # noqa: E402
 
 #: True when the Cython-compiled engine is running (False: pure Python)
@@ -30,5 +47,8 @@ __all__ = [
     "Node", "AccumulateGrad", "RemovableHandle",
     "derivative", "decomposition", "nondifferentiable", "Meta",
     "gradcheck", "gradgradcheck",
+    "Function", "FunctionCtx", "checkpoint", "saved_tensors_hooks", "save_on_cpu",
+    "detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
+    "functional", "viz",
     "compiled", "__version__",
 ]

@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.anomaly_mode import detect_anomaly, set_detect_anomaly
 from torch.autograd.grad_mode import enable_grad, no_grad, set_grad_enabled
 
 from .executor import run_backward
 
-__all__ = ["backward", "grad", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled"]
+__all__ = ["backward", "grad", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
+           "detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _TensorOrTensors = torch.Tensor | Sequence[torch.Tensor]
@@ -23,6 +25,11 @@ _TensorOrTensors = torch.Tensor | Sequence[torch.Tensor]
 def is_grad_enabled() -> bool:
     """True unless inside ``no_grad`` / ``set_grad_enabled(False)`` (torch's grad mode)."""
     return torch.is_grad_enabled()
+
+
+def is_anomaly_enabled() -> bool:
+    """True inside ``gg.detect_anomaly()`` (torch's anomaly flag: one switch for both)."""
+    return torch.is_anomaly_enabled()
 
 
 def _as_tuple(x, what: str) -> tuple:

@@ -65,27 +65,25 @@ def _walk(root_nodes, targets):
     """Dependency counts over the nodes needed to reach the targets (all nodes if none)."""
     deps = {}
     order = []  # post-order: a node after all of its inputs
-    stack = []
-    for node, _ in root_nodes:
-        if node not in deps:
-            deps[node] = 0
-            stack.append((node, 0))
-    while stack:
-        node, i = stack.pop()
-        nexts = node.next_functions
-        while i < len(nexts):
-            parent = nexts[i][0]
-            i += 1
-            if parent is None:
-                continue
-            if parent in deps:
-                continue
-            deps[parent] = 0
-            stack.append((node, i))
-            stack.append((parent, 0))
-            break
-        else:
-            order.append(node)
+    for root, _ in root_nodes:
+        if root in deps:  # reached from an earlier root
+            continue
+        deps[root] = 0
+        stack = [(root, 0)]
+        while stack:
+            node, i = stack.pop()
+            nexts = node.next_functions
+            while i < len(nexts):
+                parent = nexts[i][0]
+                i += 1
+                if parent is None or parent in deps:
+                    continue
+                deps[parent] = 0
+                stack.append((node, i))
+                stack.append((parent, 0))
+                break
+            else:
+                order.append(node)
     if targets is None:
         needed = None
     else:
@@ -117,6 +115,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
     for (node, nr), g in zip(root_nodes, root_grads):
         _add_to_buffer(buffers, node, nr, g)
     captured = [None] * len(inputs) if inputs is not None else None
+    anomaly = torch.is_anomaly_enabled()
     handed = set()
     for g in root_grads:
         handed.add(id(g))
@@ -148,10 +147,12 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             continue
         if all(g is None for g in grads):
             outs = ()
+        elif anomaly:
+            outs = _apply_checked(node, grads, create_graph)
         else:
             outs = node.apply(grads, create_graph)
-            if node.hooks is not None:
-                outs = _run_hooks(node, outs, grads, handed)
+        if node.hooks is not None and outs:
+            outs = _run_hooks(node, outs, grads, handed)
         if not retain_graph:
             node.release()
         slot_pos = node.slot_pos
@@ -175,6 +176,32 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                 f"One of the differentiated Tensors (inputs[{k}]) appears to not have been "
                 "used in the graph. Set allow_unused=True if this is the desired behavior.")
     return tuple(captured)
+
+
+def _apply_checked(node, grads, create_graph):
+    """Anomaly mode: run a rule, name it and show where it was recorded if it fails or
+    produces NaN/Inf."""
+    try:
+        outs = node.apply(grads, create_graph)
+    except Exception as e:
+        if hasattr(e, "add_note"):
+            e.add_note(_forward_trace(node))
+        raise
+    for j, g in enumerate(outs):
+        if isinstance(g, _PlainTensor) and (g.is_floating_point() or g.is_complex()) and \
+                not bool(torch.isfinite(g).all()):
+            kind = "nan" if bool(torch.isnan(g).any()) else "inf"
+            raise RuntimeError(f"Function '{node.name()}' returned {kind} values in its {j}th "
+                               f"output.\n{_forward_trace(node)}")
+    return outs
+
+
+def _forward_trace(node):
+    if node.trace is None:
+        return (f"(no forward trace for {node.name()}: it was recorded while anomaly mode "
+                "was off; enable gg.detect_anomaly() around the forward pass too)")
+    return (f"Traceback of forward call that created {node.name()} (most recent call last):\n"
+            + "".join(node.trace))
 
 
 def _pick(outs, pos):

@@ -209,7 +209,66 @@ class AutogradGraph:
         return saved_bytes(self.nodes())
 
     def node_saved_bytes(self, node) -> int:
+        """Bytes of tensor storage one node keeps alive (storage shared with others included)."""
         return node_saved_bytes(node)
+
+    def saved_bytes_by_node(self) -> dict:
+        """``{Node: bytes}`` for every live node; the values sum to ``saved_bytes()``.
+
+        A storage held by several nodes (a softmax's output saved by the softmax and by the
+        matmul that reads it) is charged once, to the earliest-recorded node holding it;
+        ``node_saved_bytes(node)`` instead counts everything one node holds.
+        """
+        import torch
+
+        from .references import _saved_tensors
+
+        out = {}
+        seen = set()
+        with torch._C.DisableTorchFunctionSubclass():
+            for node in self.nodes():
+                total = 0
+                for t in _saved_tensors(node):
+                    try:
+                        storage = t.untyped_storage()
+                    except (RuntimeError, NotImplementedError):
+                        continue
+                    key = (t.device, storage.data_ptr())
+                    if key not in seen:
+                        seen.add(key)
+                        total += storage.nbytes()
+                out[node] = total
+        return out
+
+    def depth(self, tensor_or_node=None) -> int:
+        """The longest path, in edges: over the whole graph, or ending at a tensor's node.
+
+        A chain of n ops from a leaf has depth n; a leaf (or an empty graph) has depth 0.
+        """
+        g = self.rx
+        if tensor_or_node is None:
+            return int(rx.dag_longest_path_length(g))
+        index = self.index_of(tensor_or_node)
+        upstream = rx.ancestors(g, index)
+        if not upstream:
+            return 0
+        upstream.add(index)
+        return int(rx.dag_longest_path_length(g.subgraph(sorted(upstream))))
+
+    def between(self, a, b) -> list:
+        """The Nodes on the paths from ``a`` to ``b`` (tensors or Nodes), endpoints included.
+
+        Inputs come before the ops that use them; empty when ``b`` does not depend on ``a``.
+        """
+        g = self.rx
+        ia, ib = self.index_of(a), self.index_of(b)
+        if ia == ib:
+            return [g[ia]()]
+        downstream = rx.descendants(g, ia)
+        if ib not in downstream:
+            return []
+        on_path = (downstream & rx.ancestors(g, ib)) | {ia, ib}
+        return [g[i]() for i in rx.topological_sort(g) if i in on_path]
 
     def to_dot(self) -> str:
         """Graphviz DOT text: one box per op, leaves as ellipses, edges input → output."""

@@ -8,11 +8,13 @@ counting alone frees it. Compiled by Cython (see node.pxd); importable as plain 
 
 from __future__ import annotations
 
+import os
+import traceback
 import weakref
 
 import torch
 
-from .references import check_saved_versions, unpack_result
+from .references import PackedTensor, SavedResult, check_saved_versions, unpack_result, unpack_saved
 
 __all__ = ["Node", "AccumulateGrad", "RemovableHandle"]
 
@@ -43,7 +45,7 @@ class Node:
         self.retained = None
         self.hooks = None
         self.prehooks = None
-        self.trace = None
+        self.trace = _user_stack() if torch.is_anomaly_enabled() else None
         _sequence[0] += 1
         self.sequence_nr = _sequence[0]
 
@@ -108,16 +110,16 @@ class Node:
             extra["result"] = unpack_result(self, create_graph)
         if rule.wants_needs:
             extra["needs_input_grad"] = self.needs_input_grad
-        out = rule.invoke(rule.fn, grad, self.saved, extra)
+        out = rule.invoke(rule.fn, grad, unpack_saved(self.saved, create_graph), extra)
         if out is None or isinstance(out, torch.Tensor):
             return (out,)
         return out
 
     def release(self, how=1):
         """Drop what this node saved (after backward, or when its graph is released)."""
-        if self.versions or self.result is not None or how == 2:
+        if how == 2 or self.result is not None or _holds_tensors(self.saved):
             self.released = how
-        self.saved = _none_like(self.saved)
+        self.saved = _drop_tensors(self.saved)
         self.result = None
         self.versions = None
         if how == 2:
@@ -151,10 +153,35 @@ class Node:
         self.retained[output_nr] = weakref.ref(tensor)
 
 
-def _none_like(saved):
-    if saved is None:
-        return None
-    return (None,) * len(saved)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_stack():
+    """The forward stack where an op was recorded, without graphgrad's own frames."""
+    frames = [f for f in traceback.extract_stack()
+              if not os.path.abspath(f.filename).startswith(_PACKAGE_DIR)]
+    return traceback.format_list(frames)
+
+
+def _holds_tensors(saved):
+    if not saved:
+        return False
+    for v in saved:
+        if v is None:
+            continue
+        if type(v) in (list, tuple):
+            if any(_holds_tensors((i,)) for i in v):
+                return True
+        elif isinstance(v, torch.Tensor) or type(v) is PackedTensor or type(v) is SavedResult:
+            return True
+    return False
+
+
+def _drop_tensors(saved):
+    """The saved tuple without its tensors (numbers, dims, Meta stay: rerunning may use them)."""
+    if not saved:
+        return saved
+    return tuple(None if _holds_tensors((v,)) else v for v in saved)
 
 
 class AccumulateGrad(Node):

@@ -5,30 +5,120 @@ version counter at the time; saved outputs are kept as plain aliases of the outp
 a node never references the tensor it produced. Versions are checked when backward needs the
 values; values are dropped as soon as the node has run (unless ``retain_graph``); the bytes
 held are counted per storage on demand, so recording pays nothing for the accounting.
+
+Saved-tensor hooks (``gg.saved_tensors_hooks(pack, unpack)``) sit on a per-thread stack: while
+a pair is active, each tensor a node saves is replaced by ``pack(tensor)`` and restored with
+``unpack`` when backward needs it (offloading, compression, recomputation).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from .rules import Meta
 
-__all__ = ["SavedResult", "save_arguments", "check_saved_versions", "unpack_result",
-           "saved_bytes", "describe"]
+__all__ = ["SavedResult", "PackedTensor", "save_arguments", "check_saved_versions",
+           "unpack_result", "unpack_saved", "saved_bytes", "describe", "push_saved_hooks",
+           "pop_saved_hooks", "current_saved_hooks"]
+
+_hooks = threading.local()  # .stack: the active (pack, unpack) pairs of this thread
+
+
+def push_saved_hooks(pack, unpack) -> None:
+    try:
+        _hooks.stack.append((pack, unpack))
+    except AttributeError:
+        _hooks.stack = [(pack, unpack)]
+
+
+def pop_saved_hooks() -> None:
+    _hooks.stack.pop()
+
+
+def current_saved_hooks():
+    """The innermost (pack, unpack) pair on this thread, or None."""
+    stack = getattr(_hooks, "stack", None)
+    return stack[-1] if stack else None
+
+
+class PackedTensor:
+    """A saved tensor replaced by what a pack hook returned; ``node``/``nr`` reattach its grad_fn."""
+
+    __slots__ = ("packed", "unpack", "node", "nr")
+
+    def __init__(self, tensor, hooks, node, nr):
+        pack, self.unpack = hooks
+        with torch._C._EnableTorchFunction():  # the hook sees graphgrad tensors, like torch's
+            self.packed = pack(tensor)
+        self.node = node
+        self.nr = nr
+
+    def value(self, create_graph):
+        with torch._C._EnableTorchFunction():
+            t = self.unpack(self.packed)
+        if create_graph and self.node is not None:
+            from .tensor import wrap_output
+
+            return wrap_output(t.detach(), self.node, self.nr)
+        return t
+
+
+def _pack(value, hooks):
+    node = None if type(value) is torch.Tensor else getattr(value, "_gg_node", None)
+    return PackedTensor(value, hooks, node, getattr(value, "_gg_nr", 0) if node is not None else 0)
+
+
+def unpack_saved(saved, create_graph):
+    """The saved tuple with packed tensors restored (``saved`` itself when none were packed)."""
+    if not any(type(v) is PackedTensor or (type(v) in (list, tuple) and any(
+            type(i) is PackedTensor for i in v)) for v in saved):
+        return saved
+    out = []
+    for v in saved:
+        if type(v) is PackedTensor:
+            v = v.value(create_graph)
+        elif type(v) in (list, tuple):
+            v = type(v)(i.value(create_graph) if type(i) is PackedTensor else i for i in v)
+        out.append(v)
+    return tuple(out)
 
 
 class SavedResult:
-    """An op's output kept for its own backward: a plain alias of the data, and its version."""
+    """An op's output kept for its own backward: a plain alias of the data, and its version.
 
-    __slots__ = ("data", "version")
+    Under saved-tensor hooks the data is packed instead (and no version is checked).
+    """
+
+    __slots__ = ("data", "version", "unpack", "multi")
 
     def __init__(self, data):
         # data is a plain torch.Tensor (or a tuple of them for multi-output ops)
+        self.multi = not isinstance(data, torch.Tensor)
+        hooks = current_saved_hooks()
+        if hooks is not None:
+            self.unpack = hooks[1]
+            self.version = None
+            with torch._C._EnableTorchFunction():
+                self.data = tuple(hooks[0](t) for t in data) if self.multi else hooks[0](data)
+            return
+        self.unpack = None
         self.data = data
         self.version = data._version if isinstance(data, torch.Tensor) else tuple(
             t._version for t in data)
 
+    def value(self):
+        if self.unpack is None:
+            return self.data
+        with torch._C._EnableTorchFunction():
+            if self.multi:
+                return tuple(self.unpack(p) for p in self.data)
+            return self.unpack(self.data)
+
     def check(self, name):
+        if self.version is None:
+            return
         data = self.data
         if isinstance(data, torch.Tensor):
             if data._version != self.version:
@@ -43,12 +133,19 @@ def save_arguments(keep, values):
     """The saved tuple (None where the rule does not read) and ``(position, version)`` pairs."""
     saved = []
     versions = []
+    hooks = current_saved_hooks()
     for i, value in enumerate(values):
         k = keep[i]
         if k == 0:
             saved.append(None)
         elif k == 2 and isinstance(value, torch.Tensor):
             saved.append(Meta(value))
+        elif hooks is not None and isinstance(value, torch.Tensor):
+            saved.append(_pack(value, hooks))
+        elif hooks is not None and type(value) in (list, tuple) and any(
+                isinstance(v, torch.Tensor) for v in value):
+            saved.append(type(value)(_pack(v, hooks) if isinstance(v, torch.Tensor) else v
+                                     for v in value))
         else:
             saved.append(value)
             if isinstance(value, torch.Tensor):
@@ -90,7 +187,7 @@ def describe(tensor) -> str:
 
 def unpack_result(node, create_graph):
     """The saved output; under ``create_graph`` a graphgrad tensor whose grad_fn is ``node``."""
-    data = node.result.data
+    data = node.result.value()
     if not create_graph:
         return data
     from .tensor import wrap_output  # late: tensor sits upstream of the engine
@@ -120,16 +217,22 @@ def node_saved_bytes(node) -> int:
 
 
 def _saved_tensors(node):
+    """Every tensor a node keeps: saved values, packed forms (when a tensor), its result."""
     saved = node.saved
     if saved:
         for value in saved:
-            if isinstance(value, torch.Tensor):
-                yield value
-            elif type(value) in (list, tuple):
-                yield from (v for v in value if isinstance(v, torch.Tensor))
+            items = value if type(value) in (list, tuple) else (value,)
+            for v in items:
+                if type(v) is PackedTensor:
+                    v = v.packed
+                if isinstance(v, torch.Tensor):
+                    yield v
+                elif type(v) is tuple:  # e.g. save_on_cpu's (device, tensor)
+                    yield from (i for i in v if isinstance(i, torch.Tensor))
     if node.result is not None:
-        data = node.result.data
-        if isinstance(data, torch.Tensor):
-            yield data
-        else:
-            yield from data
+        result = node.result
+        for v in (result.data if result.multi else (result.data,)):
+            if isinstance(v, torch.Tensor):
+                yield v
+            elif type(v) is tuple:
+                yield from (i for i in v if isinstance(i, torch.Tensor))

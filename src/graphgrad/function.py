@@ -1,0 +1,270 @@
+"""Custom differentiable functions: ``gg.Function``, with torch.autograd.Function's vocabulary.
+
+::
+
+    class Swish(gg.Function):
+        @staticmethod
+        def forward(ctx, x):
+            s = torch.sigmoid(x)
+            ctx.save_for_backward(x, s)
+            return x * s
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, s = ctx.saved_tensors
+            return grad * s * (1 + x * (1 - s))
+
+    y = Swish.apply(x)
+
+``forward`` runs with grad recording off; one ``FunctionNode`` is recorded for the whole call.
+``backward`` is ordinary torch code, so under ``create_graph=True`` it is recorded too and
+the custom function can be differentiated again. Saved outputs are kept as plain aliases
+(re-attached to this node when needed), so the node never references its own outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .graph import current_graph
+from .node import Node
+from .references import (
+    PackedTensor,
+    SavedResult,
+    check_saved_versions,
+    save_arguments,
+    unpack_saved,
+)
+from .tensor import Tensor, wrap_output
+
+__all__ = ["Function", "FunctionCtx", "FunctionNode"]
+
+_Disable = torch._C.DisableTorchFunctionSubclass
+
+
+class FunctionCtx:
+    """``ctx``: what forward leaves for backward. Other attributes may be set freely."""
+
+    def __init__(self, needs_input_grad: tuple):
+        self.needs_input_grad = needs_input_grad
+        self.to_save: tuple = ()
+        self.non_differentiable: tuple = ()
+        self.dirty: tuple = ()
+        self.materialize_grads = True
+        self._node = None
+
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
+        """Keep tensors (inputs, outputs or intermediates) for backward, with version checks."""
+        for t in tensors:
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError("save_for_backward can only save tensors or None; store other "
+                                f"values as ctx attributes (got {type(t).__name__})")
+        self.to_save = tensors
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        """These outputs never require grad (e.g. indices); their gradients arrive as zeros."""
+        self.non_differentiable = tensors
+
+    def mark_dirty(self, *tensors: torch.Tensor) -> None:
+        """These inputs were modified in place by forward (and are returned as outputs)."""
+        self.dirty = tensors
+
+    def set_materialize_grads(self, value: bool) -> None:
+        """With False, backward receives None (not zeros) for outputs that got no gradient."""
+        self.materialize_grads = value
+
+    @property
+    def saved_tensors(self) -> tuple:
+        node = self._node
+        if node is None:
+            raise RuntimeError("saved_tensors is only available in backward")
+        return node.unpack_saved_tensors()
+
+
+class _FunctionRule:
+    """What the executor and introspection read from a node's rule."""
+
+    multi_output = True
+    wants_needs = False
+    saved_for = None
+    family = "user"
+
+    def __init__(self, cls, n_args):
+        self.cls = cls
+        self.name = cls.__name__ + "Backward"
+        self.params = tuple(f"arg{i}" for i in range(n_args))
+        self.keep = (0,) * n_args
+
+
+class FunctionNode(Node):
+    """The recorded call of a ``gg.Function``: runs its ``backward`` with ``ctx``."""
+
+    def __init__(self, rule, nexts, slot_pos, metas, graph, ctx):
+        Node.__init__(self, rule, nexts, slot_pos, metas, (), (), graph)
+        self.ctx = ctx
+        self.output_meta = ()
+        self.saved_kinds = ()
+
+    @property
+    def saved_values(self) -> dict:
+        if self.released or not self.saved:
+            return {}
+        return {f"saved_tensors[{i}]": v for i, v in enumerate(self.saved)}
+
+    def check_saved(self):
+        if self.released:
+            Node.check_saved(self)  # raises the freed-graph error
+        self._check_versions()
+
+    def unpack_saved_tensors(self, create_graph=None):
+        if self.released:
+            Node.check_saved(self)
+        if create_graph is None:
+            create_graph = torch.is_grad_enabled()
+        self._check_versions()
+        values = unpack_saved(self.saved, create_graph)
+        out = []
+        for kind, value in zip(self.saved_kinds, values):
+            if kind >= 0:  # one of this node's outputs, kept as a plain alias
+                data = value.value()
+                value = wrap_output(data.detach(), self, kind) if create_graph else data
+            out.append(value)
+        return tuple(out)
+
+    def _check_versions(self):
+        if self.versions:
+            check_saved_versions(self.rule.name, [f"saved_tensors[{i}]" for i in range(len(self.saved))],
+                                 self.saved, self.versions)
+        for kind, value in zip(self.saved_kinds, self.saved):
+            if kind >= 0:
+                value.check(self.rule.name)
+
+    def apply(self, grads, create_graph):
+        ctx = self.ctx
+        grads = list(grads)
+        if ctx.materialize_grads:
+            for i, g in enumerate(grads):
+                if g is None:
+                    shape, dtype, device = self.output_meta[i]
+                    grads[i] = torch.zeros(shape, dtype=dtype, device=device)
+        ctx._node = self
+        try:
+            out = self.rule.cls.backward(ctx, *grads)
+        finally:
+            ctx._node = None
+        if not isinstance(out, tuple):
+            out = (out,)
+        return out
+
+    def release(self, how=1):
+        Node.release(self, how)
+        if how == 2:
+            self.ctx = None
+
+
+class Function:
+    """Subclass with static ``forward(ctx, *args)`` and ``backward(ctx, *grads)``; call ``apply``."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("a gg.Function subclass must define a static forward(ctx, ...)")
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> Any:
+        raise NotImplementedError("this gg.Function defines no backward(ctx, *grads)")
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        nodes = [_node_of(a) for a in args]
+        recording = torch.is_grad_enabled() and any(n is not None for n in nodes)
+        ctx = FunctionCtx(tuple(recording and n is not None for n in nodes))
+        with torch.no_grad():
+            outputs = cls.forward(ctx, *args, **kwargs)
+        single = not isinstance(outputs, tuple)
+        outs = (outputs,) if single else outputs
+        if not recording:
+            return outputs
+        graph = current_graph()
+        nexts, slot_pos, metas = [], [], []
+        for i, (a, n) in enumerate(zip(args, nodes)):
+            if isinstance(a, torch.Tensor):
+                nexts.append((n, getattr(a, "_gg_nr", 0)) if n is not None else (None, 0))
+                with _Disable():
+                    metas.append((a.shape, a.dtype, a.device) if n is not None else None)
+                slot_pos.append(i)
+        node = FunctionNode(_FunctionRule(cls, len(args)), tuple(nexts), tuple(slot_pos),
+                            tuple(metas), graph, ctx)
+        outs = _attach_outputs(node, ctx, args, outs)
+        _save(node, ctx, outs)
+        graph.record(node)
+        return outs[0] if single else outs
+
+
+def _node_of(value):
+    if type(value) is torch.Tensor or not isinstance(value, torch.Tensor):
+        return None
+    return getattr(value, "_gg_node", None)
+
+
+def _attach_outputs(node, ctx, args, outs):
+    """Make the outputs this node's: wrap, mark dirty inputs, skip non-differentiable ones."""
+    result = []
+    metas = []
+    dirty = {id(t) for t in ctx.dirty}
+    non_diff = {id(t) for t in ctx.non_differentiable}
+    for nr, out in enumerate(outs):
+        if not isinstance(out, torch.Tensor):
+            result.append(out)
+            metas.append(None)
+            continue
+        with _Disable():
+            metas.append((out.shape, out.dtype, out.device))
+            floating = out.is_floating_point() or out.is_complex()
+        if id(out) in dirty:
+            if type(_node_of(out)).__name__ == "AccumulateGrad":
+                raise RuntimeError("a leaf Variable that requires grad is being used in an "
+                                   f"in-place operation ({node.name()} marked it dirty).")
+        elif any(out is a for a in args):  # an input returned as is: a new view of it
+            with _Disable():
+                out = torch.Tensor.view_as(out, out)
+        if type(out) is torch.Tensor:
+            out.__class__ = Tensor
+        if id(out) in non_diff or not floating:
+            out._gg_node = None
+        else:
+            wrap_output(out, node, nr)
+            if nr == 0 and getattr(out, "_gg_nr", 0):
+                out._gg_nr = 0
+        result.append(out)
+    node.num_outputs = len(outs)
+    node.output_meta = tuple(metas)
+    return tuple(result)
+
+
+def _save(node, ctx, outs):
+    """Save ctx.to_save: outputs as plain aliases (no cycle), the rest with version checks."""
+    kinds = []
+    values = []
+    for t in ctx.to_save:
+        index = next((i for i, o in enumerate(outs) if o is t), -1) if t is not None else -1
+        kinds.append(index)
+        if index >= 0:
+            with _Disable():
+                values.append(SavedResult(torch.Tensor.detach(t)))
+        else:
+            values.append(t)
+    plain = [(i, v) for i, (k, v) in enumerate(zip(kinds, values)) if k < 0]
+    saved, versions = save_arguments((1,) * len(plain), [v for _, v in plain])
+    full = list(values)
+    for (i, _), s in zip(plain, saved):
+        full[i] = s
+    node.saved = tuple(full)
+    node.versions = tuple((plain[pos][0], v) for pos, v in versions)
+    node.saved_kinds = tuple(kinds)
+    ctx.to_save = ()
+
+
+# PackedTensor is re-exported for introspection code that inspects FunctionNode.saved
+_ = PackedTensor

@@ -1,0 +1,376 @@
+"""Pictures of autograd graphs, through Graphviz.
+
+``draw(y, "graph.svg")`` draws everything ``y`` was computed from (walking ``grad_fn`` and
+``next_functions``; no ``AutogradGraph`` needed); ``draw(g, "graph.png")`` draws every live
+node of an ``AutogradGraph``. Edges run input → output, so the leaves sit at the top and the
+output at the bottom. Each op box shows the rule's name, the shapes and dtypes of the values it
+saved for backward and the bytes it holds; leaves are labelled with your names for them
+(``params=dict(model.named_parameters())``, or any ``{name: tensor}``) or else by shape; the
+input-to-output path whose nodes hold the most saved bytes is drawn in red.
+
+The DOT text is generated here, so ``.dot`` / ``.gv`` always works; ``.svg``, ``.png`` and
+``.pdf`` run Graphviz's ``dot`` program (Debian/Ubuntu: ``apt-get install graphviz``).
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import shutil
+import subprocess
+
+import torch
+
+from .node import AccumulateGrad, Node
+from .references import _saved_tensors
+
+__all__ = ["draw", "to_dot"]
+
+#: formats handed to Graphviz's ``dot``; ``.dot`` and ``.gv`` are written directly
+RENDERED = ("svg", "png", "pdf")
+
+_FONT = "Helvetica"
+_HOT = "#c0392b"  # the highlighted path: edges and node borders
+_HOT_FILL = "#fdebe9"
+_OP_FILL = "#f4f4f4"
+_LEAF_FILL = "#d6e9f8"
+_OUT_FILL = "#dff2df"
+_GREY = "#666666"
+_MAX_VALUE_CHARS = 40
+
+
+def draw(tensor_or_graph, path, params=None, highlight_largest: bool = True) -> str:
+    """Draw an autograd graph to ``path`` (``.dot``/``.gv``, ``.svg``, ``.png`` or ``.pdf``).
+
+    ``tensor_or_graph`` is a tensor (or a list of tensors, or a Node): everything it was
+    computed from; or an ``AutogradGraph``: all its live nodes. ``params`` maps names to
+    tensors (``dict(model.named_parameters())``); leaves among them are labelled with those
+    names. Returns ``path`` as a string. Rendered formats need Graphviz's ``dot`` program; a
+    ``RuntimeError`` says how to install it when it is missing.
+    """
+    path = os.fspath(path)
+    fmt = os.path.splitext(path)[1].lower().lstrip(".")
+    if fmt not in ("dot", "gv") + RENDERED:
+        raise ValueError(f"draw: cannot tell the format of {path!r}; end the path with .dot, .gv, "
+                         f"{', '.join('.' + f for f in RENDERED)}")
+    text = to_dot(tensor_or_graph, params=params, highlight_largest=highlight_largest)
+    if fmt in ("dot", "gv"):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+    dot = shutil.which("dot")
+    if dot is None:
+        raise RuntimeError(
+            f"draw: writing .{fmt} needs Graphviz's `dot` program, which is not on PATH. Install "
+            "it (Debian/Ubuntu: `apt-get install graphviz`; macOS: `brew install graphviz`; "
+            "conda: `conda install graphviz`), or draw to a '.dot' path, which needs no Graphviz.")
+    done = subprocess.run([dot, f"-T{fmt}", "-o", path], input=text.encode("utf-8"),
+                          capture_output=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"draw: Graphviz `dot -T{fmt}` failed ({done.returncode}): "
+                           f"{done.stderr.decode(errors='replace').strip()}")
+    return path
+
+
+def to_dot(tensor_or_graph, params=None, highlight_largest: bool = True) -> str:
+    """The Graphviz DOT text ``draw`` renders (see ``draw`` for the arguments)."""
+    nodes, outputs = _collect(tensor_or_graph)
+    index = {id(n): i for i, n in enumerate(nodes)}
+    inputs = {id(n): [] for n in nodes}  # child -> [(parent, edge label)]
+    for n in nodes:
+        for slot, (parent, nr) in enumerate(n.next_functions):
+            if parent is not None and id(parent) in index:
+                inputs[id(n)].append((parent, _edge_label(n, slot, parent, nr)))
+    names = _names(params)
+    held = _bytes_held(nodes)
+    weight = {key: charged for key, (_, charged, _) in held.items()}
+    hot_nodes, hot_edges, hot_bytes = set(), set(), 0
+    if highlight_largest:
+        hot_nodes, hot_edges, hot_bytes = _heaviest_path(nodes, inputs, weight)
+
+    lines = [
+        "digraph autograd {",
+        f'  graph [rankdir=TB, nodesep=0.35, ranksep=0.45, fontname="{_FONT}", fontsize=11, '
+        'labelloc=b, bgcolor=white, pad=0.2];',
+        f'  node [fontname="{_FONT}", fontsize=11, shape=box, style="rounded,filled", '
+        f'fillcolor="{_OP_FILL}", color="#888888", margin="0.12,0.06"];',
+        f'  edge [fontname="{_FONT}", fontsize=9, color="#777777", fontcolor="{_GREY}", '
+        'arrowsize=0.7];',
+    ]
+    for n in nodes:
+        i = index[id(n)]
+        if isinstance(n, AccumulateGrad):
+            attrs = {"shape": "ellipse", "style": "filled", "fillcolor": _LEAF_FILL,
+                     "label": _leaf_label(n, names)}
+        else:
+            attrs = {"label": _op_label(n, names, *held[id(n)])}
+            if id(n) in hot_nodes:
+                attrs["fillcolor"] = _HOT_FILL
+        if id(n) in hot_nodes:
+            attrs.update(color=_HOT, penwidth="2")
+        lines.append(f"  n{i} [{_attrs(attrs)}];")
+    for n in nodes:
+        for parent, label in inputs[id(n)]:
+            attrs = {"label": label} if label else {}
+            if (id(parent), id(n)) in hot_edges:
+                attrs.update(color=_HOT, penwidth="2.5", fontcolor=_HOT)
+            lines.append(f"  n{index[id(parent)]} -> n{index[id(n)]}" +
+                         (f" [{_attrs(attrs)}]" if attrs else "") + ";")
+    for k, (tensor, node) in enumerate(outputs):
+        if id(node) not in index:
+            continue
+        text = f"<B>{_esc(names.get(id(tensor), 'output'))}</B><BR/>{_esc(_tensor_text(tensor))}"
+        lines.append(f"  out{k} [{_attrs({'label': _Html(text), 'fillcolor': _OUT_FILL})}];")
+        hot = f' [color="{_HOT}", penwidth="2.5"]' if id(node) in hot_nodes else ""
+        lines.append(f"  n{index[id(node)]} -> out{k}{hot};")
+    caption = f"saved for backward: {_bytes(sum(weight.values()))}"
+    if hot_bytes:
+        caption += f"   ·   red: the path whose nodes hold the most ({_bytes(hot_bytes)})"
+    lines.append(f"  label={_quote(caption)};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# -- what to draw ------------------------------------------------------------------------
+def _collect(obj):
+    """(nodes in drawing order, [(output tensor, its node)]) for a tensor, tensors, Node or graph."""
+    from .graph import AutogradGraph
+
+    if isinstance(obj, AutogradGraph):
+        return list(obj.nodes()), []
+    if isinstance(obj, Node):
+        roots, outputs = [obj], []
+    else:
+        tensors = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+        roots, outputs = [], []
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"draw: expected a tensor, a list of tensors, a Node or an "
+                                f"AutogradGraph, got {type(t).__name__}")
+            node = getattr(t, "_gg_node", None)
+            if node is None:
+                raise ValueError("draw: this tensor does not require grad, so it has no graph "
+                                 "to draw (make its inputs graphgrad tensors with "
+                                 "requires_grad=True)")
+            roots.append(node)
+            if not isinstance(node, AccumulateGrad):
+                outputs.append((t, node))
+    seen, order, stack = set(), [], list(reversed(roots))
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        order.append(n)
+        stack.extend(p for p, _ in reversed(n.next_functions) if p is not None and id(p) not in seen)
+    return order, outputs
+
+
+def _names(params):
+    """{id(node or tensor): user's name} for the tensors in ``params``."""
+    out = {}
+    if not params:
+        return out
+    items = params.items() if hasattr(params, "items") else params
+    for name, t in items:
+        out.setdefault(id(t), str(name))
+        node = getattr(t, "_gg_node", None)
+        if node is not None:
+            # a leaf is matched by identity (AccumulateGrad.variable is t); a non-leaf by grad_fn
+            if not isinstance(node, AccumulateGrad) or node.variable is t:
+                out.setdefault(id(node), str(name))
+    return out
+
+
+def _bytes_held(nodes):
+    """{id: (bytes a node holds, bytes charged to it, names of earlier holders it shares with)}.
+
+    A storage held by several nodes is charged once, to the earliest-recorded, so the charges
+    sum to what the graph keeps alive (``AutogradGraph.saved_bytes``).
+    """
+    out, first = {}, {}
+    with torch._C.DisableTorchFunctionSubclass():
+        for n in sorted(nodes, key=lambda n: n.sequence_nr):
+            held = {}
+            try:
+                for t in _saved_tensors(n):
+                    try:
+                        storage = t.untyped_storage()
+                    except (RuntimeError, NotImplementedError):
+                        continue
+                    held[(t.device, storage.data_ptr())] = storage.nbytes()
+            except Exception:  # a custom node with an unusual saved layout: draw it anyway
+                pass
+            charged, shared_with = 0, []
+            for key, nbytes in held.items():
+                holder = first.setdefault(key, n)
+                if holder is n:
+                    charged += nbytes
+                elif holder.name() not in shared_with:
+                    shared_with.append(holder.name())
+            out[id(n)] = (sum(held.values()), charged, shared_with)
+    return out
+
+
+def _heaviest_path(nodes, inputs, weight):
+    """The output-to-leaf path maximising the sum of its nodes' saved bytes (0: no path)."""
+    best, step = {}, {}
+    for n in _inputs_first(nodes, inputs):
+        choice, value = None, 0
+        for parent, _ in inputs[id(n)]:
+            if choice is None or best[id(parent)] > value:
+                choice, value = parent, best[id(parent)]
+        best[id(n)] = weight[id(n)] + value
+        step[id(n)] = choice
+    consumed = {id(p) for n in nodes for p, _ in inputs[id(n)]}
+    roots = [n for n in nodes if id(n) not in consumed]
+    if not roots:
+        return set(), set(), 0
+    top = max(roots, key=lambda n: best[id(n)])  # first of equals: the drawing's first output
+    if best[id(top)] == 0:
+        return set(), set(), 0
+    hot_nodes, hot_edges, n = set(), set(), top
+    while n is not None:
+        hot_nodes.add(id(n))
+        parent = step[id(n)]
+        if parent is not None:
+            hot_edges.add((id(parent), id(n)))
+        n = parent
+    return hot_nodes, hot_edges, best[id(top)]
+
+
+def _inputs_first(nodes, inputs):
+    """The nodes ordered so that each comes after all its inputs (iterative post-order)."""
+    done, order = set(), []
+    for start in nodes:
+        if id(start) in done:
+            continue
+        stack = [(start, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if id(n) in done:
+                continue
+            if expanded:
+                done.add(id(n))
+                order.append(n)
+                continue
+            stack.append((n, True))
+            stack.extend((p, False) for p, _ in inputs[id(n)] if id(p) not in done)
+    return order
+
+
+# -- labels ------------------------------------------------------------------------------
+class _Html(str):
+    """A label already written as Graphviz HTML-like text."""
+
+
+def _op_label(node, names, nbytes, charged, shared_with) -> _Html:
+    rows = [f"<B>{_esc(node.name())}</B>"]
+    if id(node) in names:
+        rows.append(f'<I>→ {_esc(names[id(node)])}</I>')
+    if node.released:
+        rows.append(f'<FONT COLOR="{_GREY}" POINT-SIZE="9">saved values freed</FONT>')
+    else:
+        for key, value in node.saved_values.items():
+            text, shape_only = _value_text(value)
+            if text is None:
+                continue
+            body = f"{_esc(key)}: {_esc(text)}"
+            if shape_only:
+                body = f'<FONT COLOR="{_GREY}">{body} (shape only)</FONT>'
+            rows.append(f'<FONT POINT-SIZE="9">{body}</FONT>')
+        if nbytes:
+            held = f"holds {_bytes(nbytes)}"
+            if charged < nbytes:
+                held += f" ({_bytes(nbytes - charged)} also held by {', '.join(shared_with)})"
+            rows.append(f'<FONT POINT-SIZE="9" COLOR="{_HOT}">{_esc(held)}</FONT>')
+    return _Html("<BR/>".join(rows))
+
+
+def _leaf_label(node, names) -> _Html:
+    leaf = node.variable
+    if leaf is None:
+        return _Html(f'<FONT COLOR="{_GREY}">freed leaf</FONT>')
+    described = _esc(_tensor_text(leaf))
+    name = names.get(id(node))
+    if name is None:
+        return _Html(f"<B>{described}</B>")
+    return _Html(f'<B>{_esc(name)}</B><BR/><FONT POINT-SIZE="9">{described}</FONT>')
+
+
+def _value_text(value):
+    """(text, shape_only) for a saved value; text None to leave it out."""
+    if value is None:
+        return None, False
+    packed = getattr(value, "packed", None)  # a saved-tensor hook's packed form
+    if packed is not None and type(value).__name__ == "PackedTensor":
+        text, _ = _value_text(packed)
+        return f"packed {text}", False
+    if isinstance(value, torch.Tensor):
+        return _tensor_text(value), False
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # graphgrad Meta
+        return _tensor_text(value), True
+    if isinstance(value, float):
+        text = repr(value)
+        return (text if len(text) <= 10 else f"{value:.6g}"), False
+    if isinstance(value, (bool, int, complex, str, torch.dtype, torch.device)):
+        return _clip(repr(value) if isinstance(value, str) else str(value)), False
+    if isinstance(value, (list, tuple)):
+        parts = [_value_text(v)[0] or "None" for v in value]
+        text = ", ".join(parts)
+        return _clip(f"({text}{',' if len(parts) == 1 else ''})" if isinstance(value, tuple)
+                     else f"[{text}]"), False
+    return type(value).__name__, False
+
+
+def _tensor_text(t) -> str:
+    shape = tuple(t.shape)
+    text = "×".join(map(str, shape)) if shape else "scalar"
+    text += " " + str(t.dtype).replace("torch.", "")
+    device = getattr(t, "device", None)
+    if device is not None and device.type != "cpu":
+        text += f" {device}"
+    return text
+
+
+def _edge_label(node, slot, parent, nr) -> str:
+    label = ""
+    try:
+        pos = node.slot_pos[slot]
+        params = node.rule.params
+        label = f"{params[pos[0]]}[{pos[1]}]" if type(pos) is tuple else str(params[pos])
+    except (AttributeError, IndexError, TypeError):
+        pass
+    if getattr(parent, "num_outputs", 1) > 1:
+        label = f"{label} (output {nr})".strip()
+    return label
+
+
+def _bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS - 1] + "…"
+
+
+# -- DOT syntax --------------------------------------------------------------------------
+def _esc(text) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _quote(text: str) -> str:
+    return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _attrs(attrs: dict) -> str:
+    out = []
+    for key, value in attrs.items():
+        out.append(f"{key}=<{value}>" if isinstance(value, _Html) else f"{key}={_quote(value)}")
+    return ", ".join(out)
