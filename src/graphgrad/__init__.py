@@ -12,6 +12,7 @@ _load_engine(__name__, _os.path.dirname(__file__))
 
 from . import (  # noqa: E402,F401
     functional,
+    nn,
     ops,  # noqa: E402,F401  (registers the derivative rules)
     viz,
 )
@@ -49,6 +50,6 @@ __all__ = [
     "gradcheck", "gradgradcheck",
     "Function", "FunctionCtx", "checkpoint", "saved_tensors_hooks", "save_on_cpu",
     "detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
-    "functional", "viz",
+    "functional", "nn", "viz",
     "compiled", "__version__",
 ]

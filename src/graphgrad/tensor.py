@@ -170,11 +170,15 @@ class Tensor(torch.Tensor):
     def __reduce_ex__(self, protocol: int):
         with _Disable():
             plain = torch.Tensor.detach(self)
-        return (_rebuild, (plain, self.requires_grad and self.is_leaf))
+        return (_rebuild_as, (type(self), plain, self.requires_grad and self.is_leaf))
 
 
-def _rebuild(data: torch.Tensor, requires_grad: bool) -> Tensor:
-    return as_tensor(data, requires_grad=requires_grad)
+def _rebuild_as(cls: type, data: torch.Tensor, requires_grad: bool) -> Tensor:
+    """Unpickling: a leaf of class ``cls`` (Tensor or an adopted Parameter) over ``data``."""
+    data.__class__ = cls
+    if requires_grad:
+        data.requires_grad_(True)
+    return data
 
 
 dispatch.set_tensor_class(Tensor)
