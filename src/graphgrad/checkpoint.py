@@ -29,22 +29,29 @@ class _Frame:
         self.args = args
         self.kwargs = kwargs
         self.count = 0
+        self.metadata = []
         self.recomputed = None
         self.cpu_state = torch.get_rng_state() if preserve_rng_state else None
         self.devices = _cuda_devices(args) if preserve_rng_state else []
         self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.devices]
 
-    def pack(self, _tensor):
+    def pack(self, tensor):
         index = self.count
         self.count += 1
-        return (self, index)
+        with torch._C.DisableTorchFunctionSubclass():
+            self.metadata.append((tensor.shape, tensor.dtype, tensor.device))
+        return _Ticket(self, index)
 
     def redeem(self, index):
-        if self.recomputed is None:
-            self.recompute()
+        if self.recomputed is None or self.recomputed[index] is None:
+            self.recompute()  # first use, or a second backward (retain_graph / create_graph)
         value = self.recomputed[index]
-        self.recomputed[index] = None  # each ticket is redeemed once: free as we go
+        self.recomputed[index] = None  # each ticket is redeemed once per pass: free as we go
         return value
+
+    def inputs(self):
+        """The tensors this checkpoint keeps to recompute from (counted as saved bytes)."""
+        return [a for a in self.args if isinstance(a, torch.Tensor)]
 
     def recompute(self):
         saved = []
@@ -58,17 +65,42 @@ class _Frame:
                     saved_tensors_hooks(lambda t: saved.append(t) or len(saved) - 1,
                                         lambda i: i):
                 self.fn(*inputs, **self.kwargs)
-        if len(saved) != self.count:
+        with torch._C.DisableTorchFunctionSubclass():
+            metadata = [(t.shape, t.dtype, t.device) for t in saved]
+        if metadata != self.metadata:
+            differ = next((i for i, (a, b) in enumerate(zip(metadata, self.metadata)) if a != b),
+                          min(len(metadata), len(self.metadata)))
             raise RuntimeError(
                 f"gg.checkpoint: the recomputed forward saved {len(saved)} tensors but the "
-                f"original saved {self.count}; the checkpointed function must do the same "
-                "work each time it is called (same ops, same shapes, same requires_grad).")
+                f"original saved {self.count}, or different ones (first difference at saved "
+                f"tensor {differ}: {_describe(metadata, differ)} vs "
+                f"{_describe(self.metadata, differ)}); the checkpointed function must do the "
+                "same work each time it is called (same ops, shapes, dtypes, requires_grad).")
         self.recomputed = saved
 
 
+class _Ticket:
+    """What a node keeps instead of a tensor inside a checkpoint."""
+
+    __slots__ = ("frame", "index")
+
+    def __init__(self, frame, index):
+        self.frame = frame
+        self.index = index
+
+    def saved_tensors(self):
+        return self.frame.inputs()
+
+
 def _redeem(ticket):
-    frame, index = ticket
-    return frame.redeem(index)
+    return ticket.frame.redeem(ticket.index)
+
+
+def _describe(metadata, i):
+    if i >= len(metadata):
+        return "nothing"
+    shape, dtype, device = metadata[i]
+    return f"{tuple(shape)} {dtype} on {device}"
 
 
 def _detached_like(value):

@@ -226,7 +226,12 @@ def _attach(out, node, rule, inputs):
         return out
     if isinstance(out, tuple):
         items = list(out)
-        node.num_outputs = len(items)
+        # trailing integer outputs (max's indices) are not outputs of the node, as in torch
+        n = len(items)
+        while n > 1 and type(items[n - 1]) is _PlainTensor and not (
+                items[n - 1].is_floating_point() or items[n - 1].is_complex()):
+            n -= 1
+        node.num_outputs = n
         if rule.saves_result:
             node.result = SavedResult(tuple(o.detach() for o in items))
         for i, o in enumerate(items):

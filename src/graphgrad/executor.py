@@ -140,6 +140,8 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         if type(node) is AccumulateGrad:
             if accumulate and (targets is None or is_target):
                 _accumulate(node, grads[0], create_graph, handed)
+            if node.hooks is not None:
+                _run_hooks(node, (), grads, handed)
             continue
         nexts = node.next_functions
         if needed is not None and not any(
@@ -151,19 +153,24 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             outs = _apply_checked(node, grads, create_graph)
         else:
             outs = node.apply(grads, create_graph)
-        if node.hooks is not None and outs:
-            outs = _run_hooks(node, outs, grads, handed)
-        if not retain_graph:
-            node.release()
         slot_pos = node.slot_pos
         metas = node.input_meta
+        edge_grads = None
+        if node.hooks is not None:  # hooks see (and may replace) one gradient per input
+            edge_grads = _run_hooks(node, _edge_grads(node, outs), grads, handed)
+        if not retain_graph:
+            node.release()
         for j in range(len(nexts)):
             parent, nr = nexts[j]
             if parent is None or (needed is not None and not needed[parent]):
                 continue
-            g = _pick(outs, slot_pos[j])
+            if edge_grads is not None:
+                g = edge_grads[j]
+            else:
+                g = _pick(outs, slot_pos[j])
+                if g is not None:
+                    g = _fit(g, metas[j], node, j)
             if g is not None:
-                g = _fit(g, metas[j], node, j)
                 _add_to_buffer(buffers, parent, nr, g)
             deps[parent] -= 1
             if deps[parent] == 0:
@@ -187,6 +194,8 @@ def _apply_checked(node, grads, create_graph):
         if hasattr(e, "add_note"):
             e.add_note(_forward_trace(node))
         raise
+    if not torch.is_anomaly_check_nan_enabled():
+        return outs
     for j, g in enumerate(outs):
         if isinstance(g, _PlainTensor) and (g.is_floating_point() or g.is_complex()) and \
                 not bool(torch.isfinite(g).all()):
@@ -202,6 +211,15 @@ def _forward_trace(node):
                 "was off; enable gg.detect_anomaly() around the forward pass too)")
     return (f"Traceback of forward call that created {node.name()} (most recent call last):\n"
             + "".join(node.trace))
+
+
+def _edge_grads(node, outs):
+    """The gradient for each of the node's inputs (next_functions order), fitted to it."""
+    grads = []
+    for j, (parent, _nr) in enumerate(node.next_functions):
+        g = None if parent is None else _pick(outs, node.slot_pos[j])
+        grads.append(None if g is None else _fit(g, node.input_meta[j], node, j))
+    return tuple(grads)
 
 
 def _pick(outs, pos):

@@ -227,6 +227,8 @@ def _saved_tensors(node):
                     v = v.packed
                 if isinstance(v, torch.Tensor):
                     yield v
+                elif hasattr(v, "saved_tensors"):  # a packed form that keeps tensors elsewhere
+                    yield from v.saved_tensors()
                 elif type(v) is tuple:  # e.g. save_on_cpu's (device, tensor)
                     yield from (i for i in v if isinstance(i, torch.Tensor))
     if node.result is not None:
