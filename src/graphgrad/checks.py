@@ -58,6 +58,9 @@ def _analytical_jacobian(fn, inputs, k):
     outs = _outputs(fn, inputs)
     rows = []
     for o in outs:
+        if not o.requires_grad:  # a constant output (e.g. the derivative of a linear op)
+            rows.extend(torch.zeros(inputs[k].numel(), dtype=torch.float64) for _ in range(o.numel()))
+            continue
         for j in range(o.numel()):
             g = torch.zeros(o.shape, dtype=o.dtype, device=o.device)
             g.reshape(-1)[j] = 1

@@ -8,6 +8,7 @@ from . import (  # noqa: F401
     indexing,
     linalg,
     loss,
+    nn,
     normalization,
     pooling,
     reduction,

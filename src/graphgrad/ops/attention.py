@@ -1,4 +1,13 @@
-"""Attention: scaled_dot_product_attention as recorded primitives."""
+"""Attention: scaled_dot_product_attention and multi_head_attention_forward.
+
+Without dropout, attention is one recorded op: torch's own (fused) kernel computes the output
+and graphgrad's rule recomputes the attention probabilities in backward from the saved q, k,
+v and mask (the L x S matrix is not kept between forward and backward). With ``dropout_p > 0``
+it is torch's math path written with recorded primitives, whose dropout mask comes from the
+same RNG calls as torch's (``torch.dropout``). ``F.multi_head_attention_forward`` is torch's
+own Python function with each op inside it recorded (so ``nn.MultiheadAttention`` and
+``nn.Transformer*`` layers work).
+"""
 
 from __future__ import annotations
 
@@ -6,30 +15,100 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function
 
-from ..rules import decomposition
+from ..rules import decomposition, derivative
+from .nn import torch_body
+
+
+def _expand_heads(query, kv, enable_gqa):
+    """Grouped-query attention: each of ``kv``'s heads serves ``Hq / Hkv`` query heads
+    (``repeat_interleave`` over dim -3, written with recorded view ops)."""
+    if not enable_gqa or kv.dim() < 3 or query.shape[-3] == kv.shape[-3]:
+        return kv, 1
+    heads, rep = kv.shape[-3], query.shape[-3] // kv.shape[-3]
+    if rep * heads != query.shape[-3]:
+        raise RuntimeError("Number of heads in key and value must divide the number of heads in "
+                           "query")
+    lead, tail = kv.shape[:-3], kv.shape[-2:]
+    expanded = kv.unsqueeze(-3).expand(lead + (heads, rep) + tail)
+    return expanded.reshape(lead + (heads * rep,) + tail), rep
+
+
+def _fold_heads(grad, rep):
+    """Sum the gradients of the query heads that shared one key/value head."""
+    if rep == 1:
+        return grad
+    return grad.reshape(grad.shape[:-3] + (grad.shape[-3] // rep, rep) + grad.shape[-2:]).sum(-3)
+
+
+def _scale(query, scale):
+    return 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+
+
+def _probabilities(query, key, attn_mask, is_causal, scale):
+    """``softmax(q kᵀ · scale + mask)``; rows whose every score is -inf give zeros (torch's
+    ``_safe_softmax``), with no NaN in their gradient."""
+    scores = (query * scale) @ key.transpose(-2, -1)
+    L, S = query.shape[-2], key.shape[-2]
+    if is_causal:
+        causal = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is None:
+        return torch.softmax(scores, -1)
+    if attn_mask.dtype == torch.bool:
+        scores = torch.where(attn_mask, scores, float("-inf"))
+    else:
+        scores = scores + attn_mask
+    dead = (scores == float("-inf")).all(-1, keepdim=True)
+    return torch.softmax(scores.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+
+
+def _attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """torch's scaled_dot_product_attention without dropout (any backend torch picks)."""
+    args = (query, key, value, attn_mask)
+    if has_torch_function(args):
+        return handle_torch_function(_attention, args, *args, is_causal, scale, enable_gqa)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal,
+                                          scale=scale, enable_gqa=enable_gqa)
+
+
+@derivative(_attention, name="ScaledDotProductAttentionBackward")
+def attention(grad, query, key, value, attn_mask=None, is_causal=False, scale=None,
+              enable_gqa=False, *, result, needs_input_grad):
+    """Recomputes the probabilities P: dV = Pᵀg, dS = P ⊙ (g Vᵀ - rowsum(g ⊙ out)), dQ = dS K s,
+    dK = dSᵀ Q s (rowsum(g ⊙ out) = rowsum(P ⊙ g Vᵀ), as in flash attention's backward)."""
+    s = _scale(query, scale)
+    key_x, rep_k = _expand_heads(query, key, enable_gqa)
+    value_x, rep_v = _expand_heads(query, value, enable_gqa)
+    probs = _probabilities(query, key_x, attn_mask, is_causal, s)
+    grad_q = grad_k = grad_v = grad_mask = None
+    if needs_input_grad[2]:
+        grad_v = _fold_heads(probs.transpose(-2, -1) @ grad, rep_v)
+    if needs_input_grad[0] or needs_input_grad[1] or needs_input_grad[3]:
+        ds = probs * (grad @ value_x.transpose(-2, -1) - (grad * result).sum(-1, keepdim=True))
+        if needs_input_grad[0]:
+            grad_q = (ds @ key_x) * s
+        if needs_input_grad[1]:
+            grad_k = _fold_heads((ds.transpose(-2, -1) @ query) * s, rep_k)
+        if needs_input_grad[3] and attn_mask.is_floating_point():
+            grad_mask = ds
+    return grad_q, grad_k, grad_v, grad_mask
 
 
 @decomposition(F.scaled_dot_product_attention)
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
-    """softmax(q kᵀ · scale + mask) v, recorded as its primitives."""
-    if dropout_p != 0.0:
-        raise NotImplementedError("scaled_dot_product_attention with dropout_p > 0 has no "
-                                  "graphgrad rule yet; use dropout_p=0.0")
-    if enable_gqa:
-        raise NotImplementedError("scaled_dot_product_attention(enable_gqa=True) has no "
-                                  "graphgrad rule yet")
-    L, S = query.size(-2), key.size(-2)
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.size(-1))
-    scores = (query @ key.transpose(-2, -1)) * scale
-    if is_causal:
-        causal = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:
-            scores = scores + attn_mask
-    return torch.softmax(scores, -1) @ value
+    """One recorded op without dropout; with dropout, torch's math path as primitives."""
+    if dropout_p == 0.0:
+        return _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    if is_causal and attn_mask is not None:
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set "
+                           "when is_causal=True")
+    key, _ = _expand_heads(query, key, enable_gqa)
+    value, _ = _expand_heads(query, value, enable_gqa)
+    probs = _probabilities(query, key, attn_mask, is_causal, _scale(query, scale))
+    return torch.dropout(probs, dropout_p, True) @ value
+
+
+decomposition(F.multi_head_attention_forward)(torch_body(F.multi_head_attention_forward))

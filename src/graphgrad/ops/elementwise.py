@@ -1,4 +1,11 @@
-"""Elementwise ops: arithmetic and unary math. Broadcasting is undone by the engine."""
+"""Elementwise ops: arithmetic, unary math, clamping, selection, rounding.
+
+Every rule follows torch's own formula (``derivatives.yaml``), including its choices at
+kinks and ties: ``abs`` uses ``sgn`` (0 at 0), ``clamp`` passes the gradient at the bounds,
+``maximum``/``minimum`` split it in half on ties, rounding ops have zero gradient. Rules
+are written with recorded torch ops, so ``create_graph=True`` differentiates them again.
+Broadcasting is undone by the engine.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +13,28 @@ import math
 
 import torch
 
-from ..rules import derivative
+from ..rules import Meta, decomposition, derivative
 
 T = torch.Tensor
+_special = torch._C._special
+_LN2 = math.log(2.0)
+_LN10 = math.log(10.0)
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+_HALF_SQRT_PI = 0.5 * math.sqrt(math.pi)
 
 
+def _is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+# -- arithmetic --------------------------------------------------------------------------
 @derivative(torch.add, T.add, T.__add__, T.__radd__, inplace=(T.add_, T.__iadd__))
 def add(grad, input, other, *, alpha=1):
     return grad, grad if alpha == 1 else grad * alpha
 
 
-@derivative(torch.sub, T.sub, T.__sub__, inplace=(T.sub_, T.__isub__))
+@derivative(torch.sub, T.sub, T.__sub__, torch.subtract, T.subtract,
+            inplace=(T.sub_, T.__isub__, T.subtract_))
 def sub(grad, input, other, *, alpha=1):
     return grad, -grad if alpha == 1 else grad * -alpha
 
@@ -27,18 +45,20 @@ def rsub(grad, input, other, *, alpha=1):
     return (-grad if alpha == 1 else grad * -alpha), grad
 
 
-@derivative(torch.mul, T.mul, T.__mul__, T.__rmul__, inplace=(T.mul_, T.__imul__),
+@derivative(torch.mul, T.mul, T.__mul__, T.__rmul__, torch.multiply, T.multiply,
+            inplace=(T.mul_, T.__imul__, T.multiply_),
             saved_for={"input": "other", "other": "input"})
 def mul(grad, input, other, *, needs_input_grad):
     return (grad * other if needs_input_grad[0] else None,
             grad * input if needs_input_grad[1] else None)
 
 
-@derivative(torch.div, T.div, T.__truediv__, inplace=(T.div_, T.__itruediv__),
+@derivative(torch.div, T.div, T.__truediv__, torch.divide, T.divide, torch.true_divide,
+            T.true_divide, inplace=(T.div_, T.__itruediv__, T.divide_, T.true_divide_),
             saved_for={"input": "other"})
 def div(grad, input, other, *, rounding_mode=None, needs_input_grad):
     if rounding_mode is not None:  # floor/trunc division is piecewise constant
-        return grad * 0, None
+        return torch.zeros_like(grad), None
     return (grad / other if needs_input_grad[0] else None,
             -grad * input / (other * other) if needs_input_grad[1] else None)
 
@@ -49,76 +69,392 @@ def rdiv(grad, input, other):
     return -grad * other / (input * input), grad / input
 
 
+@derivative(torch.addcmul, T.addcmul, inplace=(T.addcmul_,),
+            saved_for={"tensor1": "tensor2", "tensor2": "tensor1"})
+def addcmul(grad, input, tensor1, tensor2, *, value=1, needs_input_grad):
+    """``input + value * tensor1 * tensor2``."""
+    return (grad,
+            grad * tensor2 * value if needs_input_grad[1] else None,
+            grad * tensor1 * value if needs_input_grad[2] else None)
+
+
+@derivative(torch.addcdiv, T.addcdiv, inplace=(T.addcdiv_,), saved_for={"tensor1": "tensor2"})
+def addcdiv(grad, input, tensor1, tensor2, *, value=1, needs_input_grad):
+    """``input + value * tensor1 / tensor2``."""
+    return (grad,
+            grad * (value / tensor2) if needs_input_grad[1] else None,
+            -grad * (value * tensor1 / (tensor2 * tensor2)) if needs_input_grad[2] else None)
+
+
+@derivative(torch.lerp, T.lerp, inplace=(T.lerp_,),
+            saved_for={"input": "weight", "end": "weight", "weight": ("input", "end")})
+def lerp(grad, input, end, weight, *, needs_input_grad):
+    """``input + weight * (end - input)``; ``weight`` is a number or a tensor."""
+    if not _is_tensor(weight):
+        return grad * (1 - weight), grad * weight
+    return (grad * (1 - weight) if needs_input_grad[0] else None,
+            grad * weight if needs_input_grad[1] else None,
+            grad * (end - input) if needs_input_grad[2] else None)
+
+
+@derivative(torch.fmod, T.fmod, inplace=(T.fmod_,))
+def fmod(grad, input, other, *, needs_input_grad):
+    """``input - trunc(input / other) * other``."""
+    if not _is_tensor(other) or not needs_input_grad[1]:
+        return grad, None
+    return grad, -grad * input.div(other, rounding_mode="trunc")
+
+
+@derivative(torch.remainder, T.remainder, T.__mod__, inplace=(T.remainder_, T.__imod__))
+def remainder(grad, input, other, *, needs_input_grad):
+    """``input - floor(input / other) * other``."""
+    if not _is_tensor(other) or not needs_input_grad[1]:
+        return grad, None
+    return grad, -grad * input.div(other, rounding_mode="floor")
+
+
+# -- powers --------------------------------------------------------------------------------
+def _log_of_number(x):
+    if isinstance(x, complex):
+        return complex(math.log(abs(x)), math.atan2(x.imag, x.real)) if x else -math.inf
+    return math.log(x) if x > 0 else (-math.inf if x == 0 else math.nan)
+
+
+def _pow_exponent_grad(grad, base, exponent):
+    """d(base ** exponent)/d exponent = base ** exponent * log(base); 0 where base == 0 and e >= 0."""
+    if _is_tensor(base):
+        zero = (base == 0) & (exponent >= 0)
+        return grad * torch.where(zero, 0.0, torch.pow(base, exponent) * base.log())
+    if base == 0:
+        return grad * torch.where(exponent >= 0, 0.0, torch.pow(base, exponent) * -math.inf)
+    return grad * (torch.pow(base, exponent) * _log_of_number(base))
+
+
 @derivative(torch.pow, T.pow, T.__pow__, inplace=(T.pow_, T.__ipow__))
-def pow(grad, input, exponent):
-    if not isinstance(exponent, torch.Tensor):
-        if not isinstance(input, torch.Tensor):
-            return None, None
+def pow(grad, input, exponent, *, needs_input_grad):
+    if not _is_tensor(exponent):
         if exponent == 0:
-            return grad * 0, None
-        return grad * exponent * input.pow(exponent - 1), None
-    if not isinstance(input, torch.Tensor):  # torch.pow(2.0, x)
-        return None, grad * torch.pow(input, exponent) * math.log(input)
-    grad_input = grad * exponent * input.pow(exponent - 1)
-    # d/de x**e = x**e * log(x), taken as 0 where x == 0 and e >= 0 (like torch)
-    zero = (input == 0) & (exponent >= 0)
-    grad_exponent = grad * torch.where(zero, 0.0, input.pow(exponent) * input.log())
+            return torch.zeros_like(grad), None
+        return grad * (exponent * input.pow(exponent - 1)), None
+    if not _is_tensor(input):  # torch.pow(2.0, x)
+        return None, _pow_exponent_grad(grad, input, exponent)
+    grad_input = grad_exponent = None
+    if needs_input_grad[0]:
+        grad_input = torch.where(exponent == 0, 0.0, grad * (exponent * input.pow(exponent - 1)))
+    if needs_input_grad[1]:
+        grad_exponent = _pow_exponent_grad(grad, input, exponent)
     return grad_input, grad_exponent
 
 
 @derivative(T.__rpow__)
-def rpow(grad, input, other):
+def rpow(grad, input, other, *, needs_input_grad):
     """``other ** input`` (``2 ** x`` arrives as ``x.__rpow__(2)``)."""
-    if isinstance(other, torch.Tensor):
-        return grad * torch.pow(other, input) * other.log(), grad * input * other.pow(input - 1)
-    return grad * torch.pow(other, input) * math.log(other), None
+    grad_other, grad_input = pow(grad, other, input, needs_input_grad=needs_input_grad[::-1])
+    return grad_input, grad_other
 
 
-@derivative(torch.neg, T.neg, T.__neg__, inplace=(T.neg_,))
-def neg(grad, input):
-    return -grad
+@decomposition(torch.float_power, T.float_power)
+def float_power(input, exponent):
+    """``pow`` computed in double (complex double) precision, like torch's composite."""
+    tensors = [t for t in (input, exponent) if _is_tensor(t)]
+    dtype = torch.complex128 if any(t.is_complex() for t in tensors) or any(
+        isinstance(t, complex) for t in (input, exponent)) else torch.float64
+    base = input.to(dtype) if _is_tensor(input) else input
+    exp = exponent.to(dtype) if _is_tensor(exponent) else exponent
+    return torch.pow(base, exp)
 
 
-@derivative(torch.abs, T.abs, T.__abs__, inplace=(T.abs_,))
-def abs(grad, input):
-    return grad * input.sgn()
+@derivative(torch.square, T.square, inplace=(torch.square_, T.square_))
+def square(grad, input):
+    return grad * (2 * input)
 
 
-@derivative(torch.exp, T.exp, inplace=(T.exp_,))
-def exp(grad, input, *, result):
-    return grad * result
-
-
-@derivative(torch.log, T.log, inplace=(T.log_,))
-def log(grad, input):
-    return grad / input
-
-
-@derivative(torch.sqrt, T.sqrt, inplace=(T.sqrt_,))
+@derivative(torch.sqrt, T.sqrt, inplace=(torch.sqrt_, T.sqrt_))
 def sqrt(grad, input, *, result):
     return grad / (2 * result)
 
 
-@derivative(torch.sin, T.sin, inplace=(T.sin_,))
+@derivative(torch.rsqrt, T.rsqrt, inplace=(torch.rsqrt_, T.rsqrt_))
+def rsqrt(grad, input, *, result):
+    return -0.5 * grad * result.pow(3)
+
+
+@derivative(torch.reciprocal, T.reciprocal, inplace=(torch.reciprocal_, T.reciprocal_))
+def reciprocal(grad, input, *, result):
+    return -grad * (result * result)
+
+
+@derivative(torch.hypot, T.hypot, inplace=(T.hypot_,), saved_for={"input": "input", "other": "other"})
+def hypot(grad, input, other, *, result, needs_input_grad):
+    return (grad * input / result if needs_input_grad[0] else None,
+            grad * other / result if needs_input_grad[1] else None)
+
+
+# -- sign and magnitude ----------------------------------------------------------------------
+@derivative(torch.neg, T.neg, T.__neg__, torch.negative, T.negative,
+            inplace=(torch.neg_, T.neg_, torch.negative_, T.negative_))
+def neg(grad, input):
+    return -grad
+
+
+@derivative(torch.positive, T.positive, T.__pos__)
+def positive(grad, input):
+    return grad
+
+
+@derivative(torch.abs, T.abs, T.__abs__, torch.absolute, T.absolute,
+            inplace=(torch.abs_, T.abs_, T.absolute_))
+def abs(grad, input):
+    return grad * input.sgn()
+
+
+# -- exponentials and logarithms -----------------------------------------------------------
+@derivative(torch.exp, T.exp, inplace=(torch.exp_, T.exp_))
+def exp(grad, input, *, result):
+    return grad * result
+
+
+@derivative(torch.exp2, T.exp2, _special.special_exp2, inplace=(torch.exp2_, T.exp2_))
+def exp2(grad, input, *, result):
+    return grad * (result * _LN2)
+
+
+@derivative(torch.expm1, T.expm1, _special.special_expm1, inplace=(torch.expm1_, T.expm1_))
+def expm1(grad, input, *, result):
+    return grad * (result + 1)
+
+
+@derivative(torch.log, T.log, inplace=(torch.log_, T.log_))
+def log(grad, input):
+    return grad / input
+
+
+@derivative(torch.log1p, T.log1p, _special.special_log1p, inplace=(torch.log1p_, T.log1p_))
+def log1p(grad, input):
+    return grad / (input + 1)
+
+
+@derivative(torch.log2, T.log2, inplace=(torch.log2_, T.log2_))
+def log2(grad, input):
+    return grad / (input * _LN2)
+
+
+@derivative(torch.log10, T.log10, inplace=(torch.log10_, T.log10_))
+def log10(grad, input):
+    return grad / (input * _LN10)
+
+
+@derivative(torch.logaddexp, T.logaddexp)
+def logaddexp(grad, input, other):
+    return grad / (1 + (other - input).exp()), grad / (1 + (input - other).exp())
+
+
+@derivative(torch.logit, T.logit, _special.special_logit, inplace=(torch.logit_, T.logit_))
+def logit(grad, input, eps=None):
+    """``log(x / (1 - x))`` of x clamped to [eps, 1 - eps]: zero gradient outside (NaN without eps)."""
+    g = grad / (input * (1 - input))
+    if eps is None:
+        return torch.where((input < 0) | (input > 1), math.nan, g)
+    return torch.where((input < eps) | (input > 1 - eps), 0.0, g)
+
+
+# -- trigonometric and hyperbolic --------------------------------------------------------------
+@derivative(torch.sin, T.sin, inplace=(torch.sin_, T.sin_))
 def sin(grad, input):
     return grad * input.cos()
 
 
-@derivative(torch.cos, T.cos, inplace=(T.cos_,))
+@derivative(torch.cos, T.cos, inplace=(torch.cos_, T.cos_))
 def cos(grad, input):
     return -grad * input.sin()
 
 
-@derivative(torch.tanh, T.tanh, inplace=(T.tanh_,))
+@derivative(torch.tan, T.tan, inplace=(torch.tan_, T.tan_))
+def tan(grad, input, *, result):
+    return grad * (1 + result * result)
+
+
+@derivative(torch.asin, T.asin, torch.arcsin, T.arcsin,
+            inplace=(torch.asin_, T.asin_, torch.arcsin_, T.arcsin_))
+def asin(grad, input):
+    return grad * (1 - input * input).rsqrt()
+
+
+@derivative(torch.acos, T.acos, torch.arccos, T.arccos,
+            inplace=(torch.acos_, T.acos_, torch.arccos_, T.arccos_))
+def acos(grad, input):
+    return grad * -(1 - input * input).rsqrt()
+
+
+@derivative(torch.atan, T.atan, torch.arctan, T.arctan,
+            inplace=(torch.atan_, T.atan_, torch.arctan_, T.arctan_))
+def atan(grad, input):
+    return grad / (input * input + 1)
+
+
+@derivative(torch.atan2, T.atan2, torch.arctan2, T.arctan2, inplace=(T.atan2_, T.arctan2_))
+def atan2(grad, input, other, *, needs_input_grad):
+    recip = (input * input + other * other).reciprocal()
+    return (grad * other * recip if needs_input_grad[0] else None,
+            grad * -input * recip if needs_input_grad[1] else None)
+
+
+@derivative(torch.sinh, T.sinh, inplace=(torch.sinh_, T.sinh_))
+def sinh(grad, input):
+    return grad * input.cosh()
+
+
+@derivative(torch.cosh, T.cosh, inplace=(torch.cosh_, T.cosh_))
+def cosh(grad, input):
+    return grad * input.sinh()
+
+
+@derivative(torch.tanh, T.tanh, inplace=(torch.tanh_, T.tanh_))
 def tanh(grad, input, *, result):
     return grad * (1 - result * result)
 
 
-@derivative(torch.sigmoid, T.sigmoid, inplace=(T.sigmoid_,))
+@derivative(torch.asinh, T.asinh, torch.arcsinh, T.arcsinh,
+            inplace=(torch.asinh_, T.asinh_, torch.arcsinh_, T.arcsinh_))
+def asinh(grad, input):
+    return grad * (input * input + 1).rsqrt()
+
+
+@derivative(torch.acosh, T.acosh, torch.arccosh, T.arccosh,
+            inplace=(torch.acosh_, T.acosh_, torch.arccosh_, T.arccosh_))
+def acosh(grad, input):
+    return grad * (input * input - 1).rsqrt()
+
+
+@derivative(torch.atanh, T.atanh, torch.arctanh, T.arctanh,
+            inplace=(torch.atanh_, T.atanh_, torch.arctanh_, T.arctanh_))
+def atanh(grad, input):
+    return grad / (1 - input * input)
+
+
+@derivative(torch.sigmoid, T.sigmoid, _special.special_expit, inplace=(torch.sigmoid_, T.sigmoid_))
 def sigmoid(grad, input, *, result):
     return grad * result * (1 - result)
 
 
+# -- error function ----------------------------------------------------------------------------
+@derivative(torch.erf, T.erf, _special.special_erf, inplace=(torch.erf_, T.erf_))
+def erf(grad, input):
+    return grad * (_TWO_OVER_SQRT_PI * (-input * input).exp())
+
+
+@derivative(torch.erfc, T.erfc, _special.special_erfc, inplace=(torch.erfc_, T.erfc_))
+def erfc(grad, input):
+    return grad * (-_TWO_OVER_SQRT_PI * (-input * input).exp())
+
+
+@derivative(torch.erfinv, T.erfinv, _special.special_erfinv, inplace=(T.erfinv_,))
+def erfinv(grad, input, *, result):
+    return grad * (_HALF_SQRT_PI * (result * result).exp())
+
+
+# -- clamping and selection --------------------------------------------------------------------
+def _clamp_grads(grad, input, min, max, need_input, need_min, need_max):
+    """torch's clamp_backward and clamp_backward_min_max: the bounds count as inside."""
+    g_input = g_min = g_max = None
+    if need_input:
+        if min is not None and max is not None:
+            g_input = torch.where((input >= min) & (input <= max), grad, 0.0)
+        elif min is not None:
+            g_input = torch.where(input >= min, grad, 0.0)
+        elif max is not None:
+            g_input = torch.where(input <= max, grad, 0.0)
+        else:
+            g_input = grad
+    if need_min:  # where min > max the output is max: min gets nothing
+        below = input < min
+        g_min = torch.where(below & (min < max) if max is not None else below, grad, 0.0)
+    if need_max:
+        above = input > max
+        g_max = torch.where(above | (max < min) if min is not None else above, grad, 0.0)
+    return g_input, g_min, g_max
+
+
+@derivative(torch.clamp, T.clamp, torch.clip, T.clip,
+            inplace=(torch.clamp_, T.clamp_, torch.clip_, T.clip_))
+def clamp(grad, input, min=None, max=None, *, needs_input_grad):
+    """Number or tensor bounds, either optional."""
+    return _clamp_grads(grad, input, min, max, *needs_input_grad)
+
+
+@derivative(torch.clamp_min, T.clamp_min, inplace=(torch.clamp_min_, T.clamp_min_))
+def clamp_min(grad, input, min, *, needs_input_grad):
+    g_input, g_min, _ = _clamp_grads(grad, input, min, None, *needs_input_grad, False)
+    return g_input, g_min
+
+
+@derivative(torch.clamp_max, T.clamp_max, inplace=(torch.clamp_max_, T.clamp_max_))
+def clamp_max(grad, input, max, *, needs_input_grad):
+    g_input, _, g_max = _clamp_grads(grad, input, None, max, needs_input_grad[0], False,
+                                     needs_input_grad[1])
+    return g_input, g_max
+
+
+def maximum_grads(grad, input, other, needs=(True, True)):
+    """Gradients of ``maximum(input, other)``: ties split the gradient in half, like torch."""
+    g = torch.where(input == other, grad / 2, grad)
+    return (torch.where(input < other, 0.0, g) if needs[0] else None,
+            torch.where(input > other, 0.0, g) if needs[1] else None)
+
+
+def minimum_grads(grad, input, other, needs=(True, True)):
+    """Gradients of ``minimum(input, other)``: ties split the gradient in half, like torch."""
+    g = torch.where(input == other, grad / 2, grad)
+    return (torch.where(input > other, 0.0, g) if needs[0] else None,
+            torch.where(input < other, 0.0, g) if needs[1] else None)
+
+
+@derivative(torch.maximum, T.maximum)
+def maximum(grad, input, other, *, needs_input_grad):
+    return maximum_grads(grad, input, other, needs_input_grad)
+
+
+@derivative(torch.minimum, T.minimum)
+def minimum(grad, input, other, *, needs_input_grad):
+    return minimum_grads(grad, input, other, needs_input_grad)
+
+
+@derivative(torch.fmax, T.fmax)
+def fmax(grad, input, other):
+    """NaN-ignoring maximum: the gradient goes to the operand that was taken."""
+    take_input = (input >= other) | other.isnan()
+    return torch.where(take_input, grad, 0.0), torch.where(take_input, 0.0, grad)
+
+
+@derivative(torch.fmin, T.fmin)
+def fmin(grad, input, other):
+    """NaN-ignoring minimum: the gradient goes to the operand that was taken."""
+    take_input = (input <= other) | other.isnan()
+    return torch.where(take_input, grad, 0.0), torch.where(take_input, 0.0, grad)
+
+
+@derivative(torch.where)
+def where(grad, condition, input, other, *, needs_input_grad):
+    return (None,
+            torch.where(condition, grad, 0.0) if needs_input_grad[1] else None,
+            torch.where(condition, 0.0, grad) if needs_input_grad[2] else None)
+
+
+@derivative(T.where)
+def where_method(grad, input, condition, other, *, needs_input_grad):
+    """``input.where(condition, other)`` is ``torch.where(condition, input, other)``."""
+    return (torch.where(condition, grad, 0.0) if needs_input_grad[0] else None,
+            None,
+            torch.where(condition, 0.0, grad) if needs_input_grad[2] else None)
+
+
+@derivative(torch.nan_to_num, T.nan_to_num, inplace=(torch.nan_to_num_, T.nan_to_num_))
+def nan_to_num(grad, input, nan=0.0, posinf=None, neginf=None):
+    """Replaced values are constants: zero gradient there."""
+    return torch.where(input.isfinite(), grad, 0.0)
+
+
+# -- copies and casts ----------------------------------------------------------------------------
 @derivative(T.to, T.type_as, T.double, T.float, T.half, T.bfloat16, T.cpu, T.cuda,
             T.clone, torch.clone, T.contiguous)
 def to(grad, input, *args, **kwargs):
@@ -126,12 +462,32 @@ def to(grad, input, *args, **kwargs):
     return grad
 
 
-@derivative(torch.sign, T.sign, torch.sgn, T.sgn)
-def sign(grad, input):
+# -- piecewise constant: zero gradient (like torch) -----------------------------------------
+@derivative(torch.sign, T.sign, torch.sgn, T.sgn, inplace=(T.sign_, T.sgn_))
+def sign(grad, input: Meta):
     """Piecewise constant: zero gradient (like torch)."""
     return torch.zeros_like(grad)
 
 
-@derivative(torch.where)
-def where(grad, condition, input, other):
-    return None, torch.where(condition, grad, 0.0), torch.where(condition, 0.0, grad)
+def _zero_gradient(grad, input: Meta):
+    """Piecewise constant: zero gradient (like torch)."""
+    return torch.zeros_like(grad)
+
+
+for _name, _funcs, _inplace in (
+        ("Floor", (torch.floor, T.floor), (torch.floor_, T.floor_)),
+        ("Ceil", (torch.ceil, T.ceil), (torch.ceil_, T.ceil_)),
+        ("Trunc", (torch.trunc, T.trunc, torch.fix, T.fix), (torch.trunc_, T.trunc_, torch.fix_, T.fix_))):
+    derivative(*_funcs, inplace=_inplace, name=_name + "Backward")(_zero_gradient)
+
+
+@derivative(torch.round, T.round, _special.special_round, inplace=(torch.round_, T.round_))
+def round(grad, input: Meta, *, decimals=0):
+    """Piecewise constant at any number of decimals: zero gradient."""
+    return torch.zeros_like(grad)
+
+
+@derivative(torch.frac, T.frac, inplace=(torch.frac_, T.frac_))
+def frac(grad, input: Meta):
+    """``x - trunc(x)``: gradient 1."""
+    return grad

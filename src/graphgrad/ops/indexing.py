@@ -1,4 +1,11 @@
-"""Indexing: __getitem__ / __setitem__, index_select, gather, scatter, masked_fill."""
+"""Indexing ops: __getitem__/__setitem__, index_select/index_add/index_copy/index_fill/index_put,
+gather/scatter/scatter_add, take/take_along_dim, masked_fill/masked_select/masked_scatter, unfold.
+
+Selections that may pick an element several times (integer indices, ``unfold``) send the
+gradient back with ``index_add``/``scatter_add``, so repeated picks add up; an index with no
+cheaper adjoint goes through the flat positions it picked. Rules that write into their input
+skip the gradients of arguments that need none.
+"""
 
 from __future__ import annotations
 
@@ -17,25 +24,99 @@ def _is_advanced(index) -> bool:
     return isinstance(index, bool)
 
 
+def _positions(input: Meta):
+    """Each element's flat position, shaped like the input: select from it to see what an op picks."""
+    return torch.arange(input.numel(), device=input.device).view(input.shape)
+
+
+def _add_at_positions(grad, input: Meta, positions):
+    """Adjoint of ``input.flatten()[positions]``: add ``grad`` into zeros at ``positions``."""
+    flat = grad.new_zeros(input.numel()).index_add(0, positions.reshape(-1), grad.reshape(-1))
+    return flat.view(input.shape)
+
+
+def _like_value(grad, value: Meta):
+    """Torch drops leading size-1 dims of an assigned value; put them back so the engine can sum."""
+    extra = value.ndim - grad.dim()
+    return grad.reshape((1,) * extra + tuple(grad.shape)) if extra > 0 else grad
+
+
+_FULL = slice(None)
+
+
+def _int_block(index, input: Meta):
+    """``(k, tensors)`` when ``index`` is full slices around one run of integer tensors, else None."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if items.count(Ellipsis) > 1:
+        return None
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [_FULL] * (input.ndim - len(items) + 1)
+    tensors, k = [], None
+    for d, item in enumerate(items):
+        if isinstance(item, list):
+            item = torch.tensor(item, device=input.device)
+        if isinstance(item, torch.Tensor) and not item.is_floating_point() and item.dtype != torch.bool:
+            if k is None:
+                k = d
+            elif d != k + len(tensors):
+                return None  # split runs move the indexed dims to the front
+            tensors.append(item)
+        elif not (isinstance(item, slice) and item == _FULL):
+            return None
+    return None if k is None else (k, tensors)
+
+
+def _getitem_backward(grad, input: Meta, index):
+    """The adjoint of an advanced index: integer runs and leading masks add up directly, anything
+    else through the flat positions the index picked."""
+    block = _int_block(index, input)
+    if block is not None:  # x[..., i, j, ...]: one index_add over the flattened indexed dims
+        k, tensors = block
+        sizes = input.shape[k:k + len(tensors)]
+        linear = 0
+        for t, size in zip(torch.broadcast_tensors(*tensors), sizes):
+            linear = linear * size + t % size
+        rest = input.shape[k + len(tensors):]
+        flat = grad.reshape(input.shape[:k] + (linear.numel(),) + rest)
+        zeros = grad.new_zeros(input.shape[:k] + (sizes.numel(),) + rest)
+        return zeros.index_add(k, linear.reshape(-1), flat).reshape(input.shape)
+    mask = index[0] if isinstance(index, tuple) and len(index) == 1 else index
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.ndim \
+            and mask.shape == input.shape[:mask.ndim]:  # x[mask]: rows picked in order
+        mask = mask.reshape(mask.shape + (1,) * (input.ndim - mask.ndim)).expand(input.shape)
+        return grad.new_zeros(input.shape).masked_scatter(mask, grad)
+    return _add_at_positions(grad, input, _positions(input)[index])
+
+
 @derivative(T.__getitem__)
 def getitem(grad, input: Meta, index):
-    zeros = grad.new_zeros(input.shape)
     if _is_advanced(index):
-        # repeated indices must add up: scatter through the flat positions they select
-        positions = torch.arange(input.numel(), device=input.device).view(input.shape)[index]
-        flat = zeros.reshape(-1).index_add(0, positions.reshape(-1), grad.reshape(-1))
-        return flat.view(input.shape)
+        return _getitem_backward(grad, input, index)
+    zeros = grad.new_zeros(input.shape)
     zeros[index] = grad
     return zeros
 
 
 @derivative(T.__setitem__)
-def setitem(grad, input: Meta, index, value):
+def setitem(grad, input: Meta, index, value: Meta, *, needs_input_grad):
     """``input[index] = value``: the overwritten part of ``input`` gets no gradient."""
-    grad_input = grad.clone()
-    grad_input[index] = 0
-    grad_value = grad[index] if isinstance(value, torch.Tensor) else None
+    grad_input = None
+    if needs_input_grad[0]:
+        grad_input = grad.clone()
+        grad_input[index] = 0
+    grad_value = _like_value(grad[index], value) if needs_input_grad[2] else None
     return grad_input, None, grad_value
+
+
+@derivative(torch.index_put, T.index_put, inplace=(T.index_put_, torch.index_put_))
+def index_put(grad, input, indices, values: Meta, accumulate=False, *, needs_input_grad):
+    """``indices`` is a tuple of optional tensors; ``None`` there means a full slice."""
+    grad_input = grad if accumulate else grad.index_put(indices, grad.new_zeros(()))
+    if not needs_input_grad[2]:
+        return grad_input
+    picked = grad[tuple(slice(None) if i is None else i for i in indices)]
+    return grad_input, None, _like_value(picked, values)
 
 
 @derivative(torch.index_select, T.index_select)
@@ -43,10 +124,25 @@ def index_select(grad, input: Meta, dim, index):
     return grad.new_zeros(input.shape).index_add(dim, index, grad)
 
 
-@derivative(torch.index_add, T.index_add)
-def index_add(grad, input, dim, index, source, *, alpha=1):
+@derivative(torch.index_add, T.index_add, inplace=(T.index_add_,))
+def index_add(grad, input, dim, index, source, *, alpha=1, needs_input_grad):
+    if not needs_input_grad[3]:
+        return grad
     grad_source = grad.index_select(dim, index)
     return grad, None, None, grad_source if alpha == 1 else grad_source * alpha
+
+
+@derivative(torch.index_copy, T.index_copy, inplace=(T.index_copy_,))
+def index_copy(grad, input, dim, index, source, *, needs_input_grad):
+    return (grad.index_fill(dim, index, 0.0) if needs_input_grad[0] else None, None, None,
+            grad.index_select(dim, index) if needs_input_grad[3] else None)
+
+
+@derivative(torch.index_fill, T.index_fill, inplace=(T.index_fill_,))
+def index_fill(grad, input, dim, index, value: Meta, *, needs_input_grad):
+    """A repeated index fills its place once, so ``value`` collects each place's gradient once."""
+    grad_value = grad.index_select(dim, index.unique()).sum() if needs_input_grad[3] else None
+    return grad.index_fill(dim, index, 0.0), None, None, grad_value
 
 
 @derivative(torch.gather, T.gather)
@@ -54,20 +150,58 @@ def gather(grad, input: Meta, dim, index, *, sparse_grad=False):
     return grad.new_zeros(input.shape).scatter_add(dim, index, grad)
 
 
-@derivative(torch.scatter, T.scatter)
-def scatter(grad, input, dim, index, src=None, *, value=None, reduce=None):
+@derivative(torch.scatter, T.scatter, inplace=(T.scatter_,))
+def scatter(grad, input, dim, index, src: Meta = None, *, value=None, reduce=None, needs_input_grad):
+    """``src`` may be a tensor or (positionally) a number; ``reduce=`` has no gradient here."""
     if reduce is not None:
-        raise NotImplementedError("scatter with reduce= has no graphgrad rule yet")
-    grad_src = grad.gather(dim, index) if isinstance(src, torch.Tensor) else None
-    return grad.scatter(dim, index, 0.0), None, None, grad_src
+        raise NotImplementedError(f"scatter(reduce={reduce!r}) has no graphgrad derivative rule; "
+                                  "use scatter_add or scatter_reduce-free code")
+    grad_src = grad.gather(dim, index) if needs_input_grad[3] else None
+    return grad.scatter(dim, index, 0.0) if needs_input_grad[0] else None, None, None, grad_src
 
 
-@derivative(torch.scatter_add, T.scatter_add)
-def scatter_add(grad, input, dim, index, src):
-    return grad, None, None, grad.gather(dim, index)
+@derivative(torch.scatter_add, T.scatter_add, inplace=(T.scatter_add_,))
+def scatter_add(grad, input, dim, index, src, *, needs_input_grad):
+    return grad, None, None, grad.gather(dim, index) if needs_input_grad[3] else None
 
 
-@derivative(torch.masked_fill, T.masked_fill)
-def masked_fill(grad, input, mask, value):
-    grad_value = torch.where(mask, grad, 0.0).sum() if isinstance(value, torch.Tensor) else None
-    return grad.masked_fill(mask, 0.0), None, grad_value
+@derivative(torch.take, T.take)
+def take(grad, input: Meta, index):
+    """Negative indices count from the end of the flattened input."""
+    return _add_at_positions(grad, input, index % max(input.numel(), 1))
+
+
+@derivative(torch.take_along_dim, T.take_along_dim)
+def take_along_dim(grad, input: Meta, indices, dim=None):
+    positions = _positions(input)
+    if dim is None:
+        return _add_at_positions(grad, input, positions.reshape(-1).take_along_dim(indices))
+    return _add_at_positions(grad, input, positions.take_along_dim(indices, dim))
+
+
+@derivative(T.unfold)
+def unfold(grad, input: Meta, dimension, size, step):
+    """Windows may overlap: each element collects the gradient of every window it is in."""
+    return _add_at_positions(grad, input, _positions(input).unfold(dimension, size, step))
+
+
+@derivative(torch.masked_fill, T.masked_fill, inplace=(T.masked_fill_,))
+def masked_fill(grad, input, mask, value: Meta, *, needs_input_grad):
+    grad_value = torch.where(mask, grad, 0.0).sum() if needs_input_grad[2] else None
+    return grad.masked_fill(mask, 0.0) if needs_input_grad[0] else None, None, grad_value
+
+
+@derivative(torch.masked_select, T.masked_select)
+def masked_select(grad, input: Meta, mask):
+    shape = torch.broadcast_shapes(input.shape, mask.shape)
+    return grad.new_zeros(shape).masked_scatter(mask.expand(shape), grad)
+
+
+@derivative(torch.masked_scatter, T.masked_scatter, inplace=(T.masked_scatter_,))
+def masked_scatter(grad, input, mask, source: Meta, *, needs_input_grad):
+    """``source``'s first ``mask.sum()`` elements fill the masked places, in order; the rest are unused."""
+    if not needs_input_grad[2]:
+        return grad.masked_fill(mask, 0.0)
+    picked = grad.masked_select(mask)
+    unused = grad.new_zeros(source.numel() - picked.numel())
+    return grad.masked_fill(mask, 0.0), None, torch.cat([picked, unused]).reshape(source.shape)

@@ -1,59 +1,328 @@
-"""Losses: mean squared error, negative log-likelihood and cross-entropy (class indices)."""
+"""Losses: mse_loss, l1_loss, smooth_l1_loss, huber_loss, cross_entropy, nll_loss,
+binary_cross_entropy, binary_cross_entropy_with_logits, kl_div, margin_ranking_loss.
+
+Rules sit on the ``torch.nn.functional`` functions (they reach ``__torch_function__`` as
+themselves), so torch computes the loss and graphgrad only its gradient. Gradients follow
+torch's backward formulas, including the ones for ``target``; where torch raises instead
+(``weight`` of nll_loss/cross_entropy with class indices, of binary_cross_entropy and
+binary_cross_entropy_with_logits, and that one's ``pos_weight``) graphgrad gives the gradient.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..rules import Meta, decomposition, derivative
+from ..rules import decomposition, derivative
+
+_REDUCTIONS = ("none", "mean", "sum")  # torch's reduction enum: 0, 1, 2
+_BCE_EPS = 1e-12  # torch clamps binary_cross_entropy's (1 - x) * x from below by this
+
+
+def _default_reduction(fn, n_tensors: int) -> int:
+    """The reduction a ``torch.*`` loss uses when none is passed. Its signature says Mean (1),
+    but torch 2.13's Python binding gives 0 (none): ask the function instead of trusting it."""
+    with torch.no_grad():
+        return 1 if fn(*(torch.zeros(2) for _ in range(n_tensors))).dim() == 0 else 0
 
 
 def _reduction(size_average, reduce, reduction):
+    """The reduction string, honouring the legacy ``size_average``/``reduce`` arguments."""
     if size_average is not None or reduce is not None:
         return torch.nn._reduction.legacy_get_string(size_average, reduce, emit_warning=False)
     return reduction
 
 
-@derivative(F.mse_loss)
-def mse_loss(grad, input, target, size_average=None, reduce=None, reduction="mean",
-             weight=None):
-    if weight is not None:
-        raise NotImplementedError("mse_loss(weight=...) has no graphgrad rule yet")
+def _scaled(grad, reduction, count):
+    """The upstream gradient of each element: divided by ``count`` for "mean"."""
+    return grad / count if reduction == "mean" else grad
+
+
+# -- pointwise losses of input - target -----------------------------------------------------
+def _slope(kind, diff, param):
+    """d loss / d diff for one element, as torch's backward kernels compute it."""
+    if kind == "mse":
+        return 2 * diff
+    if kind == "l1" or param == 0:  # smooth_l1_loss(beta=0) is l1_loss
+        return diff.sgn()
+    small = diff.abs() < param
+    if kind == "smooth_l1":  # diff / beta inside, sign(diff) outside (equal on the boundary)
+        return torch.where(small, diff / param, diff.sgn())
+    return torch.where(small, diff, diff.sgn() * param)  # huber
+
+
+def _pointwise_loss(kind, diff, param):
+    """The unreduced, unweighted loss (only the weight's gradient needs it)."""
+    if kind == "mse":
+        return diff * diff
+    if kind == "l1":
+        return diff.abs()
+    a = diff.abs()  # huber
+    return torch.where(a < param, 0.5 * diff * diff, param * (a - 0.5 * param))
+
+
+def _pointwise_grads(kind, grad, input, target, weight, reduction, param=None, weight_mean=False,
+                     needs=(True, True, True)):
+    """(input, target, weight) gradients of ``reduce(weight * loss(input - target))``.
+
+    ``weight_mean``: "mean" divides by ``weight.sum()`` (mse_loss, l1_loss) instead of the
+    element count (huber_loss).
+    """
     diff = input - target
-    reduction = _reduction(size_average, reduce, reduction)
-    g = 2 * diff * grad
-    if reduction == "mean":
-        g = g / diff.numel()
-    return g, -g
+    if weight is None:
+        g = _scaled(grad, reduction, diff.numel()) * _slope(kind, diff, param)
+        return g, -g, None
+    if reduction == "mean" and weight_mean:
+        total = weight.sum()
+        g = grad / total
+    else:
+        g = _scaled(grad, reduction, torch.broadcast_shapes(diff.shape, weight.shape).numel())
+    g_input = g_weight = None
+    if needs[0] or needs[1]:
+        g_input = g * weight * _slope(kind, diff, param)
+    if needs[2]:
+        loss = _pointwise_loss(kind, diff, param)
+        if reduction == "mean" and weight_mean:
+            loss = loss - (weight * loss).sum() / total
+        g_weight = g * loss
+    return g_input, None if g_input is None else -g_input, g_weight
 
 
-@derivative(F.nll_loss)
-def nll_loss(grad, input: Meta, target, weight=None, size_average=None, ignore_index=-100,
-             reduce=None, reduction="mean"):
-    """Only the target class's log-probability gets ``-weight`` (scaled for "mean")."""
+@derivative(F.mse_loss)
+def mse_loss(grad, input, target, size_average=None, reduce=None, reduction="mean", weight=None,
+             *, needs_input_grad):
+    g_input, g_target, g_weight = _pointwise_grads(
+        "mse", grad, input, target, weight, _reduction(size_average, reduce, reduction),
+        weight_mean=True, needs=needs_input_grad[:2] + needs_input_grad[5:])
+    return g_input, g_target, None, None, None, g_weight
+
+
+@derivative(F.l1_loss)
+def l1_loss(grad, input, target, size_average=None, reduce=None, reduction="mean", weight=None,
+            *, needs_input_grad):
+    """torch (2.13) drops ``weight`` before ``__torch_function__``; handled should it arrive."""
+    g_input, g_target, g_weight = _pointwise_grads(
+        "l1", grad, input, target, weight, _reduction(size_average, reduce, reduction),
+        weight_mean=True, needs=needs_input_grad[:2] + needs_input_grad[5:])
+    return g_input, g_target, None, None, None, g_weight
+
+
+@derivative(F.smooth_l1_loss)
+def smooth_l1_loss(grad, input, target, size_average=None, reduce=None, reduction="mean",
+                   beta=1.0):
+    return _pointwise_grads("smooth_l1", grad, input, target, None,
+                            _reduction(size_average, reduce, reduction), beta)[:2]
+
+
+@derivative(F.huber_loss)
+def huber_loss(grad, input, target, reduction="mean", delta=1.0, weight=None, *, needs_input_grad):
+    g_input, g_target, g_weight = _pointwise_grads(
+        "huber", grad, input, target, weight, reduction, delta,
+        needs=needs_input_grad[:2] + needs_input_grad[4:])
+    return g_input, g_target, None, None, g_weight
+
+
+# -- classification -------------------------------------------------------------------------
+@derivative(F.nll_loss, saved_for={"input": "weight"})
+def nll_loss(grad, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+             reduction="mean", *, needs_input_grad):
+    """Only the target class's log-probability gets ``-weight`` (over the total weight for
+    "mean"). ``input`` is kept only when ``weight`` needs a gradient (torch has none for it)."""
     reduction = _reduction(size_average, reduce, reduction)
     class_dim = 1 if input.ndim >= 2 else 0
     keep = target != ignore_index
     safe = target.masked_fill(~keep, 0)
     w = keep.to(input.dtype) if weight is None else weight[safe] * keep
-    if reduction == "mean":
-        scale = grad / w.sum()
-    else:
-        scale = grad
-    picked = -(scale * w).unsqueeze(class_dim)
-    zeros = torch.zeros(input.shape, dtype=input.dtype, device=input.device)
-    return zeros.scatter(class_dim, safe.unsqueeze(class_dim), picked)
+    total = w.sum() if reduction == "mean" else None
+    scale = grad / total if reduction == "mean" else grad
+    g_input = g_weight = None
+    if needs_input_grad[0]:
+        picked = -(scale * w).masked_fill(~keep, 0.0).unsqueeze(class_dim)
+        zeros = torch.zeros(input.shape, dtype=input.dtype, device=input.device)
+        g_input = zeros.scatter(class_dim, safe.unsqueeze(class_dim), picked)
+    if weight is not None and needs_input_grad[2]:
+        # loss = -sum(w[t] * x[t]) (/ sum(w[t])): each kept element adds -x[t] (- loss) to w[t]
+        x_t = input.gather(class_dim, safe.unsqueeze(class_dim)).squeeze(class_dim)
+        contrib = -x_t
+        if reduction == "mean":
+            contrib = contrib + (w * x_t).sum() / total
+        contrib = (scale * contrib).masked_fill(~keep, 0.0)
+        zeros = torch.zeros(weight.shape, dtype=contrib.dtype, device=contrib.device)
+        g_weight = zeros.scatter_add(0, safe.reshape(-1), contrib.reshape(-1))
+    return g_input, None, g_weight
 
 
 @decomposition(F.cross_entropy)
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                   reduction="mean", label_smoothing=0.0):
-    """log_softmax over the class dimension, then nll_loss."""
-    if target.is_floating_point():
-        raise NotImplementedError("cross_entropy with class probabilities has no graphgrad "
-                                  "rule yet; pass class indices")
-    if label_smoothing != 0.0:
-        raise NotImplementedError("cross_entropy(label_smoothing=...) has no graphgrad rule yet")
+    """log_softmax over the class dimension, then nll_loss (class indices) or the weighted sum
+    against the probabilities; label smoothing mixes in the uniform distribution, as torch does."""
+    reduction = _reduction(size_average, reduce, reduction)
     class_dim = 1 if input.dim() >= 2 else 0
-    return F.nll_loss(torch.log_softmax(input, class_dim), target, weight, None, ignore_index,
-                      None, _reduction(size_average, reduce, reduction))
+    n_classes = input.shape[class_dim]
+    logp = torch.log_softmax(input, class_dim)
+    if weight is not None:
+        shape = [1] * input.dim()
+        shape[class_dim] = n_classes
+        class_weight = weight.view(shape)
+    if target.is_floating_point():  # class probabilities
+        if label_smoothing > 0.0:
+            target = target * (1 - label_smoothing) + label_smoothing / n_classes
+        prod = logp * target if weight is None else logp * target * class_weight
+        if reduction == "none":
+            return -prod.sum(class_dim)
+        if reduction == "sum":
+            return -prod.sum()
+        return -prod.sum() / (input.numel() / n_classes)
+    nll = F.nll_loss(logp, target, weight, None, ignore_index, None, reduction)
+    if label_smoothing == 0.0:
+        return nll
+    ignored = target == ignore_index
+    smooth = -(logp.sum(class_dim) if weight is None else (logp * class_weight).sum(class_dim))
+    smooth = smooth.masked_fill(ignored, 0.0)
+    if reduction == "sum":
+        smooth = smooth.sum()
+    elif reduction == "mean":
+        if weight is None:
+            smooth = smooth.sum() / (~ignored).sum()
+        else:
+            smooth = smooth.sum() / (weight[target.masked_fill(ignored, 0)] * ~ignored).sum()
+    return (1 - label_smoothing) * nll + smooth * (label_smoothing / n_classes)
+
+
+def _clamped_log(x):
+    """log(x) floored at -100, as binary_cross_entropy's forward takes it."""
+    return x.log().clamp_min(-100.0)
+
+
+@derivative(F.binary_cross_entropy)
+def binary_cross_entropy(grad, input, target, weight=None, size_average=None, reduce=None,
+                         reduction="mean", *, needs_input_grad):
+    """torch's backward: (x - t) / max(x (1 - x), 1e-12) for the input, -logit(x) for the target."""
+    reduction = _reduction(size_average, reduce, reduction)
+    g = _scaled(grad, reduction, input.numel())
+    g_weight = None
+    if weight is not None:
+        if needs_input_grad[2]:
+            g_weight = -g * (target * _clamped_log(input) + (1 - target) * _clamped_log(1 - input))
+        g = g * weight
+    g_input = g_target = None
+    if needs_input_grad[0]:
+        denom = (1 - input) * input
+        g_input = g * (input - target) / denom.clamp_min(_BCE_EPS)
+    if needs_input_grad[1]:
+        g_target = g * ((1 - input).log() - input.log())
+    return g_input, g_target, g_weight
+
+
+def _bce_with_logits_grads(grad, input, target, weight, pos_weight, reduction, needs):
+    g = _scaled(grad, reduction, input.numel())
+    g_weight = g_pos_weight = None
+    if weight is not None and needs[2]:
+        log_weight = 1 if pos_weight is None else 1 + (pos_weight - 1) * target
+        g_weight = g * ((1 - target) * input - log_weight * F.logsigmoid(input))
+    if weight is not None:
+        g = g * weight
+    if pos_weight is not None and needs[3]:
+        g_pos_weight = -g * target * F.logsigmoid(input)
+    g_input = g_target = None
+    if pos_weight is None:
+        if needs[0]:
+            g_input = (input.sigmoid() - target) * g
+        if needs[1]:
+            g_target = -input * g
+    else:
+        if needs[0]:
+            t = pos_weight * target
+            g_input = ((t + 1 - target) * input.sigmoid() - t) * g
+        if needs[1]:
+            g_target = (F.logsigmoid(-input) - pos_weight * F.logsigmoid(input)) * g
+    return g_input, g_target, g_weight, g_pos_weight
+
+
+@derivative(F.binary_cross_entropy_with_logits)
+def binary_cross_entropy_with_logits(grad, input, target, weight=None, size_average=None,
+                                     reduce=None, reduction="mean", pos_weight=None, *,
+                                     needs_input_grad):
+    """torch's backward formulas for input and target; weight and pos_weight broadcast."""
+    n = needs_input_grad
+    g_input, g_target, g_weight, g_pos_weight = _bce_with_logits_grads(
+        grad, input, target, weight, pos_weight, _reduction(size_average, reduce, reduction),
+        (n[0], n[1], n[2], n[6]))
+    return g_input, g_target, g_weight, None, None, None, g_pos_weight
+
+
+@derivative(torch.binary_cross_entropy_with_logits)
+def binary_cross_entropy_with_logits_enum(
+        grad, input, target, weight=None, pos_weight=None,
+        reduction=_default_reduction(torch.binary_cross_entropy_with_logits, 2), *, needs_input_grad):
+    """``torch.binary_cross_entropy_with_logits``: the reduction is torch's enum."""
+    return _bce_with_logits_grads(grad, input, target, weight, pos_weight, _REDUCTIONS[reduction],
+                                  needs_input_grad[:4])
+
+
+# -- distributions and ranking --------------------------------------------------------------
+def _kl_div_grads(grad, input, target, reduction, log_target, count, needs):
+    """kl_div is torch's composite xlogy(t, t) - t x, or e^t (t - x) for a log target."""
+    g = grad / count if reduction in ("mean", "batchmean") else grad
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    g_input = g_target = None
+    if log_target:
+        e = target.exp()
+        if needs[0]:
+            g_input = (-e * g).expand(shape)
+        if needs[1]:
+            g_target = e * (target - input + 1) * g
+        return g_input, g_target
+    if needs[0]:
+        g_input = (-target * g).expand(shape)  # a gradient has the broadcast shape
+    if needs[1]:
+        # d xlogy(t, t) / dt as torch's autograd gives it: xlogy(t != 0, t) + t / t (nan at 0)
+        dxlogy = torch.where(target != 0, target.log(), 0.0) + target / target
+        g_target = (dxlogy - input) * g
+    return g_input, g_target
+
+
+@derivative(F.kl_div, saved_for={"input": "target"})
+def kl_div(grad, input, target, size_average=None, reduce=None, reduction="mean",
+           log_target=False, *, needs_input_grad):
+    """Reduction "batchmean" divides the sum by input.size(0), "mean" by the element count;
+    ``input`` is kept only when ``target`` needs a gradient."""
+    reduction = _reduction(size_average, reduce, reduction)
+    if reduction == "batchmean":
+        count = input.shape[0] if input.ndim else 1
+    else:
+        count = torch.broadcast_shapes(input.shape, target.shape).numel()
+    return _kl_div_grads(grad, input, target, reduction, log_target, count, needs_input_grad)
+
+
+@derivative(torch.kl_div, saved_for={"input": "target"})
+def kl_div_enum(grad, input, target, reduction=_default_reduction(torch.kl_div, 2), *,
+                log_target=False, needs_input_grad):
+    """``torch.kl_div``: the reduction is torch's enum."""
+    count = torch.broadcast_shapes(input.shape, target.shape).numel()
+    return _kl_div_grads(grad, input, target, _REDUCTIONS[reduction], log_target, count,
+                         needs_input_grad)
+
+
+def _margin_ranking_grads(grad, input1, input2, target, margin, reduction):
+    """max(0, -target (x1 - x2) + margin): the gradient passes where the hinge is >= 0
+    (torch's clamp_min), and reaches all three inputs."""
+    delta = input1 - input2
+    active = -target * delta + margin >= 0
+    g = torch.where(active, _scaled(grad, reduction, active.numel()), 0.0)
+    return -target * g, target * g, -delta * g
+
+
+@derivative(F.margin_ranking_loss)
+def margin_ranking_loss(grad, input1, input2, target, margin=0, size_average=None, reduce=None,
+                        reduction="mean"):
+    return _margin_ranking_grads(grad, input1, input2, target, margin,
+                                 _reduction(size_average, reduce, reduction))
+
+
+@derivative(torch.margin_ranking_loss)
+def margin_ranking_loss_enum(grad, input1, input2, target, margin=0.0,
+                             reduction=_default_reduction(torch.margin_ranking_loss, 3)):
+    """``torch.margin_ranking_loss``: the reduction is torch's enum."""
+    return _margin_ranking_grads(grad, input1, input2, target, margin, _REDUCTIONS[reduction])

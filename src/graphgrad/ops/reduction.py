@@ -1,6 +1,13 @@
-"""Reductions: sum and mean over all or some dimensions; softmax and log_softmax."""
+"""Reductions: sum mean prod, amax amin max min, var std (and var_mean std_mean), norm and
+linalg.vector_norm, logsumexp, cumsum, softmax log_softmax softmin.
+
+The formulas follow torch's own (``torch/csrc/autograd/FunctionsManual.cpp``), so ties,
+zeros and NaNs are treated alike and second derivatives agree.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +28,28 @@ def reduced_dims(dim, ndim: int) -> list[int]:
     return sorted(d % ndim for d in dim) if ndim else []
 
 
+def restore_reduced(t, dims: list[int], ndim: int, keepdim: bool):
+    """Put the reduced dimensions back as size 1 (torch's ``unsqueeze_multiple``)."""
+    if keepdim or not ndim or t.dim() == ndim:
+        return t
+    for d in dims:
+        t = t.unsqueeze(d)
+    return t
+
+
 def expand_reduced(grad, input: Meta, dim, keepdim: bool):
     """Broadcast a reduction's gradient back over the dimensions it reduced."""
     if not keepdim and input.ndim and grad.dim() != input.ndim:
         for d in reduced_dims(dim, input.ndim):
             grad = grad.unsqueeze(d)
     return grad.expand(input.shape)
+
+
+def _count(shape, dims) -> int:
+    n = 1
+    for d in dims:
+        n *= shape[d]
+    return n
 
 
 @derivative(torch.sum, T.sum)
@@ -36,9 +59,7 @@ def sum(grad, input: Meta, dim=None, keepdim=False, *, dtype=None):
 
 @derivative(torch.mean, T.mean)
 def mean(grad, input: Meta, dim=None, keepdim=False, *, dtype=None):
-    count = 1
-    for d in reduced_dims(dim, input.ndim):
-        count *= input.shape[d]
+    count = _count(input.shape, reduced_dims(dim, input.ndim))
     return expand_reduced(grad, input, dim, keepdim) / max(count, 1)
 
 
@@ -47,12 +68,244 @@ def sum_to_size(grad, input: Meta, *size):
     return grad.expand(input.shape)
 
 
-@derivative(torch.softmax, T.softmax, torch._softmax)
+# -- prod --------------------------------------------------------------------------------
+def _prod_grad(grad, input, result, dim: int):
+    """d prod / d x_i = prod of the others; ``grad`` and ``result`` keep ``dim`` as size 1."""
+    zero = input == 0
+    if not zero.any():
+        return grad * (result / input)
+    if torch.is_grad_enabled():
+        # create_graph: the products of the others, formed explicitly (n x n per slice) so
+        # that their own derivative is right even where several inputs are zero
+        x = input.transpose(dim, -1)
+        eye = torch.eye(x.shape[-1], dtype=torch.bool, device=x.device)
+        others = torch.where(eye, 1.0, x.unsqueeze(-2)).prod(-1).transpose(dim, -1)
+        return grad * others
+    # one zero in a slice: it gets the product of the others, the rest 0; two or more: all 0
+    count = zero.sum(dim, keepdim=True)
+    nonzero = torch.where(zero, 1.0, input).prod(dim, keepdim=True)
+    others = torch.where(count == 0, result / input, torch.where(zero & (count == 1), nonzero, 0.0))
+    return grad * others
+
+
+@derivative(torch.prod, T.prod)
+def prod(grad, input, dim=None, keepdim=False, *, dtype=None, result):
+    """Zeros in the input are handled like torch (the product of the other elements)."""
+    if input.dim() == 0:
+        return grad
+    if dim is None:
+        flat = _prod_grad(grad.reshape(1), input.reshape(-1), result.reshape(1), 0)
+        return flat.reshape(input.shape)
+    if not keepdim:
+        grad = grad.unsqueeze(dim)
+        result = result.unsqueeze(dim)
+    return _prod_grad(grad, input, result, dim)
+
+
+# -- amax amin max min ---------------------------------------------------------------------
+def _amax_grad(grad, input, dim, keepdim, result):
+    """Ties share the gradient evenly (torch's ``scale_grad_by_count``)."""
+    dims = reduced_dims(dim, input.dim())
+    grad = restore_reduced(grad, dims, input.dim(), keepdim)
+    mask = input == restore_reduced(result, dims, input.dim(), keepdim)
+    return (grad / mask.sum(dims, keepdim=True)) * mask
+
+
+@derivative(torch.amax, T.amax)
+def amax(grad, input, dim=(), keepdim=False, *, result):
+    return _amax_grad(grad, input, dim, keepdim, result)
+
+
+@derivative(torch.amin, T.amin)
+def amin(grad, input, dim=(), keepdim=False, *, result):
+    return _amax_grad(grad, input, dim, keepdim, result)
+
+
+def _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, is_max):
+    grad = grads[0]
+    if grad is None:
+        return None
+    if isinstance(dim, torch.Tensor) or other is not None:
+        # torch.max(input, other): the elementwise maximum; ties split the gradient
+        b = dim if isinstance(dim, torch.Tensor) else other
+        half = torch.where(input == b, grad / 2, grad)
+        lower, upper = (input < b, input > b) if is_max else (input > b, input < b)
+        ga = half.masked_fill(lower, 0) if needs_input_grad[0] else None
+        gb = half.masked_fill(upper, 0) if needs_input_grad[1] or needs_input_grad[3] else None
+        return (ga, gb) if isinstance(dim, torch.Tensor) else (ga, None, None, gb)
+    if dim is None:
+        # the whole tensor: ties (and NaNs, when the result is NaN) share the gradient evenly
+        value = result if isinstance(result, torch.Tensor) else result[0]
+        mask = (input == value) | (input.isnan() & value.isnan())
+        return mask * (grad / mask.sum())
+    # (values, indices) along dim: the gradient goes to the selected index only
+    index = result[1].detach()
+    if not keepdim and input.dim():
+        grad = grad.unsqueeze(dim)
+        index = index.unsqueeze(dim)
+    return grad.new_zeros(input.shape).scatter(dim, index, grad)
+
+
+@derivative(torch.max, T.max, multi_output=True, name="MaxBackward")
+def max_rule(grads, input, dim=None, keepdim=False, *, other=None, result, needs_input_grad):
+    """``max(x)``, ``max(x, dim, keepdim)`` -> (values, indices), and ``max(x, other)``."""
+    return _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, True)
+
+
+@derivative(torch.min, T.min, multi_output=True, name="MinBackward")
+def min_rule(grads, input, dim=None, keepdim=False, *, other=None, result, needs_input_grad):
+    """``min(x)``, ``min(x, dim, keepdim)`` -> (values, indices), and ``min(x, other)``."""
+    return _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, False)
+
+
+# -- var std -------------------------------------------------------------------------------
+def _var_options(args, kwargs):
+    """(dim, correction, keepdim) from any of var's overloads (dim/unbiased/correction)."""
+    args = list(args)
+    dim, unbiased, keepdim = None, True, False
+    if args and isinstance(args[0], bool):  # var(input, unbiased)
+        unbiased = args.pop(0)
+    elif args:
+        dim = args.pop(0)
+        if args:
+            unbiased = args.pop(0)
+        if args:
+            keepdim = args.pop(0)
+    dim = kwargs.get("dim", dim)
+    unbiased = kwargs.get("unbiased", unbiased)
+    keepdim = kwargs.get("keepdim", keepdim)
+    correction = kwargs.get("correction")
+    if correction is None:
+        correction = 1 if unbiased else 0
+    return dim, correction, keepdim
+
+
+def _var_grad(grad, input, dim, correction, keepdim):
+    """torch's ``var_backward``: 2 / (n - correction) * grad * (x - mean)."""
+    if input.dim() == 0 or dim is None:
+        dof = input.numel() - correction
+        if dof <= 0:  # infinite scale: NaN where x equals the mean, inf elsewhere (like torch)
+            return grad * torch.where(input == input.mean(), math.nan, math.inf)
+        return (2.0 / dof) * grad * (input - input.mean())
+    dims = reduced_dims(dim, input.dim())
+    if not keepdim and input.dim() > 1:
+        grad = restore_reduced(grad, dims, input.dim(), False)
+    dof = _count(input.shape, dims) - correction
+    scale = 2.0 / dof if dof else math.inf
+    return scale * grad * (input - input.mean(dims, keepdim=True))
+
+
+def _std_to_var_grad(grad, std):
+    return (grad / (std * 2)).masked_fill(std == 0, 0)
+
+
+@derivative(torch.var, T.var)
+def var(grad, input, *args, **kwargs):
+    """All overloads: ``dim``, ``unbiased`` or ``correction``, ``keepdim``."""
+    return _var_grad(grad, input, *_var_options(args, kwargs))
+
+
+@derivative(torch.std, T.std)
+def std(grad, input, *args, result, **kwargs):
+    return _var_grad(_std_to_var_grad(grad, result), input, *_var_options(args, kwargs))
+
+
+def _var_mean_grad(grads, input, args, kwargs, std=None):
+    dim, correction, keepdim = _var_options(args, kwargs)
+    g_var, g_mean = grads
+    out = None
+    if g_var is not None:
+        if std is not None:
+            g_var = _std_to_var_grad(g_var, std)
+        out = _var_grad(g_var, input, dim, correction, keepdim)
+    if g_mean is not None:
+        count = _count(input.shape, reduced_dims(dim, input.dim()))
+        g = expand_reduced(g_mean, input, dim, keepdim) / max(count, 1)
+        out = g if out is None else out + g
+    return out
+
+
+@derivative(torch.var_mean, multi_output=True)
+def var_mean(grads, input, *args, **kwargs):
+    return _var_mean_grad(grads, input, args, kwargs)
+
+
+@derivative(torch.std_mean, multi_output=True)
+def std_mean(grads, input, *args, result, **kwargs):
+    return _var_mean_grad(grads, input, args, kwargs, std=result[0])
+
+
+# -- norms ---------------------------------------------------------------------------------
+@derivative(torch.linalg.vector_norm)
+def vector_norm(grad, input, ord=2, dim=None, keepdim=False, *, dtype=None, result):
+    """torch's ``norm_backward``: the gradient is 0 where the norm is 0 (ord > 1)."""
+    p = float(ord)
+    dims = reduced_dims(dim, input.dim())
+    grad = restore_reduced(grad, dims, input.dim(), keepdim)
+    norm = restore_reduced(result, dims, input.dim(), keepdim)
+    if p == 0.0:
+        return torch.zeros_like(input)
+    if p == 1.0:
+        return input.sgn() * grad
+    if p == 2.0:
+        return grad * (input / norm).masked_fill(norm == 0, 0)
+    if math.isinf(p):  # the derivative of amax(abs(x)): ties (and NaNs) share evenly
+        x_abs = input.abs()
+        mask = x_abs.eq(norm) | x_abs.isnan()
+        return input.sgn() * ((grad / mask.sum(dims, keepdim=True)) * mask)
+    if p < 1.0:
+        scaled = input.sgn() * input.abs().pow(p - 1).masked_fill(input == 0, 0)
+        return scaled * grad * norm.pow(1 - p)
+    if p < 2.0:
+        scaled = input.sgn() * input.abs().pow(p - 1)
+    else:
+        scaled = input * input.abs().pow(p - 2)
+    return scaled * (grad / norm.pow(p - 1)).masked_fill(norm == 0, 0)
+
+
+@decomposition(torch.norm)
+def norm(input, p="fro", dim=None, keepdim=False, out=None, dtype=None):
+    """``torch.norm``: a Python function that calls linalg.vector_norm or linalg.matrix_norm."""
+    extra = {} if out is None else {"out": out}
+    dims = [dim] if isinstance(dim, int) else dim
+    if isinstance(p, str):
+        if p == "fro" and (dim is None or isinstance(dim, int) or len(dim) <= 2):
+            return torch.linalg.vector_norm(input, 2, dims, keepdim, dtype=dtype, **extra)
+        if dims is None:
+            dims = list(range(input.dim()))
+        return torch.linalg.matrix_norm(input, p, dims, keepdim, dtype=dtype, **extra)
+    return torch.linalg.vector_norm(input, 2.0 if p is None else p, dims, keepdim, dtype=dtype,
+                                    **extra)
+
+
+@decomposition(T.norm)
+def tensor_norm(input, p="fro", dim=None, keepdim=False, dtype=None):
+    return norm(input, p, dim, keepdim, dtype=dtype)
+
+
+# -- logsumexp cumsum softmax ---------------------------------------------------------------
+@derivative(torch.logsumexp, T.logsumexp, torch.special.logsumexp)
+def logsumexp(grad, input, dim, keepdim=False, *, result):
+    dims = reduced_dims(dim, input.dim())
+    grad = restore_reduced(grad, dims, input.dim(), keepdim)
+    result = restore_reduced(result, dims, input.dim(), keepdim)
+    return grad * (input - result).exp()
+
+
+@derivative(torch.cumsum, T.cumsum, inplace=(T.cumsum_,))
+def cumsum(grad, input: Meta, dim, *, dtype=None):
+    """The reversed cumulative sum of the gradient."""
+    if grad.dim() == 0 or grad.shape[dim] <= 1:
+        return grad
+    return grad.flip(dim).cumsum(dim).flip(dim)
+
+
+@derivative(torch.softmax, T.softmax, torch._softmax, torch.special.softmax)
 def softmax(grad, input, dim, dtype=None, *, result):
     return result * (grad - (grad * result).sum(dim, keepdim=True))
 
 
-@derivative(torch.log_softmax, T.log_softmax)
+@derivative(torch.log_softmax, T.log_softmax, torch._log_softmax, torch.special.log_softmax)
 def log_softmax(grad, input, dim, dtype=None, *, result):
     return grad - result.exp() * grad.sum(dim, keepdim=True)
 
@@ -69,3 +322,11 @@ def log_softmax_function(input, dim=None, _stacklevel=3, dtype=None):
     if dim is None:
         dim = F._get_softmax_dim("log_softmax", input.dim(), _stacklevel)
     return torch.log_softmax(input, dim, dtype=dtype)
+
+
+@decomposition(F.softmin)
+def softmin_function(input, dim=None, _stacklevel=3, dtype=None):
+    """``softmax(-input)``."""
+    if dim is None:
+        dim = F._get_softmax_dim("softmin", input.dim(), _stacklevel)
+    return (-input).softmax(dim, dtype=dtype)

@@ -1,29 +1,58 @@
-"""Shape, view and indexing ops: their gradients are the inverse rearrangement of ``grad``."""
+"""Shape and view ops: their gradients are the inverse rearrangement of ``grad``.
+
+reshape/view/flatten/unflatten/squeeze/unsqueeze/ravel, permute/transpose/t/movedim,
+expand/repeat/tile, cat/stack and their inverses split/chunk/tensor_split/unbind,
+narrow/select/diagonal (and the ``*_scatter`` ops that undo them), flip/roll/rot90, tril/triu;
+atleast_nd and the h/v/d/column stacks are decompositions into reshape and cat.
+Multi-output rules (split, chunk, unbind) get ``None`` for outputs that received no gradient.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from ..rules import Meta, derivative, nondifferentiable
+from ..rules import Meta, decomposition, derivative, nondifferentiable
 
 T = torch.Tensor
+_VF = torch._C._VariableFunctions  # torch.atleast_1d([a, b]) reaches graphgrad as _VF.atleast_1d
 
 
-@derivative(torch.reshape, T.reshape, T.view, T.flatten, torch.flatten, torch.squeeze, T.squeeze,
-            T.view_as, T.reshape_as)
+def _sizes(first, more) -> tuple:
+    """``x.f(2, 3)``, ``x.f((2, 3))`` and ``x.f(torch.Size(...))`` all name the sizes (2, 3)."""
+    if more or isinstance(first, int):
+        return (first, *more)
+    return tuple(first)
+
+
+# -- reshaping ----------------------------------------------------------------------------
+@derivative(torch.reshape, T.reshape, T.flatten, torch.flatten, torch.squeeze, T.squeeze,
+            torch.unflatten, T.unflatten, torch.ravel, T.ravel, inplace=(T.squeeze_,))
 def reshape(grad, input: Meta, *args, **kwargs):
     """Any op that only changes the shape: reshape the gradient back."""
-    if args and isinstance(args[0], torch.dtype):
-        raise NotImplementedError("view(dtype) reinterprets memory and has no gradient")
     return grad.reshape(input.shape)
 
 
-@derivative(torch.unsqueeze, T.unsqueeze)
+@derivative(T.view)
+def view(grad, input: Meta, *shape, **kwargs):
+    if shape and isinstance(shape[0], torch.dtype) and shape[0] != input.dtype:
+        raise NotImplementedError("view(dtype) reinterprets memory; graphgrad has no gradient for it")
+    return grad.reshape(input.shape)
+
+
+@derivative(T.view_as, T.reshape_as)
+def view_as(grad, input: Meta, other):
+    """``other`` gives only a shape: it is not saved."""
+    return grad.reshape(input.shape)
+
+
+@derivative(torch.unsqueeze, T.unsqueeze, inplace=(T.unsqueeze_,))
 def unsqueeze(grad, input, dim):
     return grad.squeeze(dim)
 
 
-@derivative(torch.transpose, T.transpose, torch.swapaxes, T.swapaxes)
+# -- permuting ----------------------------------------------------------------------------
+@derivative(torch.transpose, T.transpose, torch.swapaxes, T.swapaxes, torch.swapdims, T.swapdims,
+            inplace=(T.transpose_, T.swapaxes_, T.swapdims_))
 def transpose(grad, input, dim0, dim1):
     return grad.transpose(dim0, dim1)
 
@@ -34,16 +63,15 @@ def reverse_dims(grad, input):
     return grad.permute(*range(grad.dim() - 1, -1, -1))
 
 
-@derivative(torch.t, T.t, T.mT.__get__)
+@derivative(torch.t, T.t, T.mT.__get__, inplace=(T.t_,))
 def t(grad, input):
     """2-D transpose (``.T`` of a matrix, ``.mT``: the last two dims)."""
     return grad.transpose(-2, -1) if grad.dim() >= 2 else grad
 
 
 @derivative(torch.permute, T.permute)
-def permute(grad, input, *dims):
-    if len(dims) == 1 and not isinstance(dims[0], int):
-        dims = dims[0]
+def permute(grad, input, dims, *more):
+    dims = _sizes(dims, more)
     n = len(dims)
     inverse = [0] * n
     for i, d in enumerate(dims):
@@ -51,10 +79,279 @@ def permute(grad, input, *dims):
     return grad.permute(inverse)
 
 
+@derivative(torch.movedim, T.movedim, torch.moveaxis, T.moveaxis)
+def movedim(grad, input, source, destination):
+    return grad.movedim(destination, source)
+
+
+# -- broadcasting and tiling ----------------------------------------------------------------
 @derivative(T.expand, T.expand_as, torch.broadcast_to, T.broadcast_to)
 def expand(grad, input, *args, **kwargs):
     """The engine sums the gradient back to the input's shape."""
     return grad
+
+
+def _sum_tiles(grad, input: Meta, repeats: tuple):
+    """``repeat``'s adjoint: view each dim as (copies, size) and sum the copies."""
+    if not repeats:
+        return grad
+    padded = (1,) * (len(repeats) - input.ndim) + tuple(input.shape)
+    split = []
+    for r, s in zip(repeats, padded):
+        split += [r, s]
+    return grad.reshape(split).sum(tuple(range(0, len(split), 2))).reshape(input.shape)
+
+
+@derivative(T.repeat)
+def repeat(grad, input: Meta, repeats, *more):
+    return _sum_tiles(grad, input, _sizes(repeats, more))
+
+
+@derivative(torch.tile, T.tile)
+def tile(grad, input: Meta, dims, *more):
+    """``tile`` is ``repeat`` with the repeats padded on the left to the input's rank."""
+    dims = _sizes(dims, more)
+    return _sum_tiles(grad, input, (1,) * (input.ndim - len(dims)) + dims)
+
+
+# -- joining and splitting ------------------------------------------------------------------
+def _split_like_cat(grad, tensors, dim):
+    """Cut ``cat``'s gradient into pieces shaped like its inputs.
+
+    ``cat`` skips legacy empty inputs of shape (0,); they get empty gradients.
+    """
+    dim = dim % grad.dim()
+    legacy = [t.ndim == 1 and t.shape[0] == 0 and grad.dim() != 1 for t in tensors]
+    pieces = iter(grad.split([t.shape[dim] for t, skip in zip(tensors, legacy) if not skip], dim))
+    return ([grad.new_zeros((0,)) if skip else next(pieces) for skip in legacy],)
+
+
+@derivative(torch.cat, torch.concat)
+def cat(grad, tensors: Meta, dim=0):
+    return _split_like_cat(grad, tensors, dim)
+
+
+@derivative(torch.concatenate, name="CatBackward")
+def concatenate(grad, tensors: Meta, axis=0):
+    return _split_like_cat(grad, tensors, axis)
+
+
+@derivative(torch.stack)
+def stack(grad, tensors, dim=0):
+    return (list(grad.unbind(dim)),)
+
+
+def _no_out(name, out):
+    if out is not None:
+        raise RuntimeError(f"torch.{name}(): functions with out=... arguments don't support automatic "
+                           "differentiation, but one of the arguments requires grad. Call it without "
+                           "out=, or under gg.no_grad().")
+
+
+def _at_least(t, ndim):
+    """``atleast_{1,2,3}d`` of one tensor: torch's placement of the new size-1 dims."""
+    if t.dim() >= ndim:
+        return t
+    if t.dim() == 0:
+        return t.reshape((1,) * ndim)
+    if t.dim() == 1:
+        return t.reshape((1, -1) if ndim == 2 else (1, -1, 1))
+    return t.unsqueeze(-1)
+
+
+def _at_least_all(tensors, ndim):
+    """``atleast_nd(x)`` gives a tensor; ``atleast_nd(x, y)`` and ``atleast_nd([x])`` a tuple."""
+    if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
+        return _at_least(tensors[0], ndim)
+    if len(tensors) == 1:
+        tensors = tensors[0]
+    return tuple(_at_least(t, ndim) for t in tensors)
+
+
+@decomposition(torch.atleast_1d, _VF.atleast_1d)
+def atleast_1d(*tensors):
+    return _at_least_all(tensors, 1)
+
+
+@decomposition(torch.atleast_2d, _VF.atleast_2d)
+def atleast_2d(*tensors):
+    return _at_least_all(tensors, 2)
+
+
+@decomposition(torch.atleast_3d, _VF.atleast_3d)
+def atleast_3d(*tensors):
+    return _at_least_all(tensors, 3)
+
+
+@decomposition(torch.hstack)
+def hstack(tensors, *, out=None):
+    _no_out("hstack", out)
+    tensors = [_at_least(t, 1) for t in tensors]
+    return torch.cat(tensors, 0 if tensors[0].dim() == 1 else 1)
+
+
+@decomposition(torch.vstack, torch.row_stack)
+def vstack(tensors, *, out=None):
+    _no_out("vstack", out)
+    return torch.cat([_at_least(t, 2) for t in tensors], 0)
+
+
+@decomposition(torch.dstack)
+def dstack(tensors, *, out=None):
+    _no_out("dstack", out)
+    return torch.cat([_at_least(t, 3) for t in tensors], 2)
+
+
+@decomposition(torch.column_stack)
+def column_stack(tensors, *, out=None):
+    _no_out("column_stack", out)
+    return torch.cat([t.reshape(-1, 1) if t.dim() <= 1 else t for t in tensors], 1)
+
+
+def _join(grads, shapes, dim):
+    """Concatenate the outputs' gradients, with zeros for outputs that got none."""
+    like = next(g for g in grads if g is not None)
+    return torch.cat([like.new_zeros(s) if g is None else g for g, s in zip(grads, shapes)], dim)
+
+
+def _meta(input: Meta):
+    """A storage-less stand-in of the input: the forward op on it gives the outputs' shapes."""
+    return torch.empty(input.shape, dtype=input.dtype, device="meta")
+
+
+def _plain(arg):
+    return arg.tolist() if isinstance(arg, torch.Tensor) else arg
+
+
+@derivative(T.split, T.unsafe_split, torch.unsafe_split, multi_output=True)
+def split(grads, input: Meta, split_size, dim=0):
+    return _join(grads, [o.shape for o in _meta(input).split(split_size, dim)], dim)
+
+
+@derivative(torch.split, multi_output=True, name="SplitBackward")
+def split_function(grads, tensor: Meta, split_size_or_sections, dim=0):
+    """``torch.split`` is a Python function in torch.functional, so it arrives as itself."""
+    return split(grads, tensor, split_size_or_sections, dim)
+
+
+@derivative(T.split_with_sizes, torch.split_with_sizes, T.unsafe_split_with_sizes,
+            torch.unsafe_split_with_sizes, multi_output=True)
+def split_with_sizes(grads, input: Meta, split_sizes, dim=0):
+    return split(grads, input, split_sizes, dim)
+
+
+@derivative(torch.chunk, T.chunk, torch.unsafe_chunk, T.unsafe_chunk, multi_output=True)
+def chunk(grads, input: Meta, chunks, dim=0):
+    return _join(grads, [o.shape for o in _meta(input).chunk(chunks, dim)], dim)
+
+
+def _rejoin_tensor_split(grads, input: Meta, indices_or_sections, dim):
+    pieces = _meta(input).tensor_split(_plain(indices_or_sections), dim)
+    return _join(grads, [o.shape for o in pieces], dim)
+
+
+@derivative(torch.tensor_split, T.tensor_split, multi_output=True)
+def tensor_split(grads, input: Meta, indices_or_sections, dim=0):
+    return _rejoin_tensor_split(grads, input, indices_or_sections, dim)
+
+
+@derivative(torch.hsplit, T.hsplit, multi_output=True)
+def hsplit(grads, input: Meta, indices_or_sections):
+    return _rejoin_tensor_split(grads, input, indices_or_sections, 1 if input.ndim > 1 else 0)
+
+
+@derivative(torch.vsplit, T.vsplit, multi_output=True)
+def vsplit(grads, input: Meta, indices_or_sections):
+    return _rejoin_tensor_split(grads, input, indices_or_sections, 0)
+
+
+@derivative(torch.dsplit, T.dsplit, multi_output=True)
+def dsplit(grads, input: Meta, indices_or_sections):
+    return _rejoin_tensor_split(grads, input, indices_or_sections, 2)
+
+
+@derivative(torch.unbind, T.unbind, multi_output=True)
+def unbind(grads, input: Meta, dim=0):
+    """Also ``for row in x`` (``Tensor.__iter__`` unbinds dim 0)."""
+    shape = list(input.shape)
+    del shape[dim]
+    like = next(g for g in grads if g is not None)
+    return torch.stack([like.new_zeros(shape) if g is None else g for g in grads], dim)
+
+
+# -- slicing views and their scatter inverses ---------------------------------------------
+@derivative(torch.narrow, T.narrow, torch.narrow_copy, T.narrow_copy)
+def narrow(grad, input: Meta, dim, start, length):
+    dim = dim % input.ndim
+    start = int(start)
+    if start < 0:
+        start += input.shape[dim]
+    return torch.slice_scatter(grad.new_zeros(input.shape), grad, dim, start, start + length)
+
+
+@derivative(torch.select, T.select)
+def select(grad, input: Meta, dim, index):
+    return torch.select_scatter(grad.new_zeros(input.shape), grad, dim, index)
+
+
+@derivative(torch.diagonal, T.diagonal)
+def diagonal(grad, input: Meta, offset=0, dim1=0, dim2=1):
+    return torch.diagonal_scatter(grad.new_zeros(input.shape), grad, offset, dim1, dim2)
+
+
+@derivative(torch.slice_scatter, T.slice_scatter)
+def slice_scatter(grad, input, src: Meta, dim=0, start=None, end=None, step=1):
+    src_grad = grad[(slice(None),) * (dim % grad.dim()) + (slice(start, end, step),)]
+    return torch.slice_scatter(grad, grad.new_zeros(src.shape), dim, start, end, step), src_grad
+
+
+@derivative(torch.select_scatter, T.select_scatter)
+def select_scatter(grad, input, src: Meta, dim, index):
+    return (torch.select_scatter(grad, grad.new_zeros(src.shape), dim, index),
+            grad.select(dim, index))
+
+
+@derivative(torch.diagonal_scatter, T.diagonal_scatter)
+def diagonal_scatter(grad, input, src: Meta, offset=0, dim1=0, dim2=1):
+    return (torch.diagonal_scatter(grad, grad.new_zeros(src.shape), offset, dim1, dim2),
+            grad.diagonal(offset, dim1, dim2))
+
+
+# -- reordering and masking the elements ----------------------------------------------------
+@derivative(torch.flip, T.flip)
+def flip(grad, input, dims, *more):
+    return grad.flip(_sizes(dims, more))
+
+
+@derivative(torch.fliplr, T.fliplr)
+def fliplr(grad, input):
+    return grad.fliplr()
+
+
+@derivative(torch.flipud, T.flipud)
+def flipud(grad, input):
+    return grad.flipud()
+
+
+@derivative(torch.roll, T.roll)
+def roll(grad, input, shifts, dims=None):
+    back = -shifts if isinstance(shifts, int) else [-s for s in shifts]
+    return grad.roll(back) if dims is None else grad.roll(back, dims)
+
+
+@derivative(torch.rot90, T.rot90)
+def rot90(grad, input, k=1, dims=(0, 1)):
+    return grad.rot90(-k, dims)
+
+
+@derivative(torch.tril, T.tril, inplace=(T.tril_,))
+def tril(grad, input, diagonal=0):
+    return grad.tril(diagonal)
+
+
+@derivative(torch.triu, T.triu, inplace=(T.triu_,))
+def triu(grad, input, diagonal=0):
+    return grad.triu(diagonal)
 
 
 nondifferentiable(
