@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+# The op tests run thousands of tiny kernels: on a 2-core machine, intra-op threads only wait.
+torch.set_num_threads(1)
+
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False,

@@ -148,6 +148,17 @@ CASES = [
     case("index_add_", inplace(T.index_add_, 0), r(3, 4), idx(0, 2, 0), r(3, 4)),
     case("index_copy_", inplace(T.index_copy_, 1), r(3, 4), idx(3, 0), r(3, 2)),
     case("index_fill_tensor_value_", inplace(T.index_fill_, 1), r(3, 4), idx(3, 0, 3), r()),
+    # only some arguments need a gradient
+    case("index_put_const_values", lambda a, i, v: a.index_put((i,), v), r(3, 4), idx(2, 0), Const(r(4))),
+    case("index_put_const_input", lambda a, i, v: a.index_put((i,), v), Const(r(3, 4)), idx(2, 0), r(4)),
+    case("masked_scatter_const_source", torch.masked_scatter, r(3, 4), m34, Const(r(12))),
+    case("masked_scatter_const_input", torch.masked_scatter, Const(r(3, 4)), m34, r(12)),
+    case("index_add_const_source", lambda a, i, s: a.index_add(1, i, s), r(3, 4), idx(1, 1), Const(r(3, 2))),
+    case("index_copy_const_input", lambda a, i, s: a.index_copy(0, i, s), Const(r(3, 4)), idx(2), r(1, 4)),
+    case("scatter_const_input", lambda a, i, s: a.scatter(1, i, s), Const(r(3, 4)), idx([0, 2]), r(1, 2)),
+    case("scatter_add_const_src", torch.scatter_add, r(3, 4), 1, idx([0, 0]), Const(r(1, 2))),
+    case("masked_fill_const_input", lambda a, m, v: a.masked_fill(m, v), Const(r(3, 4)), m34, r()),
+    case("index_fill_const_value", lambda a, i, v: a.index_fill(0, i, v), r(3, 4), idx(1), Const(r())),
     # gathers
     case("gather_sparse_grad_kw", lambda a, i: torch.gather(a, 1, i, sparse_grad=False), r(3, 4),
          idx([0, 0], [1, 3], [2, 2])),

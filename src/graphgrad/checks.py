@@ -43,6 +43,9 @@ def _numerical_jacobian(fn, inputs, k, eps):
         minus = torch.cat([o.detach().reshape(-1) for o in _outputs(fn, inputs)])
         plain[index] = orig
         columns.append((plus - minus) / (2 * eps))
+    if not columns:
+        n_out = sum(o.numel() for o in _outputs(fn, inputs))
+        return torch.zeros(n_out, 0, dtype=torch.float64)
     return torch.stack(columns, 1)
 
 
@@ -67,6 +70,8 @@ def _analytical_jacobian(fn, inputs, k):
             (gx,) = _grad(o, inputs[k], g, retain_graph=True, allow_unused=True)
             rows.append(torch.zeros(inputs[k].numel(), dtype=torch.float64) if gx is None
                         else gx.detach().reshape(-1))
+    if not rows:
+        return torch.zeros(0, inputs[k].numel(), dtype=torch.float64)
     return torch.stack(rows, 0)
 
 

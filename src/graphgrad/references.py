@@ -140,6 +140,8 @@ def save_arguments(keep, values):
             saved.append(None)
         elif k == 2 and isinstance(value, torch.Tensor):
             saved.append(Meta(value))
+        elif k == 2 and type(value) in (list, tuple):
+            saved.append(type(value)(Meta(v) if isinstance(v, torch.Tensor) else v for v in value))
         elif hooks is not None and isinstance(value, torch.Tensor):
             saved.append(_pack(value, hooks))
         elif hooks is not None and type(value) in (list, tuple) and any(

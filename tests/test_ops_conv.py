@@ -1,0 +1,268 @@
+"""Convolutions: op_db samples, and hand-written cases for what the samples leave out.
+
+The op_db samples cover conv1d/2d/3d, conv_transpose1d/2d/3d and bilinear (values, gradients,
+second derivatives). The hand-written cases add 'same' padding with even kernels, transposed
+convolutions whose output_padding is not below the stride, third derivatives (the rules are
+closed under differentiation), gradients without ``create_graph``, gradcheck, ``nn`` modules
+with every padding mode, and what the rules keep alive. ``check`` is shared with the pooling
+and resampling files.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphgrad as gg
+from opdb_harness import op_id, opinfos, run_opinfo
+
+REFERENCE = {
+    "nn.functional.conv1d": {},
+    "nn.functional.conv2d": {},
+    "nn.functional.conv3d": {},
+    "nn.functional.conv_transpose1d": {},
+    "nn.functional.conv_transpose2d": {},
+    "nn.functional.conv_transpose3d": {},
+    "nn.functional.bilinear": {},
+}
+
+unsupported = None
+
+OPS = opinfos(REFERENCE)
+
+
+@pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
+def test_opdb(op):
+    run_opinfo(op, REFERENCE[op.name], unsupported)
+
+
+# -- hand-written cases -------------------------------------------------------------------
+T = torch.Tensor
+F64 = torch.float64
+TOL = dict(rtol=1e-7, atol=1e-7, equal_nan=True)
+_gen = torch.Generator().manual_seed(0)
+
+
+def r(*shape):
+    return torch.randn(shape, dtype=F64, generator=_gen)
+
+
+def plain(t):
+    return t.detach().as_subclass(T)
+
+
+def _close(have, want, what):
+    assert len(have) == len(want)
+    for k, (h, w) in enumerate(zip(have, want)):
+        if h is None or w is None:
+            other = w if h is None else h
+            assert other is None or not plain(other).any(), f"{what} {k}: None vs nonzero"
+        else:
+            torch.testing.assert_close(plain(h), plain(w), **TOL, msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
+def check(fn, *args, order=2):
+    """``fn`` on torch and on graphgrad tensors (every float tensor requires grad): values,
+    then derivatives up to ``order``, each level differentiating the previous one's gradients
+    (weighted by random tensors) w.r.t. the inputs and the upstream gradient."""
+    t_args = [a.clone().requires_grad_() if isinstance(a, T) and a.is_floating_point() else a
+              for a in args]
+    g_args = [gg.as_tensor(a.clone(), requires_grad=True)
+              if isinstance(a, T) and a.is_floating_point() else a for a in args]
+    want, have = fn(*t_args), fn(*g_args)
+    torch.testing.assert_close(plain(have), plain(want), **TOL)
+    assert isinstance(have, gg.Tensor) and have.requires_grad
+    t_in = [a for a in t_args if isinstance(a, T) and a.requires_grad]
+    g_in = [a for a in g_args if isinstance(a, T) and a.requires_grad]
+    gen = torch.Generator().manual_seed(1)
+    v = torch.randn(want.shape, dtype=F64, generator=gen)
+    t_v, g_v = v.clone().requires_grad_(), gg.as_tensor(v.clone(), requires_grad=True)
+    t_in, g_in = t_in + [t_v], g_in + [g_v]
+    t_out, g_out = (want * t_v).sum(), (have * g_v).sum()
+    for level in range(1, order + 1):
+        more = level < order
+        t_grads = torch.autograd.grad(t_out, t_in, create_graph=more, allow_unused=True)
+        g_grads = gg.grad(g_out, g_in, create_graph=more, allow_unused=True)
+        _close(g_grads, t_grads, f"derivative {level} w.r.t. input")
+        if not more:
+            break
+        keep = [k for k, t in enumerate(t_grads) if t is not None and t.requires_grad]
+        if level == 1:
+            for k in keep:
+                assert g_grads[k] is not None and g_grads[k].requires_grad, f"gradient {k}"
+        # deeper down, torch may mark a constant as requiring grad; the next level compares
+        g_keep = [k for k in keep if g_grads[k] is not None and g_grads[k].requires_grad]
+        if not g_keep:
+            break
+        ws = {k: torch.randn(t_grads[k].shape, dtype=F64, generator=gen) for k in keep}
+        t_out = sum((t_grads[k] * ws[k]).sum() for k in keep)
+        g_out = sum((g_grads[k] * ws[k]).sum() for k in g_keep)
+
+
+CASES = {
+    # padding='same' pads total // 2 on the left, the rest on the right (even kernels)
+    "conv1d_same_even": (lambda x, w, b: F.conv1d(x, w, b, padding="same"), r(2, 3, 7), r(4, 3, 4), r(4)),
+    "conv1d_same_dilated": (lambda x, w: F.conv1d(x, w, padding="same", dilation=3),
+                            r(2, 2, 9), r(2, 2, 4)),
+    "conv2d_same_groups": (lambda x, w, b: F.conv2d(x, w, b, padding="same", dilation=(2, 1), groups=2),
+                           r(2, 4, 6, 5), r(6, 2, 2, 3), r(6)),
+    "conv3d_same_even": (lambda x, w: F.conv3d(x, w, padding="same"), r(1, 2, 4, 5, 3), r(3, 2, 2, 3, 2)),
+    "conv2d_same_unbatched": (lambda x, w: F.conv2d(x, w, padding="same"), r(2, 5, 5), r(3, 2, 4, 2)),
+    "conv2d_valid": (lambda x, w: F.conv2d(x, w, padding="valid", stride=2), r(2, 3, 7, 6), r(2, 3, 3, 2)),
+    "conv2d_one_element_lists": (lambda x, w: F.conv2d(x, w, stride=[2], padding=[1], dilation=[2]),
+                                 r(1, 2, 7, 8), r(3, 2, 3, 3)),
+    "conv2d_unbatched_all_options": (
+        lambda x, w, b: F.conv2d(x, w, b, stride=(2, 1), padding=(1, 0), dilation=2, groups=3),
+        r(3, 8, 7), r(6, 1, 3, 2), r(6)),
+    "conv_transpose1d_all_options": (
+        lambda x, w, b: F.conv_transpose1d(x, w, b, stride=3, padding=1, output_padding=2, groups=2,
+                                           dilation=2), r(2, 4, 5), r(4, 3, 3), r(6)),
+    # output_padding >= stride (allowed because dilation > stride): the input gradient is cropped
+    "conv_transpose2d_output_padding_ge_stride": (
+        lambda x, w: F.conv_transpose2d(x, w, stride=1, output_padding=(1, 0), dilation=(2, 1)),
+        r(2, 3, 4, 4), r(3, 2, 3, 3)),
+    "conv_transpose3d_unbatched": (
+        lambda x, w, b: F.conv_transpose3d(x, w, b, stride=(2, 1, 1), padding=1, output_padding=(1, 0, 0)),
+        r(2, 3, 4, 3), r(2, 3, 3, 2, 2), r(3)),
+    "bilinear_batched": (lambda a, b, w, c: F.bilinear(a, b, w, c), r(2, 3, 4), r(2, 3, 5), r(6, 4, 5), r(6)),
+    "bilinear_no_bias": (lambda a, b, w: F.bilinear(a, b, w), r(5, 2), r(5, 3), r(4, 2, 3)),
+    "nn_Bilinear": (lambda a, b: _seeded(nn.Bilinear, 3, 2, 4)(a, b), r(4, 3), r(4, 2)),
+}
+
+
+def _seeded(cls, *args, **kwargs):
+    torch.manual_seed(0)
+    return cls(*args, **kwargs).double()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_case(name):
+    fn, *args = CASES[name]
+    check(fn, *args)
+
+
+THIRD_ORDER = ["conv2d_same_groups", "conv2d_unbatched_all_options", "conv3d_same_even",
+               "bilinear_no_bias"]
+
+
+@pytest.mark.parametrize("name", THIRD_ORDER)
+def test_third_derivatives(name):
+    """Each rule's backward is made of ops with rules: third derivatives match torch's."""
+    fn, *args = CASES[name]
+    check(fn, *args, order=3)
+
+
+def second_derivative(fn, n_out_shape):
+    """``xs -> d/dxs [ (d/dxs (fn(xs) . v)) . w ]`` with fixed random v, w: a numerical check
+    of this function's gradient is a check of fn's third derivatives."""
+    gen = torch.Generator().manual_seed(2)
+    v = torch.randn(n_out_shape, dtype=F64, generator=gen)
+
+    def fn2(*xs):
+        firsts = gg.grad((fn(*xs) * v).sum(), xs, create_graph=True)
+        ws = [torch.randn(x.shape, dtype=F64, generator=torch.Generator().manual_seed(3)) for x in xs]
+        return gg.grad(sum((f * w).sum() for f, w in zip(firsts, ws)), xs, create_graph=True)
+
+    return fn2
+
+
+@pytest.mark.parametrize("fn,args", [
+    # torch itself cannot differentiate these a third time ("output_padding is not supported
+    # for non-transposed convolutions"), so finite differences are the reference; squared,
+    # so that the third derivatives are not all zero
+    (lambda x, w: F.conv_transpose1d(x, w, stride=3, padding=1, output_padding=2, groups=2,
+                                     dilation=2).square(), [r(1, 2, 2), r(2, 1, 2)]),
+    (lambda x, w: F.conv_transpose2d(x, w, stride=1, output_padding=(1, 0), dilation=(2, 1)).square(),
+     [r(1, 1, 2, 2), r(1, 2, 2, 1)]),
+], ids=["conv_transpose1d", "conv_transpose2d_output_padding_ge_stride"])
+def test_third_derivatives_numerically(fn, args):
+    shape = fn(*args).shape
+    assert gg.gradcheck(second_derivative(fn, shape), [gg.as_tensor(a, requires_grad=True) for a in args])
+
+
+GRADCHECK = {
+    "conv2d": (lambda x, w: F.conv2d(x, w, stride=(2, 1), padding=1, groups=2),
+               r(1, 4, 4, 3), r(2, 2, 2, 3)),
+    "conv1d_same_even": (lambda x, w: F.conv1d(x, w, padding="same", dilation=2), r(1, 2, 5), r(2, 2, 2)),
+    "conv_transpose2d": (lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1, output_padding=1),
+                         r(1, 2, 3, 2), r(2, 2, 3, 2)),
+    "bilinear": (lambda a, b, w: F.bilinear(a, b, w), r(3, 2), r(3, 3), r(2, 2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", GRADCHECK)
+def test_gradcheck(name):
+    fn, *args = GRADCHECK[name]
+    assert gg.gradcheck(fn, [gg.as_tensor(a, requires_grad=True) for a in args])
+    assert gg.gradgradcheck(fn, [gg.as_tensor(a, requires_grad=True) for a in args])
+
+
+def test_gradgradcheck_with_a_bias():
+    """A first derivative that is constant in the inputs (the bias gradient, ``v.sum(...)``)
+    has a zero Jacobian, as in torch.autograd.gradgradcheck."""
+    args = [r(1, 2, 5), r(3, 2, 2), r(3)]
+    assert torch.autograd.gradgradcheck(F.conv1d, [a.clone().requires_grad_() for a in args])
+    assert gg.gradgradcheck(F.conv1d, [gg.as_tensor(a, requires_grad=True) for a in args])
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "replicate", "circular"])
+@pytest.mark.parametrize("cls,shape", [(nn.Conv1d, (2, 4, 9)), (nn.Conv2d, (2, 4, 7, 6)),
+                                       (nn.Conv3d, (1, 4, 5, 4, 6))])
+def test_conv_modules_backward(cls, shape, padding_mode):
+    """nn.ConvNd with every padding mode: loss.backward() (no create_graph) fills the same grads."""
+    ref = _seeded(cls, 4, 6, 3, stride=2, padding=1, groups=2, padding_mode=padding_mode)
+    params = {n: gg.as_tensor(p.detach().clone(), requires_grad=True) for n, p in ref.named_parameters()}
+    x = r(*shape)
+    tx, gx = x.clone().requires_grad_(), gg.as_tensor(x.clone(), requires_grad=True)
+    ref(tx).square().sum().backward()
+    torch.func.functional_call(ref, params, (gx,)).square().sum().backward()
+    _close([gx.grad, params["weight"].grad, params["bias"].grad],
+           [tx.grad, ref.weight.grad, ref.bias.grad], "grad")
+
+
+def test_conv_transpose_module_output_size():
+    """nn.ConvTranspose2d(output_size=...) picks the output_padding itself."""
+    ref = _seeded(nn.ConvTranspose2d, 3, 2, 3, stride=2, padding=1)
+    params = {n: gg.as_tensor(p.detach().clone(), requires_grad=True) for n, p in ref.named_parameters()}
+    x = r(2, 3, 4, 5)
+    tx, gx = x.clone().requires_grad_(), gg.as_tensor(x.clone(), requires_grad=True)
+    want = ref(tx, output_size=[8, 9])
+    have = torch.func.functional_call(ref, params, (gx,), {"output_size": [8, 9]})
+    assert have.shape == (2, 2, 8, 9)
+    v = r(2, 2, 8, 9)
+    _close(gg.grad(have, [gx, *params.values()], v),
+           torch.autograd.grad(want, [tx, *ref.parameters()], v), "grad")
+
+
+def _node(out, name):
+    stack = [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None:
+            if node.name() == name:
+                return node
+            stack.extend(n for n, _ in node.next_functions)
+    raise AssertionError(f"no {name} in the graph")
+
+
+def test_conv_keeps_only_what_each_gradient_needs():
+    """The input's values are kept only for the weight's gradient, and the other way round."""
+    x, w = r(2, 3, 6, 6), r(4, 3, 3, 3)
+    only_input = F.conv2d(gg.as_tensor(x, requires_grad=True), gg.as_tensor(w))
+    saved = _node(only_input, "ConvBackward").saved_values
+    assert isinstance(saved["input"], gg.Meta) and isinstance(saved["weight"], T)
+    only_weight = F.conv2d(gg.as_tensor(x), gg.as_tensor(w, requires_grad=True))
+    saved = _node(only_weight, "ConvBackward").saved_values
+    assert isinstance(saved["weight"], gg.Meta) and isinstance(saved["input"], T)
+
+
+def test_weight_gradient_is_recorded_under_create_graph():
+    """The weight gradient is torch's kernel, recorded as its own differentiable node."""
+    x = gg.as_tensor(r(2, 3, 6, 6), requires_grad=True)
+    w = gg.as_tensor(r(4, 3, 3, 3), requires_grad=True)
+    (gw,) = gg.grad(F.conv2d(x, w).sum(), [w], create_graph=True)
+    assert gw.grad_fn.name() == "ConvWeightGradBackward"
+    (gx,) = gg.grad(gw.square().sum(), [x])
+    tx, tw = plain(x).clone().requires_grad_(), plain(w).clone().requires_grad_()
+    (tgw,) = torch.autograd.grad(F.conv2d(tx, tw).sum(), [tw], create_graph=True)
+    _close([gx], torch.autograd.grad(tgw.square().sum(), [tx]), "grad")

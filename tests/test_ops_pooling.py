@@ -1,0 +1,176 @@
+"""Pooling: op_db samples, and hand-written cases for what the samples leave out.
+
+max_pool1d/2d/3d have 864/1440/576 samples: every option combination, repeated over several
+shapes. The first block of each (all combinations on one shape; for 2-d also channels_last)
+is run, and the hand-written cases add unbatched and channels_last inputs, the other torch
+spellings, ties, in-place use of the output, third derivatives, a small CNN, and what the
+rules keep alive.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphgrad as gg
+from opdb_harness import op_id, opinfos, run_opinfo
+from test_ops_conv import F64, T, _close, check, plain, r
+
+REFERENCE = {
+    "nn.functional.max_pool1d": {"max_samples": 144},
+    "nn.functional.max_pool2d": {"max_samples": 288},
+    "nn.functional.max_pool3d": {"max_samples": 96},
+    "nn.functional.avg_pool1d": {},
+    "nn.functional.avg_pool2d": {},
+    "nn.functional.avg_pool3d": {},
+    "nn.functional.adaptive_avg_pool1d": {},
+    "nn.functional.adaptive_avg_pool2d": {},
+    "nn.functional.adaptive_avg_pool3d": {},
+    "nn.functional.adaptive_max_pool1d": {},
+    "nn.functional.adaptive_max_pool2d": {},
+    "nn.functional.adaptive_max_pool3d": {},
+    "nn.functional.max_unpool1d": {},
+    "nn.functional.max_unpool2d": {},
+    "nn.functional.max_unpool3d": {},
+}
+
+unsupported = None
+
+OPS = opinfos(REFERENCE)
+
+
+@pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
+def test_opdb(op):
+    run_opinfo(op, REFERENCE[op.name], unsupported)
+
+
+# -- hand-written cases -------------------------------------------------------------------
+def first(fn):
+    """The values of a (values, indices) pair."""
+    return lambda *a: fn(*a)[0]
+
+
+CASES = {
+    "max_pool1d_unbatched": (lambda x: F.max_pool1d(x, 3, 2, 1, 2, True), r(3, 10)),
+    "max_pool2d_unbatched_indices": (
+        first(lambda x: F.max_pool2d(x, (3, 2), (2, 1), 1, (1, 2), True, return_indices=True)), r(2, 7, 8)),
+    "max_pool2d_channels_last": (
+        lambda x: F.max_pool2d(x.to(memory_format=torch.channels_last), 2, ceil_mode=True), r(2, 3, 5, 5)),
+    "max_pool3d_channels_last": (
+        lambda x: F.max_pool3d(x.to(memory_format=torch.channels_last_3d), (2, 3, 2), 1, (1, 1, 0)),
+        r(2, 3, 4, 5, 4)),
+    "max_pool3d_unbatched": (lambda x: F.max_pool3d(x, 2, ceil_mode=True), r(2, 5, 4, 3)),
+    "torch.max_pool2d": (lambda x: torch.max_pool2d(x, 3, 2, 1, 1, True), r(2, 2, 7, 7)),
+    "torch.max_pool1d_with_indices": (first(lambda x: torch.max_pool1d_with_indices(x, 2)), r(2, 3, 7)),
+    "F.max_pool2d_with_indices": (first(lambda x: F.max_pool2d_with_indices(x, 2, 1)), r(1, 2, 4, 4)),
+    "nn.MaxPool2d_indices": (first(nn.MaxPool2d(3, 2, 1, return_indices=True)), r(2, 2, 6, 5)),
+    # ties: torch picks one index, and so the gradient goes to that position only
+    "max_pool2d_ties": (lambda x: F.max_pool2d(x.clamp(max=0.0), 2, 1), r(2, 2, 5, 5)),
+    "adaptive_max_pool2d_unbatched": (
+        first(lambda x: F.adaptive_max_pool2d(x, (3, None), return_indices=True)), r(2, 7, 5)),
+    "torch.adaptive_max_pool1d": (first(lambda x: torch.adaptive_max_pool1d(x, 4)), r(2, 3, 9)),
+    "adaptive_max_pool3d": (lambda x: F.adaptive_max_pool3d(x, (2, 3, 1)), r(1, 2, 5, 7, 3)),
+    "avg_pool1d_unbatched": (lambda x: F.avg_pool1d(x, 3, 2, 1, True, False), r(3, 8)),
+    "avg_pool2d_all_options": (
+        lambda x: F.avg_pool2d(x, (3, 2), (2, 1), (1, 1), ceil_mode=True, count_include_pad=False),
+        r(2, 3, 8, 7)),
+    "avg_pool2d_divisor_override": (lambda x: F.avg_pool2d(x, 3, 2, 1, True, True, 5), r(3, 7, 6)),
+    "avg_pool3d_all_options": (lambda x: F.avg_pool3d(x, (2, 3, 2), (1, 2, 2), (1, 1, 0), True, False, 4),
+                               r(1, 2, 4, 7, 5)),
+    "adaptive_avg_pool1d": (lambda x: F.adaptive_avg_pool1d(x, 4), r(2, 3, 11)),
+    "adaptive_avg_pool2d_none": (lambda x: F.adaptive_avg_pool2d(x, (None, 3)), r(2, 3, 5, 7)),
+    "adaptive_avg_pool2d_global": (lambda x: F.adaptive_avg_pool2d(x, 1), r(2, 3, 5, 7)),
+    "adaptive_avg_pool3d_unbatched": (lambda x: F.adaptive_avg_pool3d(x, (2, 4, 3)), r(2, 5, 7, 4)),
+    "lp_pool1d": (lambda x: F.lp_pool1d(x, 2, 3), r(2, 3, 8)),
+    "lp_pool2d_stride_ceil": (lambda x: F.lp_pool2d(x.abs() + 0.5, 3.0, (2, 3), 1, True), r(2, 2, 5, 6)),
+    "lp_pool3d_inf": (lambda x: F.lp_pool3d(x, float("inf"), 2), r(1, 2, 4, 4, 5)),
+    "nn_LPPool2d_neg_inf": (nn.LPPool2d(float("-inf"), 2), r(1, 2, 4, 4)),
+    "max_unpool2d_roundtrip": (lambda x: F.max_unpool2d(*F.max_pool2d(x, 2, return_indices=True), 2),
+                               r(2, 3, 5, 4)),
+    "max_unpool1d_output_size": (
+        lambda x: F.max_unpool1d(*F.max_pool1d(x, 3, 2, 1, return_indices=True), 3, 2, 1, output_size=[8]),
+        r(2, 3, 8)),
+    "nn_pool_modules": (lambda x: nn.AvgPool2d(2, ceil_mode=True)(nn.MaxPool2d(3, 1, 1)(x)), r(2, 3, 7, 7)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_case(name):
+    fn, *args = CASES[name]
+    check(fn, *args)
+
+
+@pytest.mark.parametrize("name", ["max_pool2d_unbatched_indices", "avg_pool2d_all_options",
+                                  "avg_pool3d_all_options", "adaptive_avg_pool2d_none",
+                                  "adaptive_max_pool3d"])
+def test_third_derivatives(name):
+    """Each rule's backward is made of ops with rules: third derivatives match torch's."""
+    fn, *args = CASES[name]
+    check(lambda x: fn(x).square(), *args, order=3)
+
+
+@pytest.mark.parametrize("fn,shape", [
+    (lambda x: F.max_pool2d(x, 2, 1, ceil_mode=True), (1, 2, 4, 4)),
+    (lambda x: F.avg_pool2d(x, 2, 1, 1, count_include_pad=False), (1, 2, 4, 4)),
+    (lambda x: F.adaptive_avg_pool2d(x, (2, 3)), (1, 2, 4, 4)),
+    (lambda x: F.adaptive_max_pool1d(x, 2), (1, 2, 5)),
+], ids=["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool1d"])
+def test_gradcheck(fn, shape):
+    x = gg.as_tensor(r(*shape), requires_grad=True)
+    assert gg.gradcheck(fn, [x])
+    assert gg.gradgradcheck(lambda x: fn(x).square(), [x])
+
+
+def test_max_pool_output_may_change_in_place():
+    """Like torch, max pooling keeps only the indices: relu_ on its output is fine."""
+    x = r(2, 3, 6, 6)
+    tx, gx = x.clone().requires_grad_(), gg.as_tensor(x.clone(), requires_grad=True)
+    want, have = F.max_pool2d(tx, 2), F.max_pool2d(gx, 2)
+    want.relu_()
+    have.relu_()
+    _close(gg.grad(have.sum(), [gx]), torch.autograd.grad(want.sum(), [tx]), "grad")
+
+
+def _saved_tensors(out):
+    """Every tensor the graph behind ``out`` keeps for backward."""
+    saved, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        saved += [v for v in getattr(node, "saved_values", {}).values() if isinstance(v, T)]
+        stack.extend(n for n, _ in node.next_functions)
+    return saved
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: F.max_pool2d(x, 2),
+    lambda x: F.avg_pool2d(x, 3, 1, 1),
+    lambda x: F.adaptive_avg_pool2d(x, 3),
+    lambda x: F.adaptive_max_pool2d(x, 3),
+], ids=["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d"])
+def test_pooling_keeps_no_input_values(fn):
+    """Max pooling keeps its integer indices only; average pooling nothing but shapes."""
+    x = gg.as_tensor(r(2, 3, 6, 6), requires_grad=True)
+    kept = _saved_tensors(fn(x * 1.0))
+    assert not any(t.is_floating_point() and t.numel() >= x.numel() for t in kept)
+
+
+def test_small_cnn_trains_like_torch():
+    """Conv, ReLU, pooling, Linear and cross-entropy: one SGD step, the same parameters."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding="same", groups=2), nn.ReLU(), nn.AvgPool2d(2, ceil_mode=True),
+        nn.Conv2d(8, 6, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4)).double()
+    params = {n: gg.as_tensor(p.detach().clone(), requires_grad=True) for n, p in net.named_parameters()}
+    x, target = r(4, 3, 10, 9), torch.tensor([0, 3, 1, 2])
+    want = F.cross_entropy(net(x), target)
+    have = F.cross_entropy(torch.func.functional_call(net, params, (gg.as_tensor(x),)), target)
+    torch.testing.assert_close(plain(have), want.detach(), rtol=1e-7, atol=1e-7)
+    want.backward()
+    have.backward()
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-7, atol=1e-7, msg=name)
+    assert params["0.weight"].grad.dtype == F64

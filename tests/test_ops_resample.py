@@ -1,0 +1,115 @@
+"""Resampling: op_db samples, and hand-written cases for what the samples leave out.
+
+F.fold has no OpInfo: it gets hand-written cases. The others add antialiased and lanczos
+interpolation, scale factors that are not exact, every padding mode with negative widths,
+the other torch spellings, nn modules, third derivatives and what the rules keep alive.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphgrad as gg
+from opdb_harness import op_id, opinfos, run_opinfo
+from test_ops_conv import T, check, r
+
+pytestmark = pytest.mark.filterwarnings("ignore:`nn.functional.upsample` is deprecated:UserWarning")
+
+REFERENCE = {
+    "nn.functional.pad": {},
+    "constant_pad_nd": {},
+    "nn.functional.interpolate": {},
+    "nn.functional.upsample_nearest": {},
+    "nn.functional.upsample_bilinear": {},
+    "nn.functional.pixel_shuffle": {},
+    "nn.functional.pixel_unshuffle": {},
+    "nn.functional.unfold": {},
+}
+
+unsupported = None
+
+OPS = opinfos(REFERENCE)
+
+
+@pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
+def test_opdb(op):
+    run_opinfo(op, REFERENCE[op.name], unsupported)
+
+
+# -- hand-written cases -------------------------------------------------------------------
+CASES = {
+    "fold": (lambda x: F.fold(x, (4, 5), 2), r(2, 12, 12)),
+    "fold_all_options": (lambda x: F.fold(x, (7, 6), (3, 2), dilation=(1, 2), padding=1, stride=(2, 1)),
+                         r(2, 6, 24)),
+    "fold_unbatched": (lambda x: F.fold(x, 5, 3, padding=1, stride=2), r(18, 9)),
+    "nn_Fold_Unfold": (lambda x: nn.Fold((5, 4), 2)(nn.Unfold(2)(x)), r(2, 3, 5, 4)),
+    "unfold_unbatched": (lambda x: F.unfold(x, (2, 3), dilation=2, padding=(1, 0), stride=(1, 2)),
+                         r(3, 6, 7)),
+    "interpolate_bilinear_aa_down": (
+        lambda x: F.interpolate(x, size=(3, 4), mode="bilinear", antialias=True), r(2, 3, 7, 9)),
+    "interpolate_bicubic_aa_scale": (
+        lambda x: F.interpolate(x, scale_factor=(0.6, 1.7), mode="bicubic", antialias=True,
+                                align_corners=True), r(1, 2, 6, 5)),
+    "interpolate_lanczos_aa": (
+        lambda x: F.interpolate(x, size=(4, 9), mode="lanczos", antialias=True), r(1, 2, 6, 5)),
+    # a scale that is not out/in: torch maps coordinates with the scale it was given ...
+    "interpolate_nearest_scale": (lambda x: F.interpolate(x, scale_factor=1.7), r(2, 2, 5)),
+    "interpolate_bilinear_scale": (lambda x: F.interpolate(x, scale_factor=(1.3, 0.7), mode="bilinear"),
+                                   r(1, 2, 5, 7)),
+    # ... or with out/in when asked to recompute it
+    "interpolate_bilinear_recompute": (
+        lambda x: F.interpolate(x, scale_factor=(1.3, 0.7), mode="bilinear", recompute_scale_factor=True),
+        r(1, 2, 5, 7)),
+    "interpolate_trilinear_corners": (
+        lambda x: F.interpolate(x, scale_factor=1.5, mode="trilinear", align_corners=True), r(1, 2, 3, 4, 2)),
+    "interpolate_nearest_exact_3d": (lambda x: F.interpolate(x, size=(4, 2, 5), mode="nearest-exact"),
+                                     r(1, 2, 3, 5, 3)),
+    "interpolate_area_uneven": (lambda x: F.interpolate(x, size=(3, 4), mode="area"), r(2, 2, 7, 9)),
+    "nn_Upsample": (nn.Upsample(scale_factor=2, mode="bilinear"), r(1, 2, 3, 4)),
+    "F.upsample": (lambda x: F.upsample(x, size=7, mode="linear", align_corners=True), r(2, 3, 4)),
+    "pad_constant_value_negative": (lambda x: F.pad(x, (2, -1, -1, 3), value=1.5), r(2, 4, 5)),
+    "pad_reflect_3d": (lambda x: F.pad(x, (1, 2, 2, 0, 1, 1), mode="reflect"), r(1, 2, 3, 4, 5)),
+    "pad_reflect_negative": (lambda x: F.pad(x, (-1, 3), mode="reflect"), r(2, 3, 5)),
+    "pad_replicate_2d": (lambda x: F.pad(x, (3, 0, 1, 4), mode="replicate"), r(3, 4, 3)),
+    "pad_circular_mixed": (lambda x: F.pad(x, (2, -1, -1, 2), mode="circular"), r(1, 2, 4, 5)),
+    "torch._C._nn.pad": (lambda x: torch._C._nn.pad(x, [1, 1], "replicate"), r(2, 3, 4)),
+    "nn_ReflectionPad2d": (nn.ReflectionPad2d((1, 2, 0, 3)), r(1, 2, 4, 4)),
+    "pixel_shuffle_batch_dims": (lambda x: F.pixel_shuffle(x, 2), r(2, 3, 8, 2, 3)),
+    "pixel_unshuffle_unbatched": (lambda x: F.pixel_unshuffle(x, 3), r(2, 6, 3)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_case(name):
+    fn, *args = CASES[name]
+    check(fn, *args)
+
+
+@pytest.mark.parametrize("name", ["fold_all_options", "unfold_unbatched", "interpolate_bicubic_aa_scale",
+                                  "interpolate_area_uneven", "pad_constant_value_negative",
+                                  "pad_circular_mixed", "pixel_shuffle_batch_dims"])
+def test_third_derivatives(name):
+    """Each rule's backward is made of ops with rules: third derivatives match torch's."""
+    fn, *args = CASES[name]
+    check(lambda x: fn(x).square(), *args, order=3)
+
+
+@pytest.mark.parametrize("fn,shape", [
+    (lambda x: F.fold(x, (3, 4), 2, padding=1, stride=2), (1, 8, 6)),
+    (lambda x: F.interpolate(x, scale_factor=1.5, mode="bicubic"), (1, 1, 3, 3)),
+    (lambda x: F.interpolate(x, size=(2, 5), mode="bilinear", antialias=True), (1, 1, 4, 3)),
+    (lambda x: F.pad(x, (2, 1, 1, 2), mode="reflect"), (1, 1, 3, 3)),
+], ids=["fold", "bicubic", "bilinear_aa", "pad_reflect"])
+def test_gradcheck(fn, shape):
+    x = gg.as_tensor(r(*shape), requires_grad=True)
+    assert gg.gradcheck(fn, [x])
+    assert gg.gradgradcheck(lambda x: fn(x).square(), [x])
+
+
+def test_interpolate_keeps_no_tensors():
+    """A linear map's gradient needs the input's shape only."""
+    x = gg.as_tensor(r(2, 3, 6, 6), requires_grad=True)
+    y = F.interpolate(x * 1.0, scale_factor=2, mode="bilinear")
+    saved = y.grad_fn.saved_values
+    assert not any(isinstance(v, T) for v in saved.values()) and isinstance(saved["input"], gg.Meta)
