@@ -38,6 +38,7 @@ REFERENCE = {
     "linalg.norm": {},
     "linalg.svdvals": {},
     "linalg.svd": {},
+    "trace": {},
 }
 
 unsupported = None

@@ -97,20 +97,18 @@ def test_trace_of_gram_matrix():
     x, xt = pair(torch.randn(2, 3))
     y = x @ x.T
     assert y.grad_fn.name() == "MatmulBackward"
-    # graphgrad has no rule for trace yet: it must say so, not drop the gradient
-    with pytest.raises(NotImplementedError, match=r"torch\.Tensor\.trace.*graphgrad\.derivative"):
-        y.trace()
-    with pytest.raises(NotImplementedError, match=r"torch\.trace"):
-        torch.trace(y)
-    # the same quantity from recorded primitives: trace(A) = sum(A * I)
-    z = (y * torch.eye(2, dtype=torch.float64)).sum()
-    assert z.grad_fn.name() == "SumBackward"
-    assert isinstance(z.grad_fn, gg.Node)
+    z = y.trace()
+    assert z.grad_fn.name() == "TraceBackward"
     zt = (xt @ xt.T).trace()
     torch.testing.assert_close(plain(z), zt.detach(), **TOL)
     z.backward()
     zt.backward()
     torch.testing.assert_close(x.grad, xt.grad, **TOL)
+    torch.testing.assert_close(x.grad, 2 * plain(x), **TOL)
+    # the same quantity from recorded primitives: trace(A) = sum(A * I)
+    x.grad = None
+    w = (x @ x.T * torch.eye(2, dtype=torch.float64)).sum()
+    w.backward()
     torch.testing.assert_close(x.grad, 2 * plain(x), **TOL)
 
 

@@ -387,3 +387,9 @@ def linalg_norm(input, ord=None, dim=None, keepdim=False, *, out=None, dtype=Non
         return torch.linalg.matrix_norm(input, ord, [0, 1] if dim is None else dim, keepdim,
                                         dtype=dtype)
     return torch.linalg.vector_norm(input, 2 if ord is None else ord, dim, keepdim, dtype=dtype)
+
+
+@derivative(torch.trace, T.trace)
+def trace(grad, input: Meta):
+    """The gradient is ``grad`` on the diagonal of a matrix of the input's shape."""
+    return torch.eye(input.shape[0], input.shape[1], dtype=grad.dtype, device=grad.device) * grad
