@@ -501,7 +501,6 @@ def test_seed_swish_matches_silu():
 
 
 UNSUPPORTED = [
-    ("sdpa_dropout", lambda x, t: sdpa(x, x, x, dropout_p=0.5)),
     ("scatter_reduce", lambda x, t: x.scatter(1, t[:, None], 2.0, reduce="multiply")),
 ]
 

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..rules import decomposition, derivative
+from ..rules import Meta, decomposition, derivative
 
 T = torch.Tensor
 

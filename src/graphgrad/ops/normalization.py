@@ -42,15 +42,16 @@ def _channel_shape(input) -> tuple:
 
 def _stat_grads(grad, input, weight, eps, dims, needs):
     """Input, weight and bias gradients of a per-channel affine normalization over ``dims``."""
-    x, g = _acc(input), _acc(grad)
-    xhat, invstd = _normalized(x, dims, eps)
+    g = _acc(grad)
     channel_dims = [0] + list(range(2, input.dim()))
     grad_input = grad_weight = grad_bias = None
-    if needs[0]:
-        gw = g if weight is None else g * _acc(weight).reshape(_channel_shape(input))
-        grad_input = _normalized_grad(gw, xhat, invstd, dims)
-    if needs[1]:
-        grad_weight = (g * xhat).sum(channel_dims)
+    if needs[0] or needs[1]:
+        xhat, invstd = _normalized(_acc(input), dims, eps)
+        if needs[0]:
+            gw = g if weight is None else g * _acc(weight).reshape(_channel_shape(input))
+            grad_input = _normalized_grad(gw, xhat, invstd, dims)
+        if needs[1]:
+            grad_weight = (g * xhat).sum(channel_dims)
     if needs[2]:
         grad_bias = g.sum(channel_dims)
     return grad_input, grad_weight, grad_bias

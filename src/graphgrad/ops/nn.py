@@ -1,0 +1,185 @@
+"""torch.nn.functional odds and ends: dropout (all flavours), embedding, normalize,
+cosine_similarity, pairwise_distance, one_hot; and ``torch_body``, which the nn families use
+to run torch's own Python composites with their inner calls recorded.
+
+Dropout draws its mask exactly as torch does (on CPU ``empty_like(input).bernoulli_(1 - p)``;
+``native_dropout`` where torch uses its fused kernel), so the same RNG state gives the same mask.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+from ..rules import Meta, decomposition, derivative, nondifferentiable
+
+T = torch.Tensor
+
+
+def _false(*args, **kwargs) -> bool:
+    return False
+
+
+def torch_body(fn):
+    """torch's own Python implementation of ``fn`` with its ``__torch_function__`` hand-off off.
+
+    ``F.batch_norm`` & co. first hand graphgrad Tensors to ``__torch_function__``; this copy of
+    the function runs the rest of torch's code (argument checks, warnings, reshapes) on them,
+    so each torch op inside it is dispatched, and recorded, on its own.
+    """
+    namespace = dict(fn.__globals__)
+    namespace.update(has_torch_function=_false, has_torch_function_unary=_false,
+                     has_torch_function_variadic=_false)
+    body = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    body.__kwdefaults__ = fn.__kwdefaults__
+    body.__doc__ = f"torch's {fn.__module__}.{fn.__qualname__}, with its inner ops recorded."
+    body.__module__ = sys._getframe(1).f_globals.get("__name__", __name__)  # the registering family
+    return body
+
+
+# -- dropout -----------------------------------------------------------------------------
+_ALPHA = 1.7580993408473766  # SELU's alpha * scale, as in ATen's alpha dropout
+
+
+def _fused_dropout_ok(input) -> bool:
+    """ATen's ``is_fused_kernel_acceptable``: devices where torch.dropout uses native_dropout."""
+    return input.device.type in ("cuda", "xpu", "lazy", "privateuseone")
+
+
+def _dropout(input, p, train, feature=False, alpha=False, inplace=False):
+    """ATen's ``_dropout_impl``: the same noise tensor from the same RNG calls, then a recorded mul."""
+    if p < 0 or p > 1:
+        raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if p == 0 or not train or input.numel() == 0:
+        return input
+    if p == 1:
+        zero = input.new_zeros(())
+        return input.mul_(zero) if inplace else input * zero
+    if feature:
+        if input.dim() < 2:
+            raise RuntimeError("Feature dropout requires at least 2 dimensions in the input")
+        noise = input.new_empty((input.shape[0], input.shape[1]) + (1,) * (input.dim() - 2))
+    else:
+        noise = torch.empty_like(input)
+    noise.bernoulli_(1 - p)
+    if alpha:
+        a = 1.0 / ((_ALPHA * _ALPHA * p + 1) * (1 - p)) ** 0.5
+        b = noise.add(-1).mul_(_ALPHA * a).add_(_ALPHA * a * p)
+        noise.mul_(a)
+        return input.mul_(noise).add_(b) if inplace else input * noise + b
+    noise.div_(1 - p)
+    return input.mul_(noise) if inplace else input * noise
+
+
+@decomposition(torch.dropout)
+def dropout(input, p, train):
+    if train and 0 < p < 1 and input.numel() and _fused_dropout_ok(input):
+        return torch.native_dropout(input, p, True)[0]
+    return _dropout(input, p, train)
+
+
+@decomposition(torch.dropout_)
+def dropout_(input, p, train):
+    return _dropout(input, p, train, inplace=True)
+
+
+@decomposition(torch.feature_dropout)
+def feature_dropout(input, p, train):
+    return _dropout(input, p, train, feature=True)
+
+
+@decomposition(torch.feature_dropout_)
+def feature_dropout_(input, p, train):
+    return _dropout(input, p, train, feature=True, inplace=True)
+
+
+@decomposition(torch.alpha_dropout)
+def alpha_dropout(input, p, train):
+    return _dropout(input, p, train, alpha=True)
+
+
+@decomposition(torch.alpha_dropout_)
+def alpha_dropout_(input, p, train):
+    return _dropout(input, p, train, alpha=True, inplace=True)
+
+
+@decomposition(torch.feature_alpha_dropout)
+def feature_alpha_dropout(input, p, train):
+    return _dropout(input, p, train, feature=True, alpha=True)
+
+
+@decomposition(torch.feature_alpha_dropout_)
+def feature_alpha_dropout_(input, p, train):
+    return _dropout(input, p, train, feature=True, alpha=True, inplace=True)
+
+
+for _f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+           F.feature_alpha_dropout):
+    decomposition(_f)(torch_body(_f))
+
+
+@derivative(torch.native_dropout, name="NativeDropoutBackward", multi_output=True)
+def native_dropout(grad, input, p, train, *, result):
+    """``(output, mask)``: the kept elements, scaled by ``1 / (1 - p)`` when training."""
+    if grad[0] is None:
+        return None
+    scale = 1.0 if train is False else (0.0 if p == 1 else 1.0 / (1.0 - p))
+    return grad[0] * result[1].detach() * scale
+
+
+# -- embedding ---------------------------------------------------------------------------
+_embedding_body = torch_body(F.embedding)
+
+
+@decomposition(F.embedding)
+def embedding_function(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+                       scale_grad_by_freq=False, sparse=False):
+    """torch's F.embedding (max_norm renormalizes ``weight`` in place under no_grad, as torch)."""
+    if sparse:
+        raise NotImplementedError("F.embedding(sparse=True) has no graphgrad rule: graphgrad's "
+                                  "gradients are dense; use sparse=False")
+    return _embedding_body(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq,
+                           sparse)
+
+
+@derivative(torch.embedding)
+def embedding(grad, weight: Meta, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    """Rows of ``grad`` added into the rows they were read from; ``padding_idx`` gets none."""
+    idx = indices.reshape(-1)
+    g = grad.reshape((idx.numel(),) + tuple(weight.shape[1:]))
+    if padding_idx >= 0:
+        g = g.masked_fill((idx == padding_idx).unsqueeze(-1), 0.0)
+    if scale_grad_by_freq:
+        counts = torch.bincount(idx, minlength=weight.shape[0])
+        g = g / counts[idx].unsqueeze(-1).to(g.dtype)
+    zeros = torch.zeros(weight.shape, dtype=grad.dtype, device=grad.device)
+    return zeros.index_add(0, idx, g)
+
+
+nondifferentiable(F.one_hot)
+
+
+# -- distances ---------------------------------------------------------------------------
+decomposition(F.normalize)(torch_body(F.normalize))
+
+
+@decomposition(torch.cosine_similarity)
+def cosine_similarity(x1, x2, dim=1, eps=1e-8):
+    """ATen's formula: each input over its norm, the norms clamped to ``eps`` outside autograd."""
+    shape = torch.broadcast_shapes(x1.shape, x2.shape)
+    x1, x2 = x1.expand(shape), x2.expand(shape)
+    n1 = torch.linalg.vector_norm(x1, 2, dim, keepdim=True).clone()
+    n2 = torch.linalg.vector_norm(x2, 2, dim, keepdim=True).clone()
+    with torch.no_grad():
+        n1.clamp_min_(eps)
+        n2.clamp_min_(eps)
+    return ((x1 / n1) * (x2 / n2)).sum(dim)
+
+
+@decomposition(torch.pairwise_distance)
+def pairwise_distance(x1, x2, p=2.0, eps=1e-6, keepdim=False):
+    """``‖x1 - x2 + eps‖_p`` over the last dimension (ATen's formula)."""
+    return torch.linalg.vector_norm(x1 - x2 + eps, p, max(x1.dim(), x2.dim()) - 1, keepdim)

@@ -1,0 +1,287 @@
+"""normalization ops: op_db samples (values, gradients, second derivatives) and hand-written cases
+for what op_db does not cover (running statistics, nn modules, shapes, gradcheck)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphgrad as gg
+from opdb_harness import op_id, opinfos, run_opinfo
+
+REFERENCE = {
+    "nn.functional.batch_norm": {},
+    "nn.functional.instance_norm": {},
+    "nn.functional.layer_norm": {},
+    "nn.functional.group_norm": {},
+    "nn.functional.rms_norm": {},
+}
+
+unsupported = None
+
+OPS = opinfos(REFERENCE)
+TOL = dict(rtol=1e-7, atol=1e-7)
+D = torch.float64
+
+
+@pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
+def test_opdb(op):
+    run_opinfo(op, REFERENCE[op.name], unsupported)
+
+
+def plain(t):
+    return t.detach().as_subclass(torch.Tensor)
+
+
+def pair(t, requires_grad=True):
+    """A torch leaf and a graphgrad leaf with the same values."""
+    return (t.detach().clone().requires_grad_(requires_grad),
+            gg.as_tensor(t.detach().clone(), requires_grad=requires_grad))
+
+
+def compare(fn, tensors, second_order=True, seed=0):
+    """fn on torch and graphgrad leaves: values, gradients and second derivatives agree
+    (the upstream gradient is a leaf too, as in the op_db harness)."""
+    gen = torch.Generator().manual_seed(seed)
+    ts, gs = zip(*(pair(t) for t in tensors))
+    want, have = fn(*ts), fn(*gs)
+    torch.testing.assert_close(plain(have), want.detach(), **TOL)
+    vt, vg = pair(torch.randn(want.shape, dtype=want.dtype, generator=gen), second_order)
+    gw = torch.autograd.grad(want, ts, vt, create_graph=second_order)
+    gh = gg.grad(have, gs, vg, create_graph=second_order)
+    for a, b in zip(gh, gw):
+        torch.testing.assert_close(plain(a), b.detach(), **TOL)
+    if second_order:
+        ws = [torch.randn(g.shape, dtype=g.dtype, generator=gen) for g in gw]
+        g2w = torch.autograd.grad(gw, ts + (vt,), ws, allow_unused=True)
+        g2h = gg.grad(gh, gs + (vg,), [gg.as_tensor(w.clone()) for w in ws], allow_unused=True)
+        for a, b in zip(g2h, g2w):
+            if b is None or a is None:
+                assert a is None and b is None or not plain(a if b is None else b).any()
+            else:
+                torch.testing.assert_close(plain(a), b, **TOL)
+    return have
+
+
+def r(*shape, seed=0):
+    return torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(seed))
+
+
+# -- batch_norm ----------------------------------------------------------------------------
+SHAPES = [(6, 3), (4, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 2)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("affine", [True, False])
+def test_batch_norm(shape, training, affine):
+    c = shape[1]
+    stats = {}
+
+    def fn(x, *wb):
+        key = "gg" if isinstance(x, gg.Tensor) else "torch"
+        stats[key] = (r(c, seed=1) * 0.1, r(c, seed=2).abs() + 0.5)
+        w, b = wb if affine else (None, None)
+        return F.batch_norm(x, *stats[key], w, b, training=training, momentum=0.3, eps=1e-3)
+
+    compare(fn, [r(*shape)] + ([r(c, seed=3), r(c, seed=4)] if affine else []))
+    for a, b in zip(stats["gg"], stats["torch"]):
+        assert torch.equal(plain(a), b)  # the running statistics, updated by torch's forward
+    if training:
+        assert not torch.equal(stats["torch"][0], r(c, seed=1) * 0.1)
+
+
+@pytest.mark.parametrize("module", [torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batch_norm_module_running_stats(module, momentum):
+    """Several training steps and an eval step: buffers and gradients match torch's exactly."""
+    ndim = {torch.nn.BatchNorm1d: 3, torch.nn.BatchNorm2d: 4, torch.nn.BatchNorm3d: 5}[module]
+    ref = module(3, momentum=momentum).double()
+    ours = module(3, momentum=momentum).double()
+    ours.load_state_dict(ref.state_dict())
+    params = {n: gg.as_tensor(p.detach().clone(), requires_grad=True) for n, p in ours.named_parameters()}
+    for step in range(3):
+        x = r(*(4, 3, 3, 2, 2)[:ndim], seed=step) * (step + 1) + step
+        want = ref(x)
+        have = torch.func.functional_call(ours, params, (gg.as_tensor(x),))
+        torch.testing.assert_close(plain(have), want.detach(), **TOL)
+        gw = torch.autograd.grad(want.pow(2).sum(), list(ref.parameters()))
+        gh = gg.grad(have.pow(2).sum(), list(params.values()))
+        for a, b in zip(gh, gw):
+            torch.testing.assert_close(plain(a), b, **TOL)
+        for name, buf in ref.named_buffers():
+            assert torch.equal(getattr(ours, name), buf), name
+    ref.eval()
+    ours.eval()
+    x = r(*(4, 3, 3, 2, 2)[:ndim], seed=9)
+    torch.testing.assert_close(plain(torch.func.functional_call(ours, params, (gg.as_tensor(x),))),
+                               ref(x).detach(), **TOL)
+
+
+def test_batch_norm_twice_before_backward():
+    """Two training forwards through one module update its buffers twice; backward still works."""
+    bn = torch.nn.BatchNorm1d(3).double()
+    x = gg.as_tensor(r(5, 3), requires_grad=True)
+    y = F.batch_norm(x, bn.running_mean, bn.running_var, training=True) + \
+        F.batch_norm(x * 2, bn.running_mean, bn.running_var, training=True)
+    xt = r(5, 3).requires_grad_()
+    rm, rv = torch.zeros(3, dtype=D), torch.ones(3, dtype=D)
+    yt = F.batch_norm(xt, rm, rv, training=True) + F.batch_norm(xt * 2, rm, rv, training=True)
+    g = gg.grad((y * y).sum(), x)[0]
+    torch.testing.assert_close(plain(g), torch.autograd.grad((yt * yt).sum(), xt)[0], **TOL)
+    assert torch.equal(bn.running_mean, rm) and torch.equal(bn.running_var, rv)
+
+
+def test_batch_norm_running_stats_that_require_grad_raise():
+    x = gg.as_tensor(r(4, 3), requires_grad=True)
+    rm = gg.as_tensor(torch.zeros(3, dtype=D), requires_grad=True)
+    with pytest.raises(RuntimeError, match="running_mean"):
+        F.batch_norm(x, rm, torch.ones(3, dtype=D), training=False)
+
+
+def test_batch_norm_errors_like_torch():
+    x = gg.as_tensor(r(1, 3), requires_grad=True)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        F.batch_norm(x, None, None, training=True)
+    with pytest.raises(RuntimeError, match="running_mean must be defined"):
+        F.batch_norm(gg.as_tensor(r(4, 3), requires_grad=True), None, None, training=False)
+
+
+def test_batch_norm_saves_no_running_buffers():
+    bn = torch.nn.BatchNorm1d(3).double()
+    x = gg.as_tensor(r(4, 3), requires_grad=True)
+    y = F.batch_norm(x, bn.running_mean, bn.running_var, training=True)
+    saved = y.grad_fn.saved_values
+    assert "running_mean" not in saved and "running_var" not in saved
+    assert y.grad_fn.name() == "BatchNormBackward"
+
+
+# -- instance_norm -------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(2, 3, 5), (2, 3, 4, 3), (1, 2, 2, 2, 3)], ids=str)
+@pytest.mark.parametrize("use_input_stats", [True, False])
+def test_instance_norm(shape, use_input_stats):
+    c = shape[1]
+    stats = {}
+
+    def fn(x, w, b):
+        key = "gg" if isinstance(x, gg.Tensor) else "torch"
+        stats[key] = (r(c, seed=1) * 0.1, r(c, seed=2).abs() + 0.5)
+        return F.instance_norm(x, *stats[key], w, b, use_input_stats=use_input_stats, momentum=0.2)
+
+    compare(fn, [r(*shape), r(c, seed=3), r(c, seed=4)])
+    for a, b in zip(stats["gg"], stats["torch"]):
+        assert torch.equal(plain(a), b)
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_instance_norm_module(track):
+    ref = torch.nn.InstanceNorm2d(3, affine=True, track_running_stats=track).double()
+    ours = torch.nn.InstanceNorm2d(3, affine=True, track_running_stats=track).double()
+    params = {n: gg.as_tensor(p.detach().clone(), requires_grad=True) for n, p in ours.named_parameters()}
+    for mode in ("train", "eval"):
+        getattr(ref, mode)()
+        getattr(ours, mode)()
+        x = r(2, 3, 4, 4) + 1
+        want = ref(x)
+        have = torch.func.functional_call(ours, params, (gg.as_tensor(x),))
+        torch.testing.assert_close(plain(have), want.detach(), **TOL)
+        gw = torch.autograd.grad(want.pow(3).sum(), list(ref.parameters()))
+        gh = gg.grad(have.pow(3).sum(), list(params.values()))
+        for a, b in zip(gh, gw):
+            torch.testing.assert_close(plain(a), b, **TOL)
+        for name, buf in ref.named_buffers():
+            assert torch.equal(getattr(ours, name), buf), name
+
+
+# -- layer_norm, group_norm, rms_norm ------------------------------------------------------
+@pytest.mark.parametrize("shape,normalized", [((5,), (5,)), ((3, 4), (4,)), ((2, 3, 4), (3, 4)),
+                                              ((2, 2, 3, 4), (4,))], ids=str)
+@pytest.mark.parametrize("affine", ["both", "weight", "none"])
+def test_layer_norm(shape, normalized, affine):
+    wb = {"both": [r(*normalized, seed=1), r(*normalized, seed=2)], "weight": [r(*normalized, seed=1)],
+          "none": []}[affine]
+    compare(lambda x, *p: F.layer_norm(x, normalized, *p, eps=1e-4), [r(*shape)] + wb)
+
+
+def test_layer_norm_module_and_broadcast_weight_grad():
+    ln = torch.nn.LayerNorm(4).double()
+    params = {n: gg.as_tensor(p.detach() + 0.5, requires_grad=True) for n, p in ln.named_parameters()}
+    ref = {n: (p.detach() + 0.5).requires_grad_() for n, p in ln.named_parameters()}
+    x = r(3, 2, 4)
+    have = torch.func.functional_call(ln, params, (gg.as_tensor(x),))
+    want = torch.func.functional_call(ln, ref, (x,))
+    gh = gg.grad((have * have.exp()).sum(), list(params.values()))
+    gw = torch.autograd.grad((want * want.exp()).sum(), list(ref.values()))
+    for a, b in zip(gh, gw):
+        assert a.shape == (4,)
+        torch.testing.assert_close(plain(a), b, **TOL)
+
+
+@pytest.mark.parametrize("shape,groups", [((2, 6), 3), ((2, 6, 5), 2), ((3, 4, 2, 3), 4),
+                                          ((1, 6, 2, 2, 2), 1)], ids=str)
+@pytest.mark.parametrize("affine", [True, False])
+def test_group_norm(shape, groups, affine):
+    c = shape[1]
+    wb = [r(c, seed=1), r(c, seed=2)] if affine else []
+    compare(lambda x, *p: F.group_norm(x, groups, *p, eps=1e-3), [r(*shape)] + wb)
+
+
+@pytest.mark.parametrize("shape,normalized", [((5,), (5,)), ((3, 4), (4,)), ((2, 3, 4), (3, 4))], ids=str)
+@pytest.mark.parametrize("eps", [None, 1e-3])
+@pytest.mark.parametrize("affine", [True, False])
+def test_rms_norm(shape, normalized, eps, affine):
+    w = [r(*normalized, seed=1)] if affine else []
+    compare(lambda x, *p: F.rms_norm(x, normalized, *p, eps=eps), [r(*shape)] + w)
+
+
+def test_torch_namespace_spellings():
+    """torch.layer_norm / group_norm / rms_norm / batch_norm / instance_norm (the C builtins)."""
+    x, c = r(4, 3, 5), 3
+    w, b, rm, rv = r(c, seed=1), r(c, seed=2), torch.zeros(c, dtype=D), torch.ones(c, dtype=D)
+    compare(lambda x: torch.layer_norm(x, [5]), [x])
+    compare(lambda x, w, b: torch.group_norm(x, 3, w, b), [x, w, b])
+    compare(lambda x: torch.rms_norm(x, [3, 5]), [x])
+    compare(lambda x, w, b: torch.batch_norm(x, w, b, rm.clone(), rv.clone(), True, 0.1, 1e-5, False),
+            [x, w, b])
+    compare(lambda x, w, b: torch.instance_norm(x, w, b, None, None, True, 0.1, 1e-5, False), [x, w, b])
+
+
+@pytest.mark.parametrize("name", ["batch_train", "batch_eval", "instance", "layer", "group", "rms"])
+def test_gradcheck(name):
+    x = r(2, 2, 3) * 2
+    w, b = r(2, seed=1), r(2, seed=2)
+    rm, rv = r(2, seed=3) * 0.1, r(2, seed=4).abs() + 0.5
+    fns = {
+        "batch_train": lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+        "batch_eval": lambda x, w, b: F.batch_norm(x, rm, rv, w, b, training=False),
+        "instance": lambda x, w, b: F.instance_norm(x, None, None, w, b),
+        "layer": lambda x, w, b: F.layer_norm(x, (2, 3), w[:, None].expand(2, 3), b[:, None].expand(2, 3)),
+        "group": lambda x, w, b: F.group_norm(x, 1, w, b),
+        "rms": lambda x, w, b: F.rms_norm(x, (3,), w.repeat(2)[:3]) * b.sum(),
+    }
+    inputs = [gg.as_tensor(t, requires_grad=True) for t in (x, w, b)]
+    assert gg.gradcheck(fns[name], inputs)
+    # squared, so that every first derivative depends on the inputs (gradgradcheck needs that)
+    assert gg.gradgradcheck(lambda *a: fns[name](*a).pow(2), inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["batch", "instance", "layer", "group", "rms"])
+def test_low_precision_close_to_torch(dtype, name):
+    """Half-precision inputs: statistics in float32 (as torch's kernels), gradients in the input dtype."""
+    fns = {
+        "batch": lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+        "instance": lambda x, w, b: F.instance_norm(x, None, None, w, b),
+        "layer": lambda x, w, b: F.layer_norm(x, (5,), w[:1].expand(5), b[:1].expand(5)),
+        "group": lambda x, w, b: F.group_norm(x, 3, w, b),
+        "rms": lambda x, w, b: F.rms_norm(x, (5,), w[:1].expand(5)) * b.sum(),
+    }
+    tensors = [r(4, 3, 5).to(dtype), r(3, seed=1).to(dtype), r(3, seed=2).to(dtype)]
+    ts = [t.clone().requires_grad_() for t in tensors]
+    gs = [gg.as_tensor(t.clone(), requires_grad=True) for t in tensors]
+    want, have = fns[name](*ts), fns[name](*gs)
+    v = r(4, 3, 5, seed=3).to(dtype)
+    tol = dict(rtol=0.05, atol=0.05)
+    torch.testing.assert_close(plain(have), want.detach(), **tol)
+    for a, b in zip(gg.grad(have, gs, gg.as_tensor(v)), torch.autograd.grad(want, ts, v)):
+        assert a.dtype == dtype
+        torch.testing.assert_close(plain(a), b, **tol)
