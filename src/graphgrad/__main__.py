@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="mlp: 64-128-64-10 ReLU; cnn: two conv+batchnorm layers, max-pool, "
                            "dropout; transformer: rows as tokens, one causal encoder layer "
                            "(default: cnn)")
-    demo.add_argument("--epochs", type=_positive_int, default=12, help="epochs (default: 12)")
+    demo.add_argument("--epochs", type=_positive_int, default=8, help="epochs (default: 8)")
     demo.add_argument("--batch-size", type=_positive_int, default=64, help="batch size (default: 64)")
     demo.add_argument("--lr", type=_positive_float, default=3e-3, help="Adam learning rate (default: 3e-3)")
     demo.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default: cpu)")

@@ -31,7 +31,13 @@ _GELU_KAPPA = 0.044715
 # -- relu family: the gradient passes where the output is strictly inside -------------------
 @derivative(torch.relu, T.relu, inplace=(torch.relu_, T.relu_))
 def relu(grad, input, *, result):
-    return torch.where(result <= 0, 0.0, grad)
+    return torch.ops.aten.threshold_backward(grad, result, 0)
+
+
+@derivative(torch.ops.aten.threshold_backward)
+def threshold_backward(grad, grad_output, input, threshold):
+    """torch's fused ``grad_output * (input > threshold)``: linear in ``grad_output``."""
+    return torch.ops.aten.threshold_backward(grad, input, threshold), None
 
 
 @decomposition(F.relu)
