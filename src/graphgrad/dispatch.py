@@ -23,6 +23,7 @@ __all__ = ["torch_function", "wrap_output", "set_tensor_class", "is_inplace"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch._C.is_grad_enabled
+_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)
 _PlainTensor = torch.Tensor
 _TENSOR = [None]  # graphgrad.Tensor, set once by tensor.py
 _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
@@ -205,11 +206,26 @@ def _record(func, rule, args, kwargs, inputs):
     out = func(*args, **kwargs)
     if not any_grad:
         return _wrap_plain(out, inputs)
-    saved, versions = save_arguments(_keep(rule, nexts, slot_pos), values)
+    keep = _keep(rule, nexts, slot_pos)
+    if _autocast_enabled() and type(out) is _PlainTensor:
+        values = _as_autocast_ran(values, keep, out.dtype)
+    saved, versions = save_arguments(keep, values)
     node = Node(rule, nexts, slot_pos, metas, saved, versions, graph)
     out = _attach(out, node, rule, inputs)
     graph.record(node)
     return out
+
+
+def _as_autocast_ran(values, keep, dtype):
+    """Under autocast, save floating inputs in the dtype the kernel computed in (its output's),
+    as torch does by saving the autocast copies; gradients are cast back to each input's dtype."""
+    if not dtype.is_floating_point:
+        return values
+    out = list(values)
+    for i, v in enumerate(values):
+        if keep[i] == 1 and isinstance(v, _PlainTensor) and v.is_floating_point() and v.dtype != dtype:
+            out[i] = v.to(dtype)
+    return tuple(out)
 
 
 def _attach(out, node, rule, inputs):

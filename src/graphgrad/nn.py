@@ -44,6 +44,10 @@ class Parameter(Tensor, torch.nn.Parameter):
         return (_rebuild_as, (type(self), plain, self.requires_grad))
 
 
+if hasattr(torch.serialization, "add_safe_globals"):
+    torch.serialization.add_safe_globals([Parameter])
+
+
 def _adopt_tensor(t: torch.Tensor, cls: type, requires_grad: bool) -> None:
     """Change ``t``'s class in place; graphgrad tracks it, torch's own autograd no longer does."""
     if isinstance(t, Tensor):

@@ -182,6 +182,8 @@ def _rebuild_as(cls: type, data: torch.Tensor, requires_grad: bool) -> Tensor:
 
 
 dispatch.set_tensor_class(Tensor)
+if hasattr(torch.serialization, "add_safe_globals"):  # graphgrad leaves load with weights_only=True
+    torch.serialization.add_safe_globals([_rebuild_as, Tensor])
 
 
 def tensor(data: Any, *, dtype: torch.dtype | None = None, device: Any = None,

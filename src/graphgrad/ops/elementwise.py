@@ -28,13 +28,13 @@ def _is_tensor(x) -> bool:
 
 
 # -- arithmetic --------------------------------------------------------------------------
-@derivative(torch.add, T.add, T.__add__, T.__radd__, inplace=(T.add_, T.__iadd__))
+@derivative(torch.add, T.add, inplace=(T.add_,))
 def add(grad, input, other, *, alpha=1):
     return grad, grad if alpha == 1 else grad * alpha
 
 
-@derivative(torch.sub, T.sub, T.__sub__, torch.subtract, T.subtract,
-            inplace=(T.sub_, T.__isub__, T.subtract_))
+@derivative(torch.sub, T.sub, torch.subtract, T.subtract,
+            inplace=(T.sub_, T.subtract_))
 def sub(grad, input, other, *, alpha=1):
     return grad, -grad if alpha == 1 else grad * -alpha
 
@@ -45,16 +45,16 @@ def rsub(grad, input, other, *, alpha=1):
     return (-grad if alpha == 1 else grad * -alpha), grad
 
 
-@derivative(torch.mul, T.mul, T.__mul__, T.__rmul__, torch.multiply, T.multiply,
-            inplace=(T.mul_, T.__imul__, T.multiply_),
+@derivative(torch.mul, T.mul, torch.multiply, T.multiply,
+            inplace=(T.mul_, T.multiply_),
             saved_for={"input": "other", "other": "input"})
 def mul(grad, input, other, *, needs_input_grad):
     return (grad * other if needs_input_grad[0] else None,
             grad * input if needs_input_grad[1] else None)
 
 
-@derivative(torch.div, T.div, T.__truediv__, torch.divide, T.divide, torch.true_divide,
-            T.true_divide, inplace=(T.div_, T.__itruediv__, T.divide_, T.true_divide_),
+@derivative(torch.div, T.div, torch.divide, T.divide, torch.true_divide,
+            T.true_divide, inplace=(T.div_, T.divide_, T.true_divide_),
             saved_for={"input": "other"})
 def div(grad, input, other, *, rounding_mode=None, needs_input_grad):
     if rounding_mode is not None:  # floor/trunc division is piecewise constant
@@ -105,7 +105,7 @@ def fmod(grad, input, other, *, needs_input_grad):
     return grad, -grad * input.div(other, rounding_mode="trunc")
 
 
-@derivative(torch.remainder, T.remainder, T.__mod__, inplace=(T.remainder_, T.__imod__))
+@derivative(torch.remainder, T.remainder, inplace=(T.remainder_,))
 def remainder(grad, input, other, *, needs_input_grad):
     """``input - floor(input / other) * other``."""
     if not _is_tensor(other) or not needs_input_grad[1]:

@@ -24,7 +24,7 @@ def _scaled(t, s):
 
 
 # -- products ------------------------------------------------------------------------------
-@derivative(torch.matmul, T.matmul, T.__matmul__, torch.linalg.matmul,
+@derivative(torch.matmul, T.matmul, torch.linalg.matmul,
             saved_for={"input": "other", "other": "input"})
 def matmul(grad, input, other, *, needs_input_grad):
     a, b = input, other
