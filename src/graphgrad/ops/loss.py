@@ -158,6 +158,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     """log_softmax over the class dimension, then nll_loss (class indices) or the weighted sum
     against the probabilities; label smoothing mixes in the uniform distribution, as torch does."""
     reduction = _reduction(size_average, reduce, reduction)
+    if input.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(input.device.type):
+        input = input.float()  # autocast runs cross_entropy in float32: so must its pieces
     class_dim = 1 if input.dim() >= 2 else 0
     n_classes = input.shape[class_dim]
     logp = torch.log_softmax(input, class_dim)
