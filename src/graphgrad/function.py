@@ -31,7 +31,6 @@ import torch
 from .graph import current_graph
 from .node import Node
 from .references import (
-    PackedTensor,
     SavedResult,
     check_saved_versions,
     save_arguments,
@@ -264,7 +263,3 @@ def _save(node, ctx, outs):
     node.versions = tuple((plain[pos][0], v) for pos, v in versions)
     node.saved_kinds = tuple(kinds)
     ctx.to_save = ()
-
-
-# PackedTensor is re-exported for introspection code that inspects FunctionNode.saved
-_ = PackedTensor

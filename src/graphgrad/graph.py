@@ -182,7 +182,7 @@ class AutogradGraph:
         self.flush()
         if node.graph is None:
             index = self._leaves.get(id(node))
-            if index is None or self._rx[index]() is not node:
+            if index is None or not self._rx.has_node(index) or self._rx[index]() is not node:
                 raise KeyError(f"{node!r} is not in {self!r}")
             return index
         if node.graph is not self or node.graph_index < 0:
