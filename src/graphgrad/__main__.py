@@ -1,4 +1,4 @@
-"""Command line: ``python -m graphgrad demo | tour``."""
+"""Command line: ``python -m graphgrad demo | tour | bench``."""
 
 from __future__ import annotations
 
@@ -63,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "multiple paths, version counter, create_graph) on graphgrad, then trains an "
                     "MLP with torch.optim.SGD on synthetic data side by side with torch.autograd.")
     tour.add_argument("--steps", type=_positive_int, default=200, help="training steps (default: 200)")
+    bench = sub.add_parser(
+        "bench", help="benchmark graphgrad against torch.autograd (and a hand-written bound)",
+        description="Runs the issue-6 workloads (W1 tiny-op chain, W2/W3 MLP step, W4 deep graph, "
+                    "W5 Transformer layer, W6 compiled vs pure-Python engine, cyclic-GC during W2 "
+                    "steps) with graphgrad and torch.autograd interleaved in one process, and prints "
+                    "medians, ratios and peak memory.")
+    bench.add_argument("--quick", action="store_true", help="fewer repeats and smaller runs (< 1 minute)")
+    bench.add_argument("--json", default=None, metavar="FILE", help="also write every number to FILE")
+    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu or cuda (default: cpu)")
+    bench.add_argument("--repeats", type=_positive_int, default=None, metavar="N",
+                       help="timed repeats per workload (default: 5 with --quick, else 15)")
     return parser
 
 
@@ -80,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run_tour(steps=args.steps)
         return 0 if result["max_rel_grad_diff"] < 1e-4 else 1
+    if args.command == "bench":
+        from .bench import BenchConfig
+        from .bench import main as run_bench
+
+        return run_bench(BenchConfig(quick=args.quick, device=args.device, repeats=args.repeats,
+                                     json_path=args.json))
     return 2
 
 

@@ -1,0 +1,121 @@
+"""``python -m graphgrad bench``: the quick run's JSON covers every workload; bad options exit 2."""
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+import torch
+
+WORKLOADS = {"W1", "W2", "W3", "W4", "W5", "W6 W1", "W6 W4", "GC"}
+
+
+def run_bench_cli(*args, timeout=300, env=None):
+    return subprocess.run([sys.executable, "-m", "graphgrad", "bench", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    proc = run_bench_cli("--quick", "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, json.loads(path.read_text())
+
+
+def rows_of(result, workload):
+    return [row for row in result["rows"] if row["workload"] == workload]
+
+
+def test_every_workload_present(quick):
+    _, result = quick
+    assert {row["workload"] for row in result["rows"]} == WORKLOADS
+    assert {row["metric"] for row in rows_of(result, "W1")} == {"forward", "backward"}
+    assert {row["metric"] for row in rows_of(result, "W4")} == {
+        "forward", "backward", "forward+backward", "peak RSS delta"}
+    assert {row["metric"] for row in rows_of(result, "GC")} == {"collections", "pause"}
+
+
+@pytest.mark.parametrize("workload", ["W1", "W2", "W3", "W4", "W5"])
+def test_times_positive_and_ratios_finite(quick, workload):
+    _, result = quick
+    rows = [row for row in rows_of(result, workload) if row["kind"] == "time"]
+    assert rows
+    for row in rows:
+        assert row["graphgrad"] > 0 and row["torch"] > 0, row
+        assert math.isfinite(row["gg_over_torch"]) and row["gg_over_torch"] > 0
+        assert row["gg_over_torch"] == pytest.approx(row["graphgrad"] / row["torch"])
+        assert len(row["graphgrad_samples"]) >= 3
+        assert row["graphgrad"] == pytest.approx(statistics.median(row["graphgrad_samples"]))
+        if workload != "W5":  # a hand-written bound is given for W1-W4
+            assert row["bound"] > 0 and math.isfinite(row["gg_over_bound"])
+        assert "grad rel diff" in row["note"] or workload == "W4"
+
+
+def test_gradients_agree_with_torch(quick):
+    _, result = quick
+    for row in result["rows"]:
+        if "grad rel diff" in row["note"]:
+            diff = float(row["note"].split("grad rel diff ")[1].split()[0])
+            # float32; W5's attention path rounds differently from torch's fused one (float64 agrees)
+            assert diff < (5e-2 if row["workload"] == "W5" else 1e-4), row
+
+
+def test_w4_peak_memory(quick):
+    _, result = quick
+    (row,) = [r for r in rows_of(result, "W4") if r["metric"] == "peak RSS delta"]
+    assert row["kind"] == "memory" and row["unit"] == "MiB"
+    for engine in ("graphgrad", "torch", "bound"):
+        assert row[engine] > 0, row
+    assert math.isfinite(row["gg_over_torch"])
+
+
+def test_w6_compiled_and_pure(quick):
+    _, result = quick
+    w6 = result["extra"]["W6"]
+    assert w6["pure"]["compiled"] is False
+    for row in rows_of(result, "W6 W1") + rows_of(result, "W6 W4"):
+        assert row["graphgrad"] > 0 and row["pure"] > 0
+        assert math.isfinite(row["compiled_over_pure"])
+
+
+def test_gc_counts(quick):
+    _, result = quick
+    gc_result = result["extra"]["GC"]
+    assert gc_result["steps"] == 100
+    for engine in ("graphgrad", "torch", "bound"):
+        counts = gc_result[engine]
+        assert counts["collections"] == sum(counts["by_generation"]) >= 0
+        assert counts["pause_s"] >= 0
+
+
+def test_table_and_meta(quick):
+    proc, result = quick
+    meta = result["meta"]
+    assert meta["quick"] is True and meta["device"] == "cpu" and meta["torch_threads"] == 1
+    assert meta["torch"] == torch.__version__ and meta["nproc"] >= 1
+    for header in ("gg/torch", "gg/bound", "W1", "W5", "GC"):
+        assert header in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--repeats", "0"], "expected a positive integer"),
+    (["--repeats", "x"], "expected a positive integer"),
+    (["--device", "tpu"], "invalid choice"),
+    (["--json"], "expected one argument"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_options_exit_2(args, message):
+    proc = run_bench_cli(*args, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_cuda_without_gpu_is_a_clear_error():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # hide any GPU so the message shows everywhere
+    proc = run_bench_cli("--device", "cuda", "--quick", timeout=120, env=env)
+    assert proc.returncode == 2
+    assert "CUDA is not available" in proc.stderr
