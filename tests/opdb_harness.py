@@ -26,8 +26,8 @@ from torch.testing._internal.common_methods_invocations import op_db
 from torch.utils import _pytree as pytree
 
 import graphgrad as gg
+from op_cases import TOL, assert_grads_close, plain
 
-TOL = dict(rtol=1e-7, atol=1e-7, equal_nan=True)
 OPS_BY_NAME: dict[str, list] = {}
 for _op in op_db:
     OPS_BY_NAME.setdefault(_op.name, []).append(_op)
@@ -55,10 +55,6 @@ def samples(op, max_samples: int | None = None) -> list:
                 break
             out.append(sample)
     return out
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor)
 
 
 def _to_gg(tree):
@@ -104,22 +100,12 @@ def _call(op, sample, tree):
         return sample.output_process_fn_grad(op.op(inp, *args, **kwargs))
 
 
-def _assert_grads_close(have, want, what):
-    for k, (h, w) in enumerate(zip(have, want)):
-        if h is None or w is None:
-            other = w if h is None else h
-            assert other is None or not plain(other).any(), f"{what} {k}: None vs nonzero"
-        else:
-            torch.testing.assert_close(plain(h), plain(w), **TOL,
-                                       msg=lambda m, k=k: f"{what} {k}: {m}")
-
-
-def _differentiable_outputs(expected, got):
+def _differentiable_outputs(expected, got, tol=TOL):
     e_outs, g_outs = pytree.tree_leaves(expected), pytree.tree_leaves(got)
     assert len(e_outs) == len(g_outs), "different number of outputs"
     for e, g in zip(e_outs, g_outs):
         if isinstance(e, torch.Tensor):
-            torch.testing.assert_close(plain(g), plain(e), **TOL)
+            torch.testing.assert_close(plain(g), plain(e), **tol)
         else:
             assert g == e
     pairs = [(e, g) for e, g in zip(e_outs, g_outs)
@@ -128,7 +114,7 @@ def _differentiable_outputs(expected, got):
     return pairs
 
 
-def check_sample(op, sample, gen, second_order=True, unsupported=None) -> bool:
+def check_sample(op, sample, gen, second_order=True, unsupported=None, tol=TOL) -> bool:
     """Compare one sample; False if it was an unsupported option (which must raise)."""
     tree = _clone_tree((sample.input, sample.args, sample.kwargs))
     gg_tree = _to_gg(tree)
@@ -139,7 +125,7 @@ def check_sample(op, sample, gen, second_order=True, unsupported=None) -> bool:
             gg.grad([o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)
                      and o.requires_grad], _grad_leaves(gg_tree), allow_unused=True)
         return False
-    pairs = _differentiable_outputs(_call(op, sample, tree), _call(op, sample, gg_tree))
+    pairs = _differentiable_outputs(_call(op, sample, tree), _call(op, sample, gg_tree), tol)
     ins, gg_ins = _grad_leaves(tree), _grad_leaves(gg_tree)
     assert len(ins) == len(gg_ins)
     if not pairs or not ins:
@@ -151,7 +137,7 @@ def check_sample(op, sample, gen, second_order=True, unsupported=None) -> bool:
                                create_graph=second_order)
     have = gg.grad([g for _, g in pairs], gg_ins, vs_g, allow_unused=True,
                    create_graph=second_order)
-    _assert_grads_close(have, want, "gradient of input")
+    assert_grads_close(have, want, "gradient of input", tol)
     if not second_order:
         return True
     keep = [k for k, w in enumerate(want) if w is not None and w.requires_grad]
@@ -164,7 +150,7 @@ def check_sample(op, sample, gen, second_order=True, unsupported=None) -> bool:
     want2 = torch.autograd.grad([want[k] for k in keep], ins + vs_t, ws, allow_unused=True)
     have2 = gg.grad([have[k] for k in keep], gg_ins + vs_g, [w.clone() for w in ws],
                     allow_unused=True)
-    _assert_grads_close(have2, want2, "second derivative w.r.t. input")
+    assert_grads_close(have2, want2, "second derivative w.r.t. input", tol)
     return True
 
 

@@ -8,18 +8,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import graphgrad as gg
-
-D = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7)
-
-
-def rnd(*shape, seed=0, scale=1.0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=D) * scale
-
-
-def leaf(kind, *shape, seed=0, scale=1.0):
-    data = rnd(*shape, seed=seed, scale=scale)
-    return gg.as_tensor(data, requires_grad=True) if kind == "gg" else data.requires_grad_(True)
+from op_cases import F64 as D
+from op_cases import TOL_NAN_FAILS as TOL
+from op_cases import close, leaf, plain, rnd
 
 
 def api(kind):
@@ -27,16 +18,6 @@ def api(kind):
     if kind == "gg":
         return gg.checkpoint, gg.grad
     return (lambda fn, *a, **kw: torch_checkpoint(fn, *a, use_reentrant=False, **kw)), torch.autograd.grad
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor).clone()
-
-
-def close_all(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        torch.testing.assert_close(plain(x), plain(y), **TOL)
 
 
 def block(h, w, b):
@@ -60,8 +41,8 @@ def test_same_gradients_with_and_without_checkpoint_and_as_torch(how):
             else:
                 grads = grad(loss, (x, w, b))
             out[kind, use] = grads
-    close_all(out["gg", True], out["gg", False])
-    close_all(out["gg", True], out["torch", True])
+    close(out["gg", True], out["gg", False])
+    close(out["gg", True], out["torch", True])
 
 
 def two_blocks(w, b):
@@ -79,8 +60,8 @@ def test_parameters_captured_in_the_closure():
             fn = two_blocks(w, b)
             y = checkpoint(fn, x) if use else fn(x)
             out[kind, use] = grad(y.exp().mean(), (x, w, b))
-    close_all(out["gg", True], out["gg", False])
-    close_all(out["gg", True], out["torch", True])
+    close(out["gg", True], out["gg", False])
+    close(out["gg", True], out["torch", True])
 
 
 def test_non_tensor_args_kwargs_and_inputs_without_grad():
@@ -130,7 +111,7 @@ def test_a_custom_function_inside_the_checkpoint():
         x = leaf(kind, 5, seed=21)
         y = checkpoint(lambda h, cube=cube: cube.apply(h.sin() + 2).exp(), x * 0.5)
         out[kind] = grad(y.sum(), x)
-    close_all(out["gg"], out["torch"])
+    close(out["gg"], out["torch"])
 
 
 # -- RNG state ---------------------------------------------------------------------------------
@@ -206,9 +187,9 @@ def test_mlp_saved_bytes_drop_at_least_4x_with_equal_gradients():
     per4, got4 = mlp_grads("gg", 4)
     per1, got1 = mlp_grads("gg", 1)
     _, torch4 = mlp_grads("torch", 4)
-    close_all(got4, want)
-    close_all(got1, want)
-    close_all(got4, torch4)
+    close(got4, want)
+    close(got1, want)
+    close(got4, torch4)
     activation = BATCH * WIDTH * 8
     assert full >= DEPTH * activation  # every layer keeps at least its input
     assert per4 * 4 <= full, (full, per4)
@@ -238,7 +219,7 @@ def test_create_graph_through_checkpoint_matches_torch():
         gx, gw = grad(y.pow(2).sum(), (x, w), create_graph=True)
         second = grad((gx ** 2).sum() + gw.sin().sum(), (x, w, b))
         out[kind] = (gx, gw) + tuple(second)
-    close_all(out["gg"], out["torch"])
+    close(out["gg"], out["torch"])
 
 
 def test_second_backward_with_retain_graph_recomputes_again():
@@ -251,7 +232,7 @@ def test_second_backward_with_retain_graph_recomputes_again():
         first = x.grad.clone()
         y.backward()
         out[kind] = (first, x.grad, w.grad)
-    close_all(out["gg"], out["torch"])
+    close(out["gg"], out["torch"])
     torch.testing.assert_close(plain(out["gg"][1]), 2 * plain(out["gg"][0]), **TOL)
 
 

@@ -11,14 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
+from op_cases import close, grad_of, rnd
 
-D = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7)
 TF = torch.autograd.Function
-
-
-def rnd(*shape, seed=0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=D)
 
 
 def pair(*shape, seed=0, requires_grad=True):
@@ -26,21 +21,6 @@ def pair(*shape, seed=0, requires_grad=True):
     data = rnd(*shape, seed=seed)
     return (gg.as_tensor(data.clone(), requires_grad=requires_grad),
             data.clone().requires_grad_(requires_grad))
-
-
-def grad_of(out, inputs, **kw):
-    """gg.grad for graphgrad tensors, torch.autograd.grad for plain ones."""
-    if isinstance(out, gg.Tensor):
-        return gg.grad(out, inputs, **kw)
-    return torch.autograd.grad(out, inputs, **kw)
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor).clone() if t is not None else None
-
-
-def close(a, b):
-    torch.testing.assert_close(plain(a), plain(b), **TOL)
 
 
 # -- the Functions (each written once, for either base) ----------------------------------------

@@ -11,14 +11,9 @@ import torch.autograd.functional as taf
 
 import graphgrad as gg
 import graphgrad.functional as ggf
-
-D = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7)
-
-
-def rnd(*shape, seed=0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=D)
-
+from op_cases import F64 as D
+from op_cases import TOL_NAN_FAILS as TOL
+from op_cases import plain, rnd
 
 W = rnd(3, 4, seed=99)  # a constant captured by closures
 
@@ -66,10 +61,6 @@ def to_gg(x, requires_grad=True):
 
 def to_torch(x, requires_grad=False):
     return tmap(lambda t: t.detach().clone().requires_grad_(requires_grad), x)
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor) if isinstance(t, gg.Tensor) else t.detach()
 
 
 def flat(x):

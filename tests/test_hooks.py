@@ -12,45 +12,8 @@ import pytest
 import torch
 
 import graphgrad as gg
-
-D = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7)
-
-
-def rnd(*shape, seed=0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=D)
-
-
-def leaf(kind, *shape, seed=0):
-    data = rnd(*shape, seed=seed)
-    if kind == "gg":
-        return gg.as_tensor(data, requires_grad=True)
-    return data.requires_grad_(True)
-
-
-def grad_of(out, inputs, **kw):
-    if isinstance(out, gg.Tensor):
-        return gg.grad(out, inputs, **kw)
-    return torch.autograd.grad(out, inputs, **kw)
-
-
-def plain(t):
-    if isinstance(t, (tuple, list)):
-        return type(t)(plain(i) for i in t)
-    return t.detach().as_subclass(torch.Tensor).clone() if isinstance(t, torch.Tensor) else t
-
-
-def close(a, b, where="result"):
-    """Recursive comparison: tensors by value, containers element-wise, the rest by ==."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{where}: {a!r} vs {b!r}"
-        torch.testing.assert_close(plain(a), plain(b), **TOL, msg=lambda m: f"{where}: {m}")
-    elif isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        assert len(a) == len(b), f"{where}: length {len(a)} vs {len(b)}: {a!r} vs {b!r}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            close(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} vs {b!r}"
+from op_cases import F64 as D
+from op_cases import close, grad_of, leaf, rnd
 
 
 def both(scenario):

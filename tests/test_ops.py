@@ -9,13 +9,13 @@ random upstream gradient; second derivatives (``create_graph=True``, differentia
 
 import math
 import operator
-from collections import namedtuple
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
+from op_cases import F64, TOL, Const, Randoms, T, assert_grads_close, case, inplace, plain
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The use of `x.T` on tensors:UserWarning"),
@@ -23,48 +23,12 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:size_average and reduce args will be deprecated:UserWarning"),
 ]
 
-T = torch.Tensor
-F64 = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7, equal_nan=True)
-_gen = torch.Generator().manual_seed(0)
-
-
-def r(*shape):
-    return torch.randn(shape, dtype=F64, generator=_gen)
-
-
-def pos(*shape):  # in [0.5, 2): for log, sqrt, pow bases
-    return torch.rand(shape, dtype=F64, generator=_gen) * 1.5 + 0.5
-
-
-def away(*shape):  # |x| in [0.5, 2): denominators
-    return pos(*shape) * torch.where(torch.rand(shape, generator=_gen) < 0.5, -1.0, 1.0).to(F64)
-
-
-def ints(high, *shape):
-    return torch.randint(0, high, shape, generator=_gen)
-
-
-def mask(*shape):
-    return torch.rand(shape, generator=_gen) < 0.5
+_rand = Randoms(0)
+r, pos, away, ints, mask = _rand.r, _rand.pos, _rand.away, _rand.ints, _rand.mask
 
 
 def idx(*values):
     return torch.tensor(values)
-
-
-class Const:
-    """A floating tensor passed without requires_grad (a class weight, a dtype donor)."""
-
-    def __init__(self, t):
-        self.t = t
-
-
-Case = namedtuple("Case", "id fn args gradcheck tol")
-
-
-def case(id, fn, *args, gradcheck=True, tol=TOL):
-    return Case(id, fn, args, gradcheck, tol)
 
 
 def setitem(index_of, value_pos=True):
@@ -74,18 +38,6 @@ def setitem(index_of, value_pos=True):
         y = a.clone()
         index = index_of(*rest[:-1]) if value_pos else index_of(*rest)
         y[index] = rest[-1] if value_pos else 2.0
-        return y
-
-    return fn
-
-
-def inplace(func, *extra, covers=None, **kw):
-    """``y = a * 1.0; func(y, *rest)``: an in-place op on a non-leaf; returns y."""
-
-    def fn(a, *rest):
-        y = a * 1.0
-        out = func(y, *rest, *extra, **kw)
-        assert out is y
         return y
 
     return fn
@@ -377,21 +329,6 @@ def _diff(args):
     return [a for a in args if isinstance(a, T) and a.requires_grad]
 
 
-def plain(t):
-    return t.detach().as_subclass(T)
-
-
-def assert_grads_equal(ours, theirs, tol=TOL):
-    """Gradient lists equal; ``None`` and an all-zero tensor count as the same."""
-    assert len(ours) == len(theirs)
-    for k, (g, e) in enumerate(zip(ours, theirs)):
-        if g is None or e is None:
-            other = e if g is None else g
-            assert other is None or not plain(other).any(), f"input {k}: None vs nonzero gradient"
-            continue
-        torch.testing.assert_close(plain(g), plain(e), **tol, msg=lambda m, k=k: f"input {k}: {m}")
-
-
 def _forward_both(c):
     t_args, g_args = _as_torch(c.args), _as_gg(c.args)
     t_out, g_out = c.fn(*t_args), c.fn(*g_args)
@@ -407,7 +344,7 @@ def test_values_and_grads(c):
     expected = torch.autograd.grad(t_out, _diff(t_args), v, allow_unused=True)
     got = gg.grad(g_out, _diff(g_args), v.clone(), allow_unused=True)
     assert all(g is None or not g.requires_grad for g in got)
-    assert_grads_equal(got, expected, c.tol)
+    assert_grads_close(got, expected, "input", c.tol)
 
 
 def _combine(firsts, ws):
@@ -424,13 +361,13 @@ def test_second_derivatives(c):
     t_ins, g_ins = _diff(t_args), _diff(g_args)
     t_first = torch.autograd.grad(t_out, t_ins, t_v, create_graph=True, allow_unused=True)
     g_first = gg.grad(g_out, g_ins, g_v, create_graph=True, allow_unused=True)
-    assert_grads_equal(g_first, t_first, c.tol)
+    assert_grads_close(g_first, t_first, "input", c.tol)
     ws = [torch.randn(x.shape, dtype=x.dtype, generator=gen) for x in t_ins]
     t_s, g_s = _combine(t_first, ws), _combine(g_first, ws)
     n = len(t_ins) + 1
     t_second = torch.autograd.grad(t_s, t_ins + [t_v], allow_unused=True) if t_s is not None else [None] * n
     g_second = gg.grad(g_s, g_ins + [g_v], allow_unused=True) if g_s is not None else [None] * n
-    assert_grads_equal(g_second, t_second, c.tol)
+    assert_grads_close(g_second, t_second, "input", c.tol)
 
 
 GRADCHECK = [c for c in CASES if c.gradcheck]
@@ -448,7 +385,7 @@ def test_seed_attention_matches_torch_sdpa():
     t_out, g_out = sdpa(*t_args), attention_by_hand(*g_args)
     torch.testing.assert_close(plain(g_out), plain(t_out), **TOL)
     v = r(2, 3, 3)
-    assert_grads_equal(gg.grad(g_out, g_args, v), torch.autograd.grad(t_out, t_args, v))
+    assert_grads_close(gg.grad(g_out, g_args, v), torch.autograd.grad(t_out, t_args, v), "input")
 
 
 def test_seed_swish_matches_silu():
@@ -458,9 +395,9 @@ def test_seed_swish_matches_silu():
     (t_first,) = torch.autograd.grad(F.silu(tx), tx, v, create_graph=True)
     for fn in (swish_by_hand, F.silu):
         (g_first,) = gg.grad(fn(gx), gx, v, create_graph=True)
-        assert_grads_equal([g_first], [t_first])
-        assert_grads_equal(gg.grad((g_first * w).sum(), gx),
-                           torch.autograd.grad((t_first * w).sum(), tx, retain_graph=True))
+        assert_grads_close([g_first], [t_first], "input")
+        assert_grads_close(gg.grad((g_first * w).sum(), gx),
+                           torch.autograd.grad((t_first * w).sum(), tx, retain_graph=True), "input")
 
 
 UNSUPPORTED = [

@@ -5,6 +5,7 @@ gradients and second derivatives against torch.autograd in float64, and ``gg.gra
 """
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphgrad as gg
+from op_cases import F64, Randoms, T, check, plain
+from op_cases import inplace as ip
 from opdb_harness import op_id, opinfos, run_opinfo
 
 REFERENCE = {
@@ -51,72 +54,9 @@ def test_opdb(op):
 
 
 # -- hand-written cases ------------------------------------------------------------------------
-T = torch.Tensor
-F64 = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7, equal_nan=True)
-_gen = torch.Generator().manual_seed(0)
-
-
-def r(*shape, scale=3.0):
-    return torch.randn(shape, dtype=F64, generator=_gen) * scale
-
-
-def pos(*shape):
-    return torch.rand(shape, dtype=F64, generator=_gen) + 0.1
-
-
-def plain(t):
-    return t.detach().as_subclass(T)
-
-
-def _grads_close(have, want, what):
-    for k, (h, w) in enumerate(zip(have, want)):
-        if h is None or w is None:
-            other = w if h is None else h
-            assert other is None or not plain(other).any(), f"{what} {k}: None vs nonzero"
-        else:
-            torch.testing.assert_close(plain(h), plain(w), **TOL, msg=lambda m, k=k: f"{what} {k}: {m}")
-
-
-def check(fn, *args, second_order=True):
-    """``fn`` on torch and graphgrad tensors (every float tensor requires grad): values,
-    gradients, and second derivatives w.r.t. the inputs and the upstream gradient."""
-    t_args = [a.clone().requires_grad_() if isinstance(a, T) and a.is_floating_point() else a
-              for a in args]
-    g_args = [gg.as_tensor(a.clone(), requires_grad=True) if isinstance(a, T) and a.is_floating_point()
-              else a for a in args]
-    want, have = fn(*t_args), fn(*g_args)
-    torch.testing.assert_close(plain(have), plain(want), **TOL)
-    assert isinstance(have, gg.Tensor) and have.requires_grad
-    t_in = [a for a in t_args if isinstance(a, T) and a.requires_grad]
-    g_in = [a for a in g_args if isinstance(a, T) and a.requires_grad]
-    gen = torch.Generator().manual_seed(1)
-    v = torch.randn(want.shape, dtype=want.dtype, generator=gen)
-    t_v, g_v = v.clone().requires_grad_(), gg.as_tensor(v.clone(), requires_grad=True)
-    t_first = torch.autograd.grad(want, t_in, t_v, create_graph=second_order, allow_unused=True)
-    g_first = gg.grad(have, g_in, g_v, create_graph=second_order, allow_unused=True)
-    _grads_close(g_first, t_first, "gradient of input")
-    keep = [k for k, g in enumerate(t_first) if g is not None and g.requires_grad]
-    if not second_order or not keep:
-        return
-    ws = [torch.randn(t_first[k].shape, dtype=F64, generator=gen) for k in keep]
-    t_second = torch.autograd.grad(sum((t_first[k] * w).sum() for k, w in zip(keep, ws)),
-                                   t_in + [t_v], allow_unused=True)
-    g_second = gg.grad(sum((g_first[k] * w).sum() for k, w in zip(keep, ws)), g_in + [g_v],
-                       allow_unused=True)
-    _grads_close(g_second, t_second, "second derivative w.r.t. input")
-
-
-def ip(func, *extra, **kw):
-    """``y = a * 1.0; func(y, ...)``: in place on a non-leaf; it must return y."""
-
-    def fn(a, *rest):
-        y = a * 1.0
-        out = func(y, *rest, *extra, **kw)
-        assert out is y
-        return y
-
-    return fn
+_rand = Randoms(0)
+r = partial(_rand.r, scale=3.0)
+pos = partial(_rand.pos, low=0.1, width=1.0)
 
 
 def module(make):

@@ -2,12 +2,17 @@
 scaled_dot_product_attention options, F.multi_head_attention_forward, nn.MultiheadAttention
 and nn.TransformerEncoderLayer run on graphgrad parameters."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import graphgrad as gg
+from op_cases import F64 as D
+from op_cases import compare as compare_leaves
+from op_cases import rnd as r
 from opdb_harness import op_id, opinfos, run_opinfo
 
 REFERENCE = {
@@ -18,8 +23,6 @@ REFERENCE = {
 unsupported = None
 
 OPS = opinfos(REFERENCE)
-TOL = dict(rtol=1e-7, atol=1e-7, equal_nan=True)
-D = torch.float64
 
 
 @pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
@@ -30,53 +33,8 @@ def test_opdb(op):
         run_opinfo(op, REFERENCE[op.name], unsupported)
 
 
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor)
-
-
-def r(*shape, seed=0):
-    return torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(seed))
-
-
-def compare(fn, tensors, second_order=True, seed=0, backend=SDPBackend.MATH):
-    """fn on torch and graphgrad leaves (non-float tensors are passed as they are): outputs,
-    gradients, second derivatives. fn may return a tuple; None outputs are skipped."""
-    gen = torch.Generator().manual_seed(seed)
-    diff = [t.is_floating_point() for t in tensors]
-    ts = [t.clone().requires_grad_(d) for t, d in zip(tensors, diff)]
-    gs = [gg.as_tensor(t.clone(), requires_grad=d) for t, d in zip(tensors, diff)]
-    with sdpa_kernel(backend):
-        want = fn(*ts)
-    have = fn(*gs)
-    want = [w for w in (want if isinstance(want, tuple) else (want,)) if w is not None]
-    have = [h for h in (have if isinstance(have, tuple) else (have,)) if h is not None]
-    assert len(want) == len(have)
-    for h, w in zip(have, want):
-        torch.testing.assert_close(plain(h), w.detach(), **TOL)
-    ts = [t for t, d in zip(ts, diff) if d]
-    gs = [g for g, d in zip(gs, diff) if d]
-    vs = [torch.randn(w.shape, dtype=D, generator=gen) for w in want]
-    vts = [v.clone().requires_grad_() for v in vs]
-    vgs = [gg.as_tensor(v.clone(), requires_grad=True) for v in vs]
-    gw = torch.autograd.grad(want, ts, vts, create_graph=second_order, allow_unused=True)
-    gh = gg.grad(have, gs, vgs, create_graph=second_order, allow_unused=True)
-    for a, b in zip(gh, gw):
-        if a is None or b is None:
-            assert (a is None and b is None) or not plain(a if b is None else b).any()
-        else:
-            torch.testing.assert_close(plain(a), b.detach(), **TOL)
-    if not second_order:
-        return have
-    keep = [k for k, g in enumerate(gw) if g is not None and g.requires_grad]
-    ws = [torch.randn(gw[k].shape, dtype=D, generator=gen) for k in keep]
-    g2w = torch.autograd.grad([gw[k] for k in keep], ts + vts, ws, allow_unused=True)
-    g2h = gg.grad([gh[k] for k in keep], gs + vgs, [gg.as_tensor(w) for w in ws], allow_unused=True)
-    for a, b in zip(g2h, g2w):
-        if a is None or b is None:
-            assert (a is None and b is None) or not plain(a if b is None else b).any()
-        else:
-            torch.testing.assert_close(plain(a), b, **TOL)
-    return have
+# torch's reference runs on its math backend, as in test_opdb
+compare = partial(compare_leaves, backend=SDPBackend.MATH)
 
 
 # -- scaled_dot_product_attention -----------------------------------------------------------
@@ -126,7 +84,7 @@ def test_sdpa_dropout_same_as_torch_math(kwargs):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=0.4, **kwargs)
 
     have = compare(fn, [r(*Q, seed=1), r(2, kv_heads, 5, 8, seed=2), r(2, kv_heads, 5, 8, seed=3)])
-    assert have[0].grad_fn.name() == "MatmulBackward"
+    assert have.grad_fn.name() == "MatmulBackward"
 
 
 def test_sdpa_is_one_node_and_keeps_no_probabilities():

@@ -4,8 +4,7 @@ The op_db samples cover conv1d/2d/3d, conv_transpose1d/2d/3d and bilinear (value
 second derivatives). The hand-written cases add 'same' padding with even kernels, transposed
 convolutions whose output_padding is not below the stride, third derivatives (the rules are
 closed under differentiation), gradients without ``create_graph``, gradcheck, ``nn`` modules
-with every padding mode, and what the rules keep alive. ``check`` is shared with the pooling
-and resampling files.
+with every padding mode, and what the rules keep alive.
 """
 
 import pytest
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphgrad as gg
+from op_cases import F64, Randoms, T, assert_grads_close, check_to_order, plain
 from opdb_harness import op_id, opinfos, run_opinfo
 
 REFERENCE = {
@@ -37,67 +37,7 @@ def test_opdb(op):
 
 
 # -- hand-written cases -------------------------------------------------------------------
-T = torch.Tensor
-F64 = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7, equal_nan=True)
-_gen = torch.Generator().manual_seed(0)
-
-
-def r(*shape):
-    return torch.randn(shape, dtype=F64, generator=_gen)
-
-
-def plain(t):
-    return t.detach().as_subclass(T)
-
-
-def _close(have, want, what):
-    assert len(have) == len(want)
-    for k, (h, w) in enumerate(zip(have, want)):
-        if h is None or w is None:
-            other = w if h is None else h
-            assert other is None or not plain(other).any(), f"{what} {k}: None vs nonzero"
-        else:
-            torch.testing.assert_close(plain(h), plain(w), **TOL, msg=lambda m, k=k: f"{what} {k}: {m}")
-
-
-def check(fn, *args, order=2):
-    """``fn`` on torch and on graphgrad tensors (every float tensor requires grad): values,
-    then derivatives up to ``order``, each level differentiating the previous one's gradients
-    (weighted by random tensors) w.r.t. the inputs and the upstream gradient."""
-    t_args = [a.clone().requires_grad_() if isinstance(a, T) and a.is_floating_point() else a
-              for a in args]
-    g_args = [gg.as_tensor(a.clone(), requires_grad=True)
-              if isinstance(a, T) and a.is_floating_point() else a for a in args]
-    want, have = fn(*t_args), fn(*g_args)
-    torch.testing.assert_close(plain(have), plain(want), **TOL)
-    assert isinstance(have, gg.Tensor) and have.requires_grad
-    t_in = [a for a in t_args if isinstance(a, T) and a.requires_grad]
-    g_in = [a for a in g_args if isinstance(a, T) and a.requires_grad]
-    gen = torch.Generator().manual_seed(1)
-    v = torch.randn(want.shape, dtype=F64, generator=gen)
-    t_v, g_v = v.clone().requires_grad_(), gg.as_tensor(v.clone(), requires_grad=True)
-    t_in, g_in = t_in + [t_v], g_in + [g_v]
-    t_out, g_out = (want * t_v).sum(), (have * g_v).sum()
-    for level in range(1, order + 1):
-        more = level < order
-        t_grads = torch.autograd.grad(t_out, t_in, create_graph=more, allow_unused=True)
-        g_grads = gg.grad(g_out, g_in, create_graph=more, allow_unused=True)
-        _close(g_grads, t_grads, f"derivative {level} w.r.t. input")
-        if not more:
-            break
-        keep = [k for k, t in enumerate(t_grads) if t is not None and t.requires_grad]
-        if level == 1:
-            for k in keep:
-                assert g_grads[k] is not None and g_grads[k].requires_grad, f"gradient {k}"
-        # deeper down, torch may mark a constant as requiring grad; the next level compares
-        g_keep = [k for k in keep if g_grads[k] is not None and g_grads[k].requires_grad]
-        if not g_keep:
-            break
-        ws = {k: torch.randn(t_grads[k].shape, dtype=F64, generator=gen) for k in keep}
-        t_out = sum((t_grads[k] * ws[k]).sum() for k in keep)
-        g_out = sum((g_grads[k] * ws[k]).sum() for k in g_keep)
-
+r = Randoms(0).r
 
 CASES = {
     # padding='same' pads total // 2 on the left, the rest on the right (even kernels)
@@ -138,7 +78,7 @@ def _seeded(cls, *args, **kwargs):
 @pytest.mark.parametrize("name", CASES)
 def test_case(name):
     fn, *args = CASES[name]
-    check(fn, *args)
+    check_to_order(fn, *args)
 
 
 THIRD_ORDER = ["conv2d_same_groups", "conv2d_unbatched_all_options", "conv3d_same_even",
@@ -149,7 +89,7 @@ THIRD_ORDER = ["conv2d_same_groups", "conv2d_unbatched_all_options", "conv3d_sam
 def test_third_derivatives(name):
     """Each rule's backward is made of ops with rules: third derivatives match torch's."""
     fn, *args = CASES[name]
-    check(fn, *args, order=3)
+    check_to_order(fn, *args, order=3)
 
 
 def second_derivative(fn, n_out_shape):
@@ -216,8 +156,8 @@ def test_conv_modules_backward(cls, shape, padding_mode):
     tx, gx = x.clone().requires_grad_(), gg.as_tensor(x.clone(), requires_grad=True)
     ref(tx).square().sum().backward()
     torch.func.functional_call(ref, params, (gx,)).square().sum().backward()
-    _close([gx.grad, params["weight"].grad, params["bias"].grad],
-           [tx.grad, ref.weight.grad, ref.bias.grad], "grad")
+    assert_grads_close([gx.grad, params["weight"].grad, params["bias"].grad],
+                       [tx.grad, ref.weight.grad, ref.bias.grad], "grad")
 
 
 def test_conv_transpose_module_output_size():
@@ -230,8 +170,8 @@ def test_conv_transpose_module_output_size():
     have = torch.func.functional_call(ref, params, (gx,), {"output_size": [8, 9]})
     assert have.shape == (2, 2, 8, 9)
     v = r(2, 2, 8, 9)
-    _close(gg.grad(have, [gx, *params.values()], v),
-           torch.autograd.grad(want, [tx, *ref.parameters()], v), "grad")
+    assert_grads_close(gg.grad(have, [gx, *params.values()], v),
+                       torch.autograd.grad(want, [tx, *ref.parameters()], v), "grad")
 
 
 def _node(out, name):
@@ -265,4 +205,4 @@ def test_weight_gradient_is_recorded_under_create_graph():
     (gx,) = gg.grad(gw.square().sum(), [x])
     tx, tw = plain(x).clone().requires_grad_(), plain(w).clone().requires_grad_()
     (tgw,) = torch.autograd.grad(F.conv2d(tx, tw).sum(), [tw], create_graph=True)
-    _close([gx], torch.autograd.grad(tgw.square().sum(), [tx]), "grad")
+    assert_grads_close([gx], torch.autograd.grad(tgw.square().sum(), [tx]), "grad")

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import graphgrad as gg
+from op_cases import F64, Randoms, T, assert_grads_close, check, plain
+from op_cases import inplace as ip
 from opdb_harness import op_id, opinfos, run_opinfo
 
 REFERENCE = {
@@ -42,89 +44,12 @@ def test_opdb(op):
 
 
 # -- hand-written cases ------------------------------------------------------------------------
-T = torch.Tensor
-F64 = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7, equal_nan=True)
-_gen = torch.Generator().manual_seed(0)
-
-
-def r(*shape):
-    return torch.randn(shape, dtype=F64, generator=_gen)
-
-
-def pos(*shape):  # [0.5, 2)
-    return torch.rand(shape, dtype=F64, generator=_gen) * 1.5 + 0.5
-
-
-def away(*shape):  # |x| in [0.5, 2)
-    return pos(*shape) * torch.where(torch.rand(shape, generator=_gen) < 0.5, -1.0, 1.0).to(F64)
-
-
-def unit(*shape):  # (-0.9, 0.9)
-    return torch.rand(shape, dtype=F64, generator=_gen) * 1.8 - 0.9
-
-
-def mask(*shape):
-    return torch.rand(shape, generator=_gen) < 0.5
+_rand = Randoms(0)
+r, pos, away, unit, mask = _rand.r, _rand.pos, _rand.away, _rand.unit, _rand.mask
 
 
 def f64(*values):
     return torch.tensor(values, dtype=F64)
-
-
-def plain(t):
-    return t.detach().as_subclass(T)
-
-
-def _grads_close(have, want, what):
-    for k, (h, w) in enumerate(zip(have, want)):
-        if h is None or w is None:
-            other = w if h is None else h
-            assert other is None or not plain(other).any(), f"{what} {k}: None vs nonzero"
-        else:
-            torch.testing.assert_close(plain(h), plain(w), **TOL, msg=lambda m, k=k: f"{what} {k}: {m}")
-
-
-def check(fn, *args, ref=None):
-    """``fn`` on graphgrad tensors and ``ref`` (default ``fn``) on torch tensors, every float
-    tensor requiring grad: values, gradients, and second derivatives w.r.t. the inputs and the
-    upstream gradient."""
-    t_args = [a.clone().requires_grad_() if isinstance(a, T) and a.is_floating_point() else a
-              for a in args]
-    g_args = [gg.as_tensor(a.clone(), requires_grad=True) if isinstance(a, T) and a.is_floating_point()
-              else a for a in args]
-    want, have = (ref or fn)(*t_args), fn(*g_args)
-    torch.testing.assert_close(plain(have), plain(want), **TOL)
-    assert isinstance(have, gg.Tensor) and have.requires_grad
-    t_in = [a for a in t_args if isinstance(a, T) and a.requires_grad]
-    g_in = [a for a in g_args if isinstance(a, T) and a.requires_grad]
-    gen = torch.Generator().manual_seed(1)
-    v = torch.randn(want.shape, dtype=want.dtype, generator=gen)
-    t_v, g_v = v.clone().requires_grad_(), gg.as_tensor(v.clone(), requires_grad=True)
-    t_first = torch.autograd.grad(want, t_in, t_v, create_graph=True, allow_unused=True)
-    g_first = gg.grad(have, g_in, g_v, create_graph=True, allow_unused=True)
-    _grads_close(g_first, t_first, "gradient of input")
-    keep = [k for k, g in enumerate(t_first) if g is not None and g.requires_grad]
-    if not keep:
-        return
-    ws = [torch.randn(t_first[k].shape, dtype=F64, generator=gen) for k in keep]
-    t_second = torch.autograd.grad(sum((t_first[k] * w).sum() for k, w in zip(keep, ws)),
-                                   t_in + [t_v], allow_unused=True)
-    g_second = gg.grad(sum((g_first[k] * w).sum() for k, w in zip(keep, ws)), g_in + [g_v],
-                       allow_unused=True)
-    _grads_close(g_second, t_second, "second derivative w.r.t. input")
-
-
-def ip(func, *extra, **kw):
-    """``y = a * 1.0; func(y, *rest)``: an in-place op on a non-leaf; it must return y."""
-
-    def fn(a, *rest):
-        y = a * 1.0
-        out = func(y, *rest, *extra, **kw)
-        assert out is y
-        return y
-
-    return fn
 
 
 sp = torch.special
@@ -285,7 +210,7 @@ def test_clamp_tensor_bounds_without_input_grad():
     v = r(3, 4)
     want = torch.autograd.grad(torch.clamp(x, t_lo, t_hi), [t_lo, t_hi], v)
     have = gg.grad(torch.clamp(gg.as_tensor(x), g_lo, g_hi), [g_lo, g_hi], v)
-    _grads_close(have, want, "bound")
+    assert_grads_close(have, want, "bound")
 
 
 def test_inplace_clamp_saves_the_input_before_the_op():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import graphgrad as gg
+from op_cases import F64, Const, Randoms, T, case, check_case, inplace
 from opdb_harness import op_id, opinfos, run_opinfo
-from test_ops_shape import Const, case, check_case, r
 
 REFERENCE = {
     "__getitem__": {},
@@ -40,17 +40,11 @@ def test_opdb(op):
 
 
 # -- hand-written cases ---------------------------------------------------------------------
-T = torch.Tensor
-F64 = torch.float64
-_gen = torch.Generator().manual_seed(1)
+r, mask = Randoms(0).r, Randoms(1).mask
 
 
 def idx(*values):
     return torch.tensor(values)
-
-
-def mask(*shape):
-    return torch.rand(shape, generator=_gen) < 0.5
 
 
 def assign(index, value=None):
@@ -59,17 +53,6 @@ def assign(index, value=None):
     def fn(a, *rest):
         y = a * 1.0
         y[index(*rest) if callable(index) else index] = rest[-1] if value is None else value
-        return y
-
-    return fn
-
-
-def inplace(method, *extra):
-    """``y = a * 1; y.method_(*extra, *rest)``: an in-place op on a non-leaf."""
-
-    def fn(a, *rest):
-        y = a * 1.0
-        assert method(y, *extra, *rest) is y
         return y
 
     return fn
@@ -142,12 +125,13 @@ CASES = [
     case("masked_select_bcast_input", lambda a, m: torch.masked_select(a, m), r(4), mask(3, 4)),
     case("masked_scatter_", inplace(T.masked_scatter_), r(3, 4), m34, r(14)),
     # other in-place variants
-    case("scatter_", inplace(T.scatter_, 1), r(3, 4), idx([0, 2], [1, 3], [3, 0]), r(3, 2)),
-    case("scatter_value_", inplace(T.scatter_, 0), r(3, 4), idx([0, 1, 2, 0]), 1.5),
-    case("scatter_add_", inplace(T.scatter_add_, 1), r(3, 4), idx([0, 0], [1, 3], [3, 3]), r(3, 2)),
-    case("index_add_", inplace(T.index_add_, 0), r(3, 4), idx(0, 2, 0), r(3, 4)),
-    case("index_copy_", inplace(T.index_copy_, 1), r(3, 4), idx(3, 0), r(3, 2)),
-    case("index_fill_tensor_value_", inplace(T.index_fill_, 1), r(3, 4), idx(3, 0, 3), r()),
+    case("scatter_", inplace(T.scatter_, 1, extra_first=True), r(3, 4), idx([0, 2], [1, 3], [3, 0]), r(3, 2)),
+    case("scatter_value_", inplace(T.scatter_, 0, extra_first=True), r(3, 4), idx([0, 1, 2, 0]), 1.5),
+    case("scatter_add_", inplace(T.scatter_add_, 1, extra_first=True), r(3, 4), idx([0, 0], [1, 3], [3, 3]),
+         r(3, 2)),
+    case("index_add_", inplace(T.index_add_, 0, extra_first=True), r(3, 4), idx(0, 2, 0), r(3, 4)),
+    case("index_copy_", inplace(T.index_copy_, 1, extra_first=True), r(3, 4), idx(3, 0), r(3, 2)),
+    case("index_fill_tensor_value_", inplace(T.index_fill_, 1, extra_first=True), r(3, 4), idx(3, 0, 3), r()),
     # only some arguments need a gradient
     case("index_put_const_values", lambda a, i, v: a.index_put((i,), v), r(3, 4), idx(2, 0), Const(r(4))),
     case("index_put_const_input", lambda a, i, v: a.index_put((i,), v), Const(r(3, 4)), idx(2, 0), r(4)),

@@ -7,14 +7,13 @@ samples: values, gradients and second derivatives against torch.autograd in floa
 """
 
 import math
-from collections import namedtuple
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import graphgrad as gg
-from opdb_harness import check_sample, op_id, opinfos, run_opinfo
+from op_cases import F64, Const, Randoms, T, case, check_case, inplace
+from opdb_harness import op_id, opinfos, run_opinfo
 
 REFERENCE = {
     "matmul": {},
@@ -52,52 +51,7 @@ def test_opdb(op):
 
 
 # -- hand-written cases ---------------------------------------------------------------------
-T = torch.Tensor
-F64 = torch.float64
-_gen = torch.Generator().manual_seed(0)
-
-
-def r(*shape):
-    return torch.randn(shape, dtype=F64, generator=_gen)
-
-
-class Const:
-    """A floating tensor passed without requires_grad."""
-
-    def __init__(self, t):
-        self.t = t
-
-
-Case = namedtuple("Case", "id fn args gradcheck")
-
-
-def case(id, fn, *args, gradcheck=True):
-    return Case(id, fn, args, gradcheck)
-
-
-def check_case(c):
-    """Values, gradients and second derivatives vs torch (the op_db check), then gradcheck."""
-    args = [a.t.clone() if isinstance(a, Const) else
-            a.clone().requires_grad_() if isinstance(a, T) and a.is_floating_point() else a
-            for a in c.args]
-    sample = SimpleNamespace(input=args[0], args=tuple(args[1:]), kwargs={},
-                             output_process_fn_grad=lambda out: out)
-    assert check_sample(SimpleNamespace(op=c.fn), sample, torch.Generator().manual_seed(1))
-    if c.gradcheck:
-        assert gg.gradcheck(c.fn, [gg.as_tensor(a.detach().clone(), requires_grad=a.requires_grad)
-                                   if isinstance(a, T) else a for a in args])
-
-
-def inplace(method, **kw):
-    """``y = a * 1; y.method_(...)``: an in-place op on a non-leaf."""
-
-    def fn(a, *rest):
-        y = a * 1.0
-        assert method(y, *rest, **kw) is y
-        return y
-
-    return fn
-
+r = Randoms(0).r
 
 WITH_NAN = torch.full((2, 4), math.nan, dtype=F64)
 

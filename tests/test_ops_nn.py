@@ -2,11 +2,17 @@
 pairwise_distance, one_hot. op_db samples (dropout's are seeded, so graphgrad must draw the
 same mask as torch) and hand-written cases."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
+from op_cases import F64 as D
+from op_cases import TOL, plain
+from op_cases import compare as compare_leaves
+from op_cases import rnd as r
 from opdb_harness import op_id, opinfos, run_opinfo
 
 REFERENCE = {
@@ -26,8 +32,6 @@ REFERENCE = {
 unsupported = None
 
 OPS = opinfos(REFERENCE)
-TOL = dict(rtol=1e-7, atol=1e-7, equal_nan=True)
-D = torch.float64
 
 
 @pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
@@ -35,39 +39,9 @@ def test_opdb(op):
     run_opinfo(op, REFERENCE[op.name], unsupported)
 
 
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor)
-
-
-def r(*shape, seed=0):
-    return torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(seed))
-
-
-def compare(fn, tensors, seed=0, second_order=True):
-    """Values, gradients and second derivatives of fn on torch and graphgrad leaves."""
-    gen = torch.Generator().manual_seed(seed)
-    ts = [t.clone().requires_grad_() for t in tensors]
-    gs = [gg.as_tensor(t.clone(), requires_grad=True) for t in tensors]
-    want, have = fn(*ts), fn(*gs)
-    torch.testing.assert_close(plain(have), want.detach(), **TOL)
-    v = torch.randn(want.shape, dtype=D, generator=gen)
-    vt, vg = v.clone().requires_grad_(), gg.as_tensor(v.clone(), requires_grad=True)
-    gw = torch.autograd.grad(want, ts, vt, create_graph=True)
-    gh = gg.grad(have, gs, vg, create_graph=True)
-    for a, b in zip(gh, gw):
-        torch.testing.assert_close(plain(a), b.detach(), **TOL)
-    if not second_order:
-        return have
-    ws = [torch.randn(g.shape, dtype=D, generator=gen) for g in gw]
-    keep = [k for k, g in enumerate(gw) if g.requires_grad]
-    g2w = torch.autograd.grad([gw[k] for k in keep], ts + [vt], [ws[k] for k in keep], allow_unused=True)
-    g2h = gg.grad([gh[k] for k in keep], gs + [vg], [gg.as_tensor(ws[k]) for k in keep], allow_unused=True)
-    for a, b in zip(g2h, g2w):
-        if a is None or b is None:
-            assert (a is None and b is None) or not plain(a if b is None else b).any()
-        else:
-            torch.testing.assert_close(plain(a), b, **TOL)
-    return have
+# first derivatives always with create_graph, even where second ones are not compared; every
+# input must reach the output
+compare = partial(compare_leaves, create_graph=True, allow_unused=False)
 
 
 # -- dropout -------------------------------------------------------------------------------

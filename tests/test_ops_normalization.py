@@ -1,11 +1,18 @@
 """normalization ops: op_db samples (values, gradients, second derivatives) and hand-written cases
 for what op_db does not cover (running statistics, nn modules, shapes, gradcheck)."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
+from op_cases import F64 as D
+from op_cases import TOL_NAN_FAILS as TOL
+from op_cases import compare as compare_leaves
+from op_cases import plain
+from op_cases import rnd as r
 from opdb_harness import op_id, opinfos, run_opinfo
 
 REFERENCE = {
@@ -19,8 +26,6 @@ REFERENCE = {
 unsupported = None
 
 OPS = opinfos(REFERENCE)
-TOL = dict(rtol=1e-7, atol=1e-7)
-D = torch.float64
 
 
 @pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
@@ -28,42 +33,8 @@ def test_opdb(op):
     run_opinfo(op, REFERENCE[op.name], unsupported)
 
 
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor)
-
-
-def pair(t, requires_grad=True):
-    """A torch leaf and a graphgrad leaf with the same values."""
-    return (t.detach().clone().requires_grad_(requires_grad),
-            gg.as_tensor(t.detach().clone(), requires_grad=requires_grad))
-
-
-def compare(fn, tensors, second_order=True, seed=0):
-    """fn on torch and graphgrad leaves: values, gradients and second derivatives agree
-    (the upstream gradient is a leaf too, as in the op_db harness)."""
-    gen = torch.Generator().manual_seed(seed)
-    ts, gs = zip(*(pair(t) for t in tensors))
-    want, have = fn(*ts), fn(*gs)
-    torch.testing.assert_close(plain(have), want.detach(), **TOL)
-    vt, vg = pair(torch.randn(want.shape, dtype=want.dtype, generator=gen), second_order)
-    gw = torch.autograd.grad(want, ts, vt, create_graph=second_order)
-    gh = gg.grad(have, gs, vg, create_graph=second_order)
-    for a, b in zip(gh, gw):
-        torch.testing.assert_close(plain(a), b.detach(), **TOL)
-    if second_order:
-        ws = [torch.randn(g.shape, dtype=g.dtype, generator=gen) for g in gw]
-        g2w = torch.autograd.grad(gw, ts + (vt,), ws, allow_unused=True)
-        g2h = gg.grad(gh, gs + (vg,), [gg.as_tensor(w.clone()) for w in ws], allow_unused=True)
-        for a, b in zip(g2h, g2w):
-            if b is None or a is None:
-                assert a is None and b is None or not plain(a if b is None else b).any()
-            else:
-                torch.testing.assert_close(plain(a), b, **TOL)
-    return have
-
-
-def r(*shape, seed=0):
-    return torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(seed))
+# a NaN anywhere fails; every input must reach the output
+compare = partial(compare_leaves, tol=TOL, allow_unused=False)
 
 
 # -- batch_norm ----------------------------------------------------------------------------

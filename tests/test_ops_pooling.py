@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphgrad as gg
+from op_cases import F64, Randoms, T, assert_grads_close, check_to_order, plain
 from opdb_harness import op_id, opinfos, run_opinfo
-from test_ops_conv import F64, T, _close, check, plain, r
 
 REFERENCE = {
     "nn.functional.max_pool1d": {"max_samples": 144},
@@ -45,6 +45,9 @@ def test_opdb(op):
 
 
 # -- hand-written cases -------------------------------------------------------------------
+r = Randoms(0).r
+
+
 def first(fn):
     """The values of a (values, indices) pair."""
     return lambda *a: fn(*a)[0]
@@ -97,7 +100,7 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_case(name):
     fn, *args = CASES[name]
-    check(fn, *args)
+    check_to_order(fn, *args)
 
 
 @pytest.mark.parametrize("name", ["max_pool2d_unbatched_indices", "avg_pool2d_all_options",
@@ -106,7 +109,7 @@ def test_case(name):
 def test_third_derivatives(name):
     """Each rule's backward is made of ops with rules: third derivatives match torch's."""
     fn, *args = CASES[name]
-    check(lambda x: fn(x).square(), *args, order=3)
+    check_to_order(lambda x: fn(x).square(), *args, order=3)
 
 
 @pytest.mark.parametrize("fn,shape", [
@@ -128,7 +131,7 @@ def test_max_pool_output_may_change_in_place():
     want, have = F.max_pool2d(tx, 2), F.max_pool2d(gx, 2)
     want.relu_()
     have.relu_()
-    _close(gg.grad(have.sum(), [gx]), torch.autograd.grad(want.sum(), [tx]), "grad")
+    assert_grads_close(gg.grad(have.sum(), [gx]), torch.autograd.grad(want.sum(), [tx]), "grad")
 
 
 def _saved_tensors(out):

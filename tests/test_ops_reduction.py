@@ -6,15 +6,14 @@ gradients and second derivatives against torch.autograd in float64, then ``gg.gr
 """
 
 import math
-from collections import namedtuple
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
-from opdb_harness import check_sample, op_id, opinfos, run_opinfo
+from op_cases import F64, Randoms, T, case, check_case, inplace
+from opdb_harness import op_id, opinfos, run_opinfo
 
 REFERENCE = {
     "sum": {},
@@ -49,47 +48,11 @@ def test_opdb(op):
 
 
 # -- hand-written cases ---------------------------------------------------------------------
-T = torch.Tensor
-F64 = torch.float64
-_gen = torch.Generator().manual_seed(0)
-
-
-def r(*shape):
-    return torch.randn(shape, dtype=F64, generator=_gen)
+r = Randoms(0).r
 
 
 def t(values):
     return torch.tensor(values, dtype=F64)
-
-
-Case = namedtuple("Case", "id fn args gradcheck")
-
-
-def case(id, fn, *args, gradcheck=True):
-    return Case(id, fn, args, gradcheck)
-
-
-def check_case(c):
-    """Values, gradients and second derivatives vs torch (the op_db check), then gradcheck."""
-    args = [a.clone().requires_grad_() if isinstance(a, T) and a.is_floating_point() else a
-            for a in c.args]
-    sample = SimpleNamespace(input=args[0], args=tuple(args[1:]), kwargs={},
-                             output_process_fn_grad=lambda out: out)
-    assert check_sample(SimpleNamespace(op=c.fn), sample, torch.Generator().manual_seed(1))
-    if c.gradcheck:
-        assert gg.gradcheck(c.fn, [gg.as_tensor(a.detach().clone(), requires_grad=a.requires_grad)
-                                   if isinstance(a, T) else a for a in args])
-
-
-def inplace(method, *extra, **kw):
-    """``y = a * 1; y.method_(...)``: an in-place op on a non-leaf."""
-
-    def fn(a):
-        y = a * 1.0
-        assert method(y, *extra, **kw) is y
-        return y
-
-    return fn
 
 
 ONE_ZERO = t([[1.5, 0.0, -2.0], [0.5, 3.0, -1.0]])

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphgrad as gg
+from op_cases import Randoms, T, check_to_order
 from opdb_harness import op_id, opinfos, run_opinfo
-from test_ops_conv import T, check, r
 
 pytestmark = pytest.mark.filterwarnings("ignore:`nn.functional.upsample` is deprecated:UserWarning")
 
@@ -38,6 +38,8 @@ def test_opdb(op):
 
 
 # -- hand-written cases -------------------------------------------------------------------
+r = Randoms(0).r
+
 CASES = {
     "fold": (lambda x: F.fold(x, (4, 5), 2), r(2, 12, 12)),
     "fold_all_options": (lambda x: F.fold(x, (7, 6), (3, 2), dilation=(1, 2), padding=1, stride=(2, 1)),
@@ -83,7 +85,7 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_case(name):
     fn, *args = CASES[name]
-    check(fn, *args)
+    check_to_order(fn, *args)
 
 
 @pytest.mark.parametrize("name", ["fold_all_options", "unfold_unbatched", "interpolate_bicubic_aa_scale",
@@ -92,7 +94,7 @@ def test_case(name):
 def test_third_derivatives(name):
     """Each rule's backward is made of ops with rules: third derivatives match torch's."""
     fn, *args = CASES[name]
-    check(lambda x: fn(x).square(), *args, order=3)
+    check_to_order(lambda x: fn(x).square(), *args, order=3)
 
 
 @pytest.mark.parametrize("fn,shape", [

@@ -5,14 +5,12 @@ Hand-written cases (aliases, multi-output ops whose outputs are partly used, in-
 derivatives against torch.autograd in float64, then ``gg.gradcheck`` on the small inputs.
 """
 
-from collections import namedtuple
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 import graphgrad as gg
-from opdb_harness import check_sample, op_id, opinfos, run_opinfo
+from op_cases import F64, Const, Randoms, T, case, check_case, inplace
+from opdb_harness import op_id, opinfos, run_opinfo
 
 REFERENCE = {
     "reshape": {},
@@ -81,52 +79,7 @@ def test_opdb(op):
 
 
 # -- hand-written cases ---------------------------------------------------------------------
-T = torch.Tensor
-F64 = torch.float64
-_gen = torch.Generator().manual_seed(0)
-
-
-def r(*shape):
-    return torch.randn(shape, dtype=F64, generator=_gen)
-
-
-class Const:
-    """A floating tensor passed without requires_grad."""
-
-    def __init__(self, t):
-        self.t = t
-
-
-Case = namedtuple("Case", "id fn args gradcheck")
-
-
-def case(id, fn, *args, gradcheck=True):
-    return Case(id, fn, args, gradcheck)
-
-
-def check_case(c):
-    """Values, gradients and second derivatives vs torch (the op_db check), then gradcheck."""
-    args = [a.t.clone() if isinstance(a, Const) else
-            a.clone().requires_grad_() if isinstance(a, T) and a.is_floating_point() else a
-            for a in c.args]
-    sample = SimpleNamespace(input=args[0], args=tuple(args[1:]), kwargs={},
-                             output_process_fn_grad=lambda out: out)
-    assert check_sample(SimpleNamespace(op=c.fn), sample, torch.Generator().manual_seed(1))
-    if c.gradcheck:
-        assert gg.gradcheck(c.fn, [gg.as_tensor(a.detach().clone(), requires_grad=a.requires_grad)
-                                   if isinstance(a, T) else a for a in args])
-
-
-def inplace(method, *extra):
-    """``y = a * 1; y.method_(*extra)``: an in-place view op on a non-leaf."""
-
-    def fn(a):
-        y = a * 1.0
-        assert method(y, *extra) is y
-        return y
-
-    return fn
-
+r = Randoms(0).r
 
 a34 = r(3, 4)
 CASES = [

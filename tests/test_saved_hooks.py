@@ -9,18 +9,8 @@ import pytest
 import torch
 
 import graphgrad as gg
-
-D = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7)
-
-
-def rnd(*shape, seed=0):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=D)
-
-
-def leaf(kind, *shape, seed=0):
-    data = rnd(*shape, seed=seed)
-    return gg.as_tensor(data, requires_grad=True) if kind == "gg" else data.requires_grad_(True)
+from op_cases import TOL_NAN_FAILS as TOL
+from op_cases import close, leaf, plain
 
 
 def api(kind):
@@ -28,16 +18,6 @@ def api(kind):
     if kind == "gg":
         return gg.saved_tensors_hooks, gg.save_on_cpu, gg.grad
     return torch.autograd.graph.saved_tensors_hooks, torch.autograd.graph.save_on_cpu, torch.autograd.grad
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor).clone()
-
-
-def close_all(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        torch.testing.assert_close(plain(x), plain(y), **TOL)
 
 
 def block(x, w):
@@ -96,7 +76,7 @@ def test_gradients_equal_torchs_and_pack_runs_at_record_time_unpack_in_backward(
         assert packs >= 4 and "unpack" not in log, (kind, log)
         results[kind] = grad(y, (x, w))
         assert log.count("unpack") == packs, (kind, log)  # every saved tensor is used once
-    close_all(results["gg"], results["torch"])
+    close(results["gg"], results["torch"])
 
 
 def test_pack_is_called_once_per_saved_tensor_of_each_rule():
@@ -116,7 +96,7 @@ def test_unpacked_values_are_the_ones_used():
     for kind in ("gg", "torch"):
         _, _, _, grads = run(kind, lambda t: t.detach().float(), lambda p: p.double())
         out[kind] = grads
-    close_all(out["gg"], out["torch"])
+    close(out["gg"], out["torch"])
     _, _, _, exact = run("torch", lambda t: t, lambda p: p)
     assert not torch.equal(plain(out["gg"][0]), exact[0])
 
@@ -160,7 +140,7 @@ def test_hooks_see_tensors_saved_by_a_custom_function():
             y = cls.apply(x.cos())
         out[kind] = grad(y.sum(), x)
         assert log.count("pack") >= 1 and log.count("unpack") >= 1, (kind, log)
-    close_all(out["gg"], out["torch"])
+    close(out["gg"], out["torch"])
 
 
 def test_create_graph_through_hooked_saved_tensors_matches_torch():
@@ -174,7 +154,7 @@ def test_create_graph_through_hooked_saved_tensors_matches_torch():
         assert gx.requires_grad and gw.requires_grad
         second = grad((gx * gx).sum() + (gw * gw.detach()).sum(), (x, w))
         out[kind] = (gx, gw) + tuple(second)
-    close_all(out["gg"], out["torch"])
+    close(out["gg"], out["torch"])
 
 
 # -- save_on_cpu -----------------------------------------------------------------------------
@@ -191,7 +171,7 @@ def test_save_on_cpu_gradients_equal_torchs(create_graph):
         out[kind] = [gx, gw]
         if create_graph:
             out[kind] += list(grad(gx.sum() + gw.pow(2).sum(), (x, w)))
-    close_all(out["gg"], out["torch"])
+    close(out["gg"], out["torch"])
 
 
 def test_save_on_cpu_saved_bytes_and_release():
