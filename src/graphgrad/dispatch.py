@@ -79,7 +79,10 @@ def _wrap_plain(out, inputs):
 
 def _node_of(t):
     """The graph node of a tensor argument (None for plain tensors and no-grad ones)."""
-    return None if type(t) is _PlainTensor else getattr(t, "_gg_node", None)
+    tp = type(t)
+    if tp is _TENSOR[0]:
+        return t._gg_node
+    return None if tp is _PlainTensor else getattr(t, "_gg_node", None)
 
 
 def _scan(args, kwargs, inputs):
@@ -166,8 +169,9 @@ def _add_slot(t, pos, graph, nexts, slot_pos, metas):
         nexts.append((None, 0))
         metas.append(None)
         return False
-    _check_same_graph(node, graph)
-    nexts.append((node, getattr(t, "_gg_nr", 0)))
+    if node.graph is not graph and node.graph is not None:
+        _check_same_graph(node, graph)
+    nexts.append((node, t._gg_nr))
     metas.append((t.shape, t.dtype, t.device))
     return True
 
@@ -176,15 +180,19 @@ def _keep(rule, nexts, slot_pos):
     """What to save: what the rule reads, less what only unneeded gradients would use."""
     if rule.saved_for is None:
         return rule.keep
-    wanted = set()
+    wanted = [False] * len(rule.keep)
     for j in range(len(nexts)):
         if nexts[j][0] is not None:
             pos = slot_pos[j]
-            wanted.add(pos[0] if type(pos) is tuple else pos)
+            wanted[pos[0] if type(pos) is tuple else pos] = True
     keep = list(rule.keep)
     for i, users in rule.saved_for:
-        if keep[i] and not any(u in wanted for u in users):
-            keep[i] = 2  # only its shape/dtype/device
+        if keep[i]:
+            for u in users:
+                if wanted[u]:
+                    break
+            else:
+                keep[i] = 2  # only its shape/dtype/device
     return keep
 
 

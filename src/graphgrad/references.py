@@ -23,23 +23,26 @@ __all__ = ["SavedResult", "PackedTensor", "save_arguments", "check_saved_version
            "unpack_result", "unpack_saved", "saved_bytes", "describe", "push_saved_hooks",
            "pop_saved_hooks", "current_saved_hooks"]
 
-_hooks = threading.local()  # .stack: the active (pack, unpack) pairs of this thread
+class _SavedHooks(threading.local):
+    """This thread's active (pack, unpack) pairs (a class default: no lookup miss per op)."""
+
+    stack: tuple = ()
+
+
+_hooks = _SavedHooks()
 
 
 def push_saved_hooks(pack, unpack) -> None:
-    try:
-        _hooks.stack.append((pack, unpack))
-    except AttributeError:
-        _hooks.stack = [(pack, unpack)]
+    _hooks.stack = _hooks.stack + ((pack, unpack),)
 
 
 def pop_saved_hooks() -> None:
-    _hooks.stack.pop()
+    _hooks.stack = _hooks.stack[:-1]
 
 
 def current_saved_hooks():
     """The innermost (pack, unpack) pair on this thread, or None."""
-    stack = getattr(_hooks, "stack", None)
+    stack = _hooks.stack
     return stack[-1] if stack else None
 
 
