@@ -166,3 +166,14 @@ def run_opinfo(op, options: dict, unsupported=None) -> int:
             raise AssertionError(f"{op_id(op)} sample {i}: {sample.summary()}") from e
     assert compared > 0, "every sample was filtered out"
     return compared
+
+
+def opdb_test(reference: dict, unsupported=None):
+    """A family file's op_db test: ``test_opdb = opdb_test(REFERENCE, unsupported)``."""
+    ops = opinfos(reference)
+
+    @pytest.mark.parametrize("op", ops, ids=[op_id(op) for op in ops])
+    def test_opdb(op):
+        run_opinfo(op, reference[op.name], unsupported)
+
+    return test_opdb

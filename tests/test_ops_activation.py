@@ -15,7 +15,7 @@ from torch import nn
 import graphgrad as gg
 from op_cases import F64, Randoms, T, check, plain
 from op_cases import inplace as ip
-from opdb_harness import op_id, opinfos, run_opinfo
+from opdb_harness import opdb_test
 
 REFERENCE = {
     "nn.functional.relu": {},
@@ -45,12 +45,7 @@ REFERENCE = {
 
 unsupported = None
 
-OPS = opinfos(REFERENCE)
-
-
-@pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
-def test_opdb(op):
-    run_opinfo(op, REFERENCE[op.name], unsupported)
+test_opdb = opdb_test(REFERENCE, unsupported)
 
 
 # -- hand-written cases ------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 import graphgrad as gg
 from op_cases import F64, Const, Randoms, T, case, check_case, inplace
-from opdb_harness import op_id, opinfos, run_opinfo
+from opdb_harness import opdb_test
 
 REFERENCE = {
     "matmul": {},
@@ -42,12 +42,7 @@ REFERENCE = {
 
 unsupported = None
 
-OPS = opinfos(REFERENCE)
-
-
-@pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
-def test_opdb(op):
-    run_opinfo(op, REFERENCE[op.name], unsupported)
+test_opdb = opdb_test(REFERENCE, unsupported)
 
 
 # -- hand-written cases ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ from torch.testing._internal.opinfo.core import SampleInput
 from torch.utils import _pytree as pytree
 
 import graphgrad as gg
-from opdb_harness import check_sample, op_id, opinfos, run_opinfo
+from opdb_harness import check_sample, opdb_test
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Using a target size:UserWarning"),
@@ -35,12 +35,7 @@ REFERENCE = {
 
 unsupported = None
 
-OPS = opinfos(REFERENCE)
-
-
-@pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
-def test_opdb(op):
-    run_opinfo(op, REFERENCE[op.name], unsupported)
+test_opdb = opdb_test(REFERENCE, unsupported)
 
 
 # -- hand-written cases ---------------------------------------------------------------------

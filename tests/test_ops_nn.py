@@ -13,7 +13,7 @@ from op_cases import F64 as D
 from op_cases import TOL, plain
 from op_cases import compare as compare_leaves
 from op_cases import rnd as r
-from opdb_harness import op_id, opinfos, run_opinfo
+from opdb_harness import opdb_test
 
 REFERENCE = {
     "nn.functional.dropout": {},
@@ -31,12 +31,7 @@ REFERENCE = {
 
 unsupported = None
 
-OPS = opinfos(REFERENCE)
-
-
-@pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
-def test_opdb(op):
-    run_opinfo(op, REFERENCE[op.name], unsupported)
+test_opdb = opdb_test(REFERENCE, unsupported)
 
 
 # first derivatives always with create_graph, even where second ones are not compared; every

@@ -14,7 +14,7 @@ from torch import nn
 
 import graphgrad as gg
 from op_cases import F64, Randoms, T, assert_grads_close, check_to_order, plain
-from opdb_harness import op_id, opinfos, run_opinfo
+from opdb_harness import opdb_test
 
 REFERENCE = {
     "nn.functional.max_pool1d": {"max_samples": 144},
@@ -36,12 +36,7 @@ REFERENCE = {
 
 unsupported = None
 
-OPS = opinfos(REFERENCE)
-
-
-@pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
-def test_opdb(op):
-    run_opinfo(op, REFERENCE[op.name], unsupported)
+test_opdb = opdb_test(REFERENCE, unsupported)
 
 
 # -- hand-written cases -------------------------------------------------------------------

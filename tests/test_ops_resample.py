@@ -12,7 +12,7 @@ from torch import nn
 
 import graphgrad as gg
 from op_cases import Randoms, T, check_to_order
-from opdb_harness import op_id, opinfos, run_opinfo
+from opdb_harness import opdb_test
 
 pytestmark = pytest.mark.filterwarnings("ignore:`nn.functional.upsample` is deprecated:UserWarning")
 
@@ -29,12 +29,7 @@ REFERENCE = {
 
 unsupported = None
 
-OPS = opinfos(REFERENCE)
-
-
-@pytest.mark.parametrize("op", OPS, ids=[op_id(op) for op in OPS])
-def test_opdb(op):
-    run_opinfo(op, REFERENCE[op.name], unsupported)
+test_opdb = opdb_test(REFERENCE, unsupported)
 
 
 # -- hand-written cases -------------------------------------------------------------------
