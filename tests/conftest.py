@@ -13,17 +13,14 @@ REACHED: set = set()
 
 
 def _install_spy():
-    import graphgrad as gg
+    from graphgrad import dispatch
     from graphgrad.rules import RULES
 
-    inner = gg.Tensor.__dict__["__torch_function__"].__func__
-
-    def recording(cls, func, types, args=(), kwargs=None):
+    def recording(func):
         if func in RULES:
             REACHED.add(func)
-        return inner(cls, func, types, args, kwargs)
 
-    gg.Tensor.__torch_function__ = classmethod(recording)
+    dispatch.observe_calls(recording)
 
 
 _install_spy()

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import graphgrad as gg
+from graphgrad import dispatch
 from graphgrad.rules import RULES, qualified_name
 
 T = torch.Tensor
@@ -67,19 +68,18 @@ def nonfinite(g):
 @contextlib.contextmanager
 def arrivals():
     """The torch functions that reach graphgrad's dispatch inside the block."""
-    saved = gg.Tensor.__dict__["__torch_function__"]
-    inner = saved.__func__
     seen = []
 
-    def recording(cls, func, types, args=(), kwargs=None):
+    def recording(func):
         seen.append(func)
-        return inner(cls, func, types, args, kwargs)
+        if previous is not None:
+            previous(func)
 
-    gg.Tensor.__torch_function__ = classmethod(recording)
+    previous = dispatch.observe_calls(recording)
     try:
         yield seen
     finally:
-        gg.Tensor.__torch_function__ = saved
+        dispatch.observe_calls(previous)
 
 
 def plain(t):

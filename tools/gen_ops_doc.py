@@ -15,14 +15,13 @@ import sys
 import warnings
 from collections import defaultdict
 
-import torch
 from torch.utils import _pytree as pytree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "ops.md"
 sys.path.insert(0, str(ROOT / "tests"))
 
-import graphgrad as gg  # noqa: E402
+from graphgrad import dispatch  # noqa: E402
 from graphgrad.rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name  # noqa: E402
 
 KIND = {DECOMPOSITION: "decomposition", NONDIFFERENTIABLE: "no gradient"}
@@ -43,15 +42,14 @@ def _reached(op, sample) -> set:
     from opdb_harness import _to_gg
 
     seen = set()
-    previous = gg.Tensor.__dict__["__torch_function__"]
-    inner = previous.__func__
 
-    def spy(cls, func, types, args=(), kwargs=None):
+    def spy(func):
         if func in RULES:
             seen.add(func)
-        return inner(cls, func, types, args, kwargs)
+        if previous is not None:
+            previous(func)
 
-    gg.Tensor.__torch_function__ = classmethod(spy)
+    previous = dispatch.observe_calls(spy)
     try:
         inp, args, kwargs = _to_gg((sample.input, sample.args, sample.kwargs))
         with warnings.catch_warnings():
@@ -59,7 +57,7 @@ def _reached(op, sample) -> set:
             out = op.op(inp, *args, **kwargs)
         pytree.tree_leaves(out)
     finally:
-        gg.Tensor.__torch_function__ = previous
+        dispatch.observe_calls(previous)
     return seen
 
 

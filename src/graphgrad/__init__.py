@@ -36,6 +36,11 @@ from .rules import Meta, decomposition, derivative, nondifferentiable  # noqa: E
 from .saved_hooks import save_on_cpu, saved_tensors_hooks  # noqa: E402
 from .tensor import Tensor, as_tensor, tensor  # noqa: E402
 
+# with every rule registered, give the Tensor class its operator and method fast paths
+from .dispatch import install_fast_paths as _install_fast_paths  # noqa: E402
+
+_install_fast_paths(Tensor)
+
 #: True when the Cython-compiled engine is running (False: pure Python)
 compiled: bool = _engine_is_compiled(__name__)
 

@@ -12,29 +12,51 @@ Grad mode is torch's own (``torch.is_grad_enabled``), so ``torch.no_grad()`` ins
 
 from __future__ import annotations
 
+import inspect
+import weakref
+
 import torch
 
 from .graph import current_graph
-from .node import Node
+from .node import new_node
 from .references import SavedResult, save_arguments
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 
-__all__ = ["torch_function", "wrap_output", "set_tensor_class", "is_inplace"]
+__all__ = ["torch_function", "call", "wrap_output", "set_tensor_class", "is_inplace", "observe_calls",
+           "install_fast_paths"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch._C.is_grad_enabled
+# the base class's getters: graphgrad.Tensor's own properties would add a check per read
+_shape = torch._C.TensorBase.shape.__get__
+_dtype = torch._C.TensorBase.dtype.__get__
+_device = torch._C.TensorBase.device.__get__
+_ndim = torch._C.TensorBase.dim
+_same_size = torch._C.TensorBase.is_same_size
+_device_index = torch._C.TensorBase.get_device
+_tf_enabled = torch._C._is_torch_function_enabled
+_tf_mode = torch._C._is_torch_function_mode_enabled
 _autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)
 _PlainTensor = torch.Tensor
 _TENSOR = [None]  # graphgrad.Tensor, set once by tensor.py
+_TENSOR_CLS = None  # the same, read on the hot path
 _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                     "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
                     "__irshift__", "__imatmul__", "__setitem__", "__idiv__"}
 _inplace_cache: dict = {}
+_NO_KWARGS: dict = {}  # never mutated: the kwargs of calls that passed none
+_NO_EDGE = (None, 0)
+_EMPTY = inspect.Parameter.empty
+_weakref = weakref.ref
+_INTERNED: dict = {}
+_observer = None  # see observe_calls
 
 
 def set_tensor_class(cls) -> None:
     """Tell dispatch which class its outputs take (graphgrad.Tensor); called once."""
+    global _TENSOR_CLS
     _TENSOR[0] = cls
+    _TENSOR_CLS = cls
 
 
 def is_inplace(func) -> bool:
@@ -54,7 +76,7 @@ def is_inplace(func) -> bool:
 
 def wrap_output(data, node, nr):
     """Make a fresh plain tensor a graphgrad Tensor produced by output ``nr`` of ``node``."""
-    data.__class__ = _TENSOR[0]
+    data.__class__ = _TENSOR_CLS
     if node is not None:
         data._gg_node = node
         if nr:
@@ -62,43 +84,67 @@ def wrap_output(data, node, nr):
     return data
 
 
-def _wrap_plain(out, inputs):
+def _is_input(out, args, kwargs):
+    """Did the op return one of its arguments itself (``x.to(x.dtype)``, ``atleast_1d``)?"""
+    for a in args:
+        if a is out:
+            return True
+        if type(a) is list or type(a) is tuple:
+            for b in a:
+                if b is out:
+                    return True
+    if kwargs:
+        for a in kwargs.values():
+            if a is out:
+                return True
+    return False
+
+
+def _wrap_plain(out, args, kwargs):
     """Outputs that need no gradient: fresh tensors become graphgrad Tensors, others stay."""
-    if type(out) is _PlainTensor:
-        for t in inputs:
-            if t is out:
-                return out
-        out.__class__ = _TENSOR[0]
+    tp = type(out)
+    if tp is _PlainTensor:
+        if not _is_input(out, args, kwargs):
+            out.__class__ = _TENSOR_CLS
         return out
-    if type(out) is tuple or type(out) is list:
-        return type(out)(_wrap_plain(o, inputs) for o in out)
-    if isinstance(out, tuple) and hasattr(out, "_fields") or type(out).__module__ == "torch.return_types":
-        return type(out)([_wrap_plain(o, inputs) for o in out])
+    if tp is tuple or tp is list:
+        return tp([_wrap_plain(o, args, kwargs) for o in out])
+    if isinstance(out, tuple) and hasattr(out, "_fields") or tp.__module__ == "torch.return_types":
+        return tp([_wrap_plain(o, args, kwargs) for o in out])
     return out
 
 
 def _node_of(t):
     """The graph node of a tensor argument (None for plain tensors and no-grad ones)."""
     tp = type(t)
-    if tp is _TENSOR[0]:
+    if tp is _TENSOR_CLS:
         return t._gg_node
     return None if tp is _PlainTensor else getattr(t, "_gg_node", None)
 
 
-def _scan(args, kwargs, inputs):
-    """Collect the tensor arguments (one level into lists); True if any requires grad."""
-    found = False
-    for values in (args, kwargs.values() if kwargs else ()):
-        for a in values:
-            if isinstance(a, _PlainTensor):
-                inputs.append(a)
-                found = found or _node_of(a) is not None
-            elif type(a) is list or type(a) is tuple:
+def _needs_grad(args, kwargs):
+    """Does any tensor argument (one level into lists) require grad?"""
+    cls = _TENSOR_CLS
+    for a in args:
+        tp = type(a)
+        if tp is cls:
+            if a._gg_node is not None:
+                return True
+        elif tp is list or tp is tuple:
+            for b in a:
+                if isinstance(b, _PlainTensor) and _node_of(b) is not None:
+                    return True
+        elif tp is not _PlainTensor and isinstance(a, _PlainTensor) and _node_of(a) is not None:
+            return True
+    if kwargs:
+        for a in kwargs.values():
+            if type(a) is list or type(a) is tuple:
                 for b in a:
-                    if isinstance(b, _PlainTensor):
-                        inputs.append(b)
-                        found = found or _node_of(b) is not None
-    return found
+                    if isinstance(b, _PlainTensor) and _node_of(b) is not None:
+                        return True
+            elif isinstance(a, _PlainTensor) and _node_of(a) is not None:
+                return True
+    return False
 
 
 def torch_function(cls, func, types, args=(), kwargs=None):
@@ -107,30 +153,61 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     if special is not None:
         with _Disable():
             return special(*args, **(kwargs or {}))
+    return call(func, args, kwargs)
+
+
+def call(func, args, kwargs):
+    """Run ``func(*args, **kwargs)`` with torch and record it if a gradient must flow.
+
+    The torch-function protocol ends here, and so do the operator and method fast paths
+    that ``install_fast_paths`` puts on the Tensor class (which skip the protocol).
+    """
     rule = RULES.get(func)
+    if _observer is not None:
+        _observer(func)
     if kwargs is None:
-        kwargs = {}
-    inputs: list = []
+        kwargs = _NO_KWARGS
     with _Disable():
-        if not _grad_enabled() or not _scan(args, kwargs, inputs) or (
-                rule is not None and rule.kind == NONDIFFERENTIABLE):
-            return _wrap_plain(func(*args, **kwargs), inputs)
+        if not _grad_enabled() or not _needs_grad(args, kwargs):
+            return _wrap_plain(func(*args, **kwargs), args, kwargs)
         if rule is None:
-            return _no_rule(func, args, kwargs, inputs)
-        if rule.kind != DECOMPOSITION:
-            if "out" in kwargs and kwargs["out"] is not None:
+            return _no_rule(func, args, kwargs)
+        kind = rule.kind
+        if kind == NONDIFFERENTIABLE:
+            return _wrap_plain(func(*args, **kwargs), args, kwargs)
+        if kind != DECOMPOSITION:
+            if kwargs and kwargs.get("out") is not None:
                 raise RuntimeError(
                     f"{qualified_name(func)}(): functions with out=... arguments don't support "
                     "automatic differentiation, but one of the arguments requires grad. Call "
                     "it without out=, or under gg.no_grad().")
             if rule.inplace_of is not None or is_inplace(func):
-                return _record_inplace(func, rule, args, kwargs, inputs)
-            return _record(func, rule, args, kwargs, inputs)
+                return _record_inplace(func, rule, args, kwargs)
+            return _record(func, rule, args, kwargs)
     # a composite: run it with recording on, so its primitives are recorded
     return rule.fn(*args, **kwargs)
 
 
+def observe_calls(fn):
+    """Call ``fn(func)`` for every torch function that reaches dispatch (None to stop).
+
+    For tests and tools that check which functions real code reaches; returns the previous
+    observer so callers can chain and restore it.
+    """
+    global _observer
+    previous = _observer
+    _observer = fn
+    return previous
+
+
 def _bind(func, rule, args, kwargs):
+    defaults = rule.defaults
+    if defaults is not None and not kwargs:
+        n = len(args)
+        if n == len(defaults):
+            return args
+        if n < len(defaults) and defaults[n] is not _EMPTY:  # the rest have defaults
+            return args + defaults[n:]
     try:
         return rule.bind(*args, **kwargs)
     except TypeError as e:
@@ -140,39 +217,92 @@ def _bind(func, rule, args, kwargs):
         ) from None
 
 
-def _slots(rule, values, graph):
-    """next_functions, the rule parameter of each, and input metadata for unbroadcasting."""
+def _slots(rule, values, graph, ref):
+    """next_functions, the rule parameter of each, and input metadata for unbroadcasting.
+
+    ``ref`` is (output, its dtype, its device index, its ndim) for elementwise rules (None
+    for the others: they may return gradients the engine must reduce). When every tensor
+    argument has the output's dtype and no more dimensions than it, an input that also has
+    its size and device gets None as metadata: the rule's gradient for it needs no
+    unbroadcasting or cast (nothing kept, nothing done in backward). Otherwise a rule may
+    return a promoted or broadcast gradient (prelu's weight, a float32 weight under
+    autocast), so all are kept.
+    """
     nexts = []
     slot_pos = []
-    metas = []
+    metas = []  # first the tensors themselves, then their metadata
     n_required = rule.n_required
     any_grad = False
-    for i in range(len(values)):
+    cls = _TENSOR_CLS
+    uniform = ref is not None
+    n = len(values)
+    for i in range(n):
         v = values[i]
-        if isinstance(v, _PlainTensor):
-            any_grad = _add_slot(v, i, graph, nexts, slot_pos, metas) or any_grad
-        elif type(v) is list or type(v) is tuple:
+        tp = type(v)
+        if tp is cls or (tp is not list and tp is not tuple and isinstance(v, _PlainTensor)):
+            slot_pos.append(i)
+            if _add_slot(v, graph, nexts, metas):
+                any_grad = True
+            elif uniform and (_dtype(v) is not ref[1] or _ndim(v) > ref[3]):
+                uniform = False
+        elif tp is list or tp is tuple:
             for j in range(len(v)):
-                if isinstance(v[j], _PlainTensor):
-                    any_grad = _add_slot(v[j], (i, j), graph, nexts, slot_pos, metas) or any_grad
+                item = v[j]
+                if isinstance(item, _PlainTensor):
+                    slot_pos.append((i, j))
+                    if _add_slot(item, graph, nexts, metas):
+                        any_grad = True
+                    elif uniform and (_dtype(item) is not ref[1] or _ndim(item) > ref[3]):
+                        uniform = False
         elif i < n_required:
-            nexts.append((None, 0))
+            nexts.append(_NO_EDGE)
             metas.append(None)
             slot_pos.append(i)
-    return any_grad, tuple(nexts), tuple(slot_pos), tuple(metas)
+    if not any_grad:
+        return None
+    kept = False
+    for j in range(len(metas)):
+        t = metas[j]
+        if t is None:
+            continue
+        if uniform and _dtype(t) is ref[1] and _same_size(t, ref[0]) and _device_index(t) == ref[2]:
+            metas[j] = None
+        else:
+            metas[j] = (_shape(t), _dtype(t), _device(t))
+            kept = True
+            if uniform and (_dtype(t) is not ref[1] or _ndim(t) > ref[3]):
+                uniform = False
+    if ref is not None and kept and not uniform:  # a later input broke uniformity: redo
+        out = ref[0]
+        for j in range(len(metas)):
+            if metas[j] is None and nexts[j][0] is not None:
+                metas[j] = (_shape(out), _dtype(out), _device(out))
+    return (tuple(nexts), _interned(tuple(slot_pos)),
+            tuple(metas) if kept else _interned(tuple(metas)))
 
 
-def _add_slot(t, pos, graph, nexts, slot_pos, metas):
+def _interned(key):
+    """One shared copy of small recurring tuples (slot positions, all-None metadata)."""
+    try:
+        return _INTERNED[key]
+    except KeyError:
+        if len(_INTERNED) < 4096:
+            _INTERNED[key] = key
+        return key
+    except TypeError:
+        return key
+
+
+def _add_slot(t, graph, nexts, metas):
     node = _node_of(t)
-    slot_pos.append(pos)
     if node is None:
-        nexts.append((None, 0))
+        nexts.append(_NO_EDGE)
         metas.append(None)
         return False
     if node.graph is not graph and node.graph is not None:
         _check_same_graph(node, graph)
     nexts.append((node, t._gg_nr))
-    metas.append((t.shape, t.dtype, t.device))
+    metas.append(t)
     return True
 
 
@@ -180,19 +310,24 @@ def _keep(rule, nexts, slot_pos):
     """What to save: what the rule reads, less what only unneeded gradients would use."""
     if rule.saved_for is None:
         return rule.keep
-    wanted = [False] * len(rule.keep)
+    wanted = 0  # bit i: parameter i needs a gradient
     for j in range(len(nexts)):
         if nexts[j][0] is not None:
             pos = slot_pos[j]
-            wanted[pos[0] if type(pos) is tuple else pos] = True
-    keep = list(rule.keep)
-    for i, users in rule.saved_for:
-        if keep[i]:
-            for u in users:
-                if wanted[u]:
-                    break
-            else:
-                keep[i] = 2  # only its shape/dtype/device
+            wanted |= 1 << (pos[0] if type(pos) is tuple else pos)
+    cache = rule.keep_cache
+    keep = cache.get(wanted)
+    if keep is None:
+        keep = list(rule.keep)
+        for i, users in rule.saved_for:
+            if keep[i]:
+                for u in users:
+                    if wanted >> u & 1:
+                        break
+                else:
+                    keep[i] = 2  # only its shape/dtype/device
+        keep = tuple(keep)
+        cache[wanted] = keep
     return keep
 
 
@@ -207,20 +342,30 @@ def _check_same_graph(node, graph):
         )
 
 
-def _record(func, rule, args, kwargs, inputs):
+def _record(func, rule, args, kwargs):
     values = _bind(func, rule, args, kwargs)
     graph = current_graph()
-    any_grad, nexts, slot_pos, metas = _slots(rule, values, graph)
     out = func(*args, **kwargs)
-    if not any_grad:
-        return _wrap_plain(out, inputs)
+    ref = None
+    if type(out) is _PlainTensor:
+        if _is_input(out, args, kwargs):  # the op returned an input unchanged (x.to(x.dtype))
+            return out
+        if rule.elementwise:
+            ref = (out, _dtype(out), _device_index(out), _ndim(out))
+    slots = _slots(rule, values, graph, ref)
+    if slots is None:
+        return _wrap_plain(out, args, kwargs)
+    nexts, slot_pos, metas = slots
     keep = _keep(rule, nexts, slot_pos)
     if _autocast_enabled() and type(out) is _PlainTensor:
         values = _as_autocast_ran(values, keep, out.dtype)
     saved, versions = save_arguments(keep, values)
-    node = Node(rule, nexts, slot_pos, metas, saved, versions, graph)
-    out = _attach(out, node, rule, inputs)
-    graph.record(node)
+    node = new_node(rule, nexts, slot_pos, metas, saved, versions, graph)
+    out = _attach(out, node, rule)
+    pending = graph.pending  # graph.record(node), inlined
+    pending.append(_weakref(node))
+    if len(pending) >= graph._compact_at:
+        graph._compact()
     return out
 
 
@@ -236,17 +381,15 @@ def _as_autocast_ran(values, keep, dtype):
     return tuple(out)
 
 
-def _attach(out, node, rule, inputs):
+def _attach(out, node, rule):
     """Wrap the op's outputs and make ``node`` their grad_fn; save them if the rule reads them."""
     if type(out) is _PlainTensor:
-        for t in inputs:
-            if t is out:  # the op returned an input unchanged (e.g. x.to(x.dtype))
-                return out
         if rule.saves_result:
             node.result = SavedResult(out.detach())
-        if out.is_floating_point() or out.is_complex():
-            return wrap_output(out, node, 0)
-        out.__class__ = _TENSOR[0]
+        dtype = out.dtype
+        out.__class__ = _TENSOR_CLS
+        if dtype.is_floating_point or dtype.is_complex:
+            out._gg_node = node
         return out
     if isinstance(out, tuple):
         items = list(out)
@@ -263,12 +406,12 @@ def _attach(out, node, rule, inputs):
                 if o.is_floating_point() or o.is_complex():
                     items[i] = wrap_output(o, node, i)
                 else:
-                    o.__class__ = _TENSOR[0]
+                    o.__class__ = _TENSOR_CLS
         return type(out)(items)
     return out
 
 
-def _record_inplace(func, rule, args, kwargs, inputs):
+def _record_inplace(func, rule, args, kwargs):
     """Record ``self.op_(...)``: self's grad_fn becomes the new node, whose input is self's old one."""
     self = args[0]
     old = _node_of(self)
@@ -284,7 +427,10 @@ def _record_inplace(func, rule, args, kwargs, inputs):
     base_rule = rule.inplace_of or rule
     values = _bind(func, base_rule, args, kwargs)
     graph = current_graph()
-    any_grad, nexts, slot_pos, metas = _slots(base_rule, values, graph)
+    slots = _slots(base_rule, values, graph, None)
+    if slots is None:
+        return func(*args, **kwargs)
+    nexts, slot_pos, metas = slots
     keep = _keep(base_rule, nexts, slot_pos)
     if keep and keep[0] == 1:  # the rule reads the value before the op
         copy = self.clone()
@@ -293,13 +439,11 @@ def _record_inplace(func, rule, args, kwargs, inputs):
         values = (copy,) + tuple(values[1:])
     saved, versions = save_arguments(keep, values)
     out = func(*args, **kwargs)
-    if not any_grad:
-        return out
-    node = Node(base_rule, nexts, slot_pos, metas, saved, versions, graph)
+    node = new_node(base_rule, nexts, slot_pos, metas, saved, versions, graph)
     if base_rule.saves_result:
         node.result = SavedResult(self.detach())
     if type(self) is _PlainTensor:
-        self.__class__ = _TENSOR[0]
+        self.__class__ = _TENSOR_CLS
     self._gg_node = node
     if getattr(self, "_gg_nr", 0):
         self._gg_nr = 0
@@ -312,14 +456,15 @@ def _base_requires_grad(view):
     return base is not None and _node_of(base) is not None
 
 
-def _no_rule(func, args, kwargs, inputs):
-    name = qualified_name(func)
+def _no_rule(func, args, kwargs):
     if "out" in kwargs and kwargs["out"] is not None:
+        name = qualified_name(func)
         raise RuntimeError(
             f"{name}(): functions with out=... arguments don't support automatic "
             "differentiation, but one of the arguments requires grad. Call it without out=, "
             "or under gg.no_grad().")
     if is_inplace(func):
+        name = qualified_name(func)
         self = args[0] if args else None
         node = getattr(self, "_gg_node", None) if isinstance(self, _PlainTensor) else None
         if node is not None and node.graph is None:
@@ -329,9 +474,9 @@ def _no_rule(func, args, kwargs, inputs):
                 "clone() of the tensor.")
         raise NotImplementedError(_no_rule_message(name, inplace=True))
     out = func(*args, **kwargs)
-    if _has_float_tensor(out, inputs):
-        raise NotImplementedError(_no_rule_message(name, inplace=False))
-    return _wrap_plain(out, inputs)
+    if _has_float_tensor(out, args, kwargs):
+        raise NotImplementedError(_no_rule_message(qualified_name(func), inplace=False))
+    return _wrap_plain(out, args, kwargs)
 
 
 def _no_rule_message(name, inplace):
@@ -344,13 +489,13 @@ def _no_rule_message(name, inplace):
     )
 
 
-def _has_float_tensor(out, inputs):
+def _has_float_tensor(out, args, kwargs):
     if isinstance(out, _PlainTensor):
-        if any(out is t for t in inputs):
+        if _is_input(out, args, kwargs):
             return False
         return out.is_floating_point() or out.is_complex()
     if isinstance(out, (tuple, list)):
-        return any(_has_float_tensor(o, inputs) for o in out)
+        return any(_has_float_tensor(o, args, kwargs) for o in out)
     return False
 
 
@@ -365,7 +510,7 @@ def _set_grad(self, value):
 
 def _get_data(self):
     data = torch.Tensor.data.__get__(self)
-    data.__class__ = _TENSOR[0]
+    data.__class__ = _TENSOR_CLS
     return data
 
 
@@ -386,3 +531,133 @@ _SPECIAL = {
     torch.Tensor.data.__set__: _set_data,
     torch.Tensor._base.__get__: _get_base,
 }
+
+
+# -- fast paths: methods and operators that skip the torch-function protocol -------------
+# ``x * y`` on a Tensor subclass normally enters torch's C++ dispatcher, finds
+# ``__torch_function__``, builds its arguments and calls back into Python: about 1.5 µs per op
+# before any work. Defining the method on the class itself reaches ``call`` directly with the
+# same function object the protocol would have passed, so the result is the same.
+
+# operator -> the function the protocol passes for it (checked by tests/test_fast_paths.py)
+_OPERATORS = {
+    "__add__": torch.Tensor.add, "__radd__": torch.Tensor.add,
+    "__sub__": torch.Tensor.sub, "__rsub__": torch.Tensor.__rsub__,
+    "__mul__": torch.Tensor.mul, "__rmul__": torch.Tensor.mul,
+    "__truediv__": torch.Tensor.div, "__rtruediv__": torch.Tensor.__rdiv__,
+    "__div__": torch.Tensor.div, "__rdiv__": torch.Tensor.__rdiv__,
+    "__matmul__": torch.Tensor.matmul, "__rmatmul__": torch.Tensor.__rmatmul__,
+    "__pow__": torch.Tensor.pow, "__rpow__": torch.Tensor.__rpow__,
+    "__mod__": torch.Tensor.remainder,
+}
+_UNARY_OPERATORS = {"__neg__": torch.Tensor.neg, "__pos__": torch.Tensor.positive,
+                    "__abs__": torch.Tensor.abs}
+# methods that return no tensor but are called often (shape queries in nn code)
+_QUERIES = ("dim", "size", "numel", "stride", "is_contiguous", "is_floating_point", "is_complex",
+            "element_size", "storage_offset", "nelement", "ndimension", "get_device",
+            "__len__", "item", "tolist")
+# read-only properties that never return a tensor
+_PROPERTIES = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "_version", "is_sparse",
+               "is_quantized", "is_meta", "is_mps", "itemsize", "nbytes")
+
+
+def _binary(func, dunder):
+    def method(self, other):
+        if _tf_enabled() and not _tf_mode():
+            try:
+                return call(func, (self, other), None)
+            except TypeError:
+                return NotImplemented
+        return dunder(self, other)  # protocol off (torch's own behaviour) or a mode to ask
+    method.__name__ = dunder.__name__
+    return method
+
+
+def _method(func):
+    def method(self, *args, **kwargs):
+        if _tf_enabled() and not _tf_mode():
+            return call(func, (self,) + args, kwargs)
+        return func(self, *args, **kwargs)
+    method.__name__ = getattr(func, "__name__", "method")
+    method.__doc__ = getattr(func, "__doc__", None)
+    return method
+
+
+def _query(func):
+    def method(self, *args, **kwargs):
+        if _tf_enabled() and not _tf_mode():
+            if _observer is not None:
+                _observer(func)
+            with _Disable():
+                return func(self, *args, **kwargs)
+        return func(self, *args, **kwargs)
+    method.__name__ = getattr(func, "__name__", "method")
+    method.__doc__ = getattr(func, "__doc__", None)
+    return method
+
+
+def _getter(get):
+    def fget(self):
+        if _tf_enabled() and not _tf_mode():
+            with _Disable():
+                return get(self)
+        return get(self)
+    return fget
+
+
+def _special_property(name):
+    descriptor = getattr(torch.Tensor, name)
+    get, set_ = descriptor.__get__, descriptor.__set__
+    special_get, special_set = _SPECIAL[get], _SPECIAL[set_]
+
+    def fget(self):
+        if _tf_enabled() and not _tf_mode():
+            with _Disable():
+                return special_get(self)
+        return get(self)
+
+    def fset(self, value):
+        if _tf_enabled() and not _tf_mode():
+            with _Disable():
+                special_set(self, value)
+        else:
+            set_(self, value)
+
+    return property(fget, fset, doc=descriptor.__doc__)
+
+
+def install_fast_paths(cls) -> None:
+    """Put the operator, method and property fast paths on ``cls`` (graphgrad.Tensor).
+
+    Only functions the protocol would pass unchanged are installed: every torch.Tensor
+    method with a registered rule, the operators above, and non-tensor queries. Names the
+    class defines itself (``backward``, ``detach``, ...) are left alone.
+    """
+    own = set(cls.__dict__)
+    for name, func in _OPERATORS.items():
+        setattr(cls, name, _binary(func, getattr(torch.Tensor, name)))
+    for name, func in _UNARY_OPERATORS.items():
+        setattr(cls, name, _method(func))
+    for name in dir(torch.Tensor):
+        if name in own or name.startswith("__") and name not in ("__getitem__", "__setitem__", "__len__"):
+            continue
+        func = getattr(torch.Tensor, name, None)
+        if func is None or isinstance(func, property) or type(func).__name__ == "getset_descriptor":
+            continue
+        if name in _QUERIES and callable(func):
+            setattr(cls, name, _query(func))
+        elif _hashable_in(func, RULES) and callable(func):
+            setattr(cls, name, _method(func))
+    for name in _PROPERTIES:
+        if name not in own and hasattr(torch.Tensor, name):
+            setattr(cls, name, property(_getter(getattr(torch.Tensor, name).__get__)))
+    for name in ("grad", "data"):
+        if name not in own:
+            setattr(cls, name, _special_property(name))
+
+
+def _hashable_in(func, table):
+    try:
+        return func in table
+    except TypeError:
+        return False

@@ -147,7 +147,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         if needed is not None and not any(
                 p is not None and needed[p] for p, _ in nexts):
             continue
-        if all(g is None for g in grads):
+        if _all_none(grads):
             outs = ()
         elif anomaly:
             outs = _apply_checked(node, grads, create_graph)
@@ -169,7 +169,11 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             else:
                 g = _pick(outs, slot_pos[j])
                 if g is not None:
-                    g = _fit(g, metas[j], node, j)
+                    meta = metas[j]
+                    if meta is not None:
+                        g = _fit(g, meta, node, j)
+                    elif not isinstance(g, _PlainTensor):
+                        _not_a_tensor(g, node, j)
             if g is not None:
                 _add_to_buffer(buffers, parent, nr, g)
             deps[parent] -= 1
@@ -183,6 +187,13 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                 f"One of the differentiated Tensors (inputs[{k}]) appears to not have been "
                 "used in the graph. Set allow_unused=True if this is the desired behavior.")
     return tuple(captured)
+
+
+def _all_none(grads):
+    for g in grads:
+        if g is not None:
+            return False
+    return True
 
 
 def _apply_checked(node, grads, create_graph):
@@ -218,7 +229,10 @@ def _edge_grads(node, outs):
     grads = []
     for j, (parent, _nr) in enumerate(node.next_functions):
         g = None if parent is None else _pick(outs, node.slot_pos[j])
-        grads.append(None if g is None else _fit(g, node.input_meta[j], node, j))
+        meta = node.input_meta[j]
+        if g is not None and meta is None and not isinstance(g, _PlainTensor):
+            _not_a_tensor(g, node, j)
+        grads.append(g if g is None or meta is None else _fit(g, meta, node, j))
     return tuple(grads)
 
 
@@ -242,11 +256,18 @@ def _add_to_buffer(buffers, node, nr, g):
     buf[nr] = g if old is None else old + g
 
 
+def _not_a_tensor(g, node, j):
+    raise TypeError(f"{node.name()} returned {type(g).__name__} as gradient {j}; "
+                    "a rule must return tensors or None")
+
+
 def _fit(g, meta, node, j):
-    """Undo broadcasting and match the input's dtype and device (the one shared helper)."""
+    """Undo broadcasting and match the input's dtype and device (the one shared helper).
+
+    ``meta`` is None when the input had the output's shape, dtype and device: nothing to do.
+    """
     if not isinstance(g, _PlainTensor):
-        raise TypeError(f"{node.name()} returned {type(g).__name__} as gradient {j}; "
-                        "a rule must return tensors or None")
+        _not_a_tensor(g, node, j)
     shape, dtype, device = meta
     if g.shape != shape:
         g = unbroadcast(g, shape, node.name())

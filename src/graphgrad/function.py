@@ -31,6 +31,7 @@ import torch
 from .graph import current_graph
 from .node import Node
 from .references import (
+    PackedSaved,
     SavedResult,
     check_saved_versions,
     save_arguments,
@@ -255,11 +256,11 @@ def _save(node, ctx, outs):
         else:
             values.append(t)
     plain = [(i, v) for i, (k, v) in enumerate(zip(kinds, values)) if k < 0]
-    saved, versions = save_arguments((1,) * len(plain), [v for _, v in plain])
+    saved, versions = save_arguments((1,) * len(plain), tuple(v for _, v in plain))
     full = list(values)
     for (i, _), s in zip(plain, saved):
         full[i] = s
-    node.saved = tuple(full)
+    node.saved = PackedSaved(full) if type(saved) is PackedSaved else tuple(full)
     node.versions = tuple((plain[pos][0], v) for pos, v in versions)
     node.saved_kinds = tuple(kinds)
     ctx.to_save = ()

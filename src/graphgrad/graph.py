@@ -2,9 +2,11 @@
 
 Recording appends a weak reference to each new Node to a pending list (cheap); the
 rustworkx ``PyDiGraph`` is brought up to date in bulk (``add_nodes_from`` / ``add_edges_from``)
-when someone looks at it or the list grows long. Payloads are weak references, so the graph
-never keeps a Node alive; dead entries are pruned when the graph has doubled since the last
-prune, so a loop that records without backward stays flat. Edges run from input to output
+when someone looks at it. While nobody looks, the pending list is compacted (dead entries
+dropped) whenever it has doubled, so recording costs one weak reference per node. Payloads
+are weak references, so the graph never keeps a Node alive; dead entries are pruned when the
+graph has doubled since the last prune, so a loop that records without backward stays flat.
+Edges run from input to output
 (data flow), so ``rustworkx.ancestors`` of a node is everything it depends on.
 
 Without a ``with AutogradGraph():`` block, ops record into a per-thread default graph; the
@@ -23,7 +25,10 @@ from .references import node_saved_bytes, saved_bytes
 
 __all__ = ["AutogradGraph", "current_graph", "default_graph"]
 
-_FLUSH_AT = 4096
+# Compact the pending list when it reaches this many entries (or twice the live ones): dead
+# weak references are freed soon enough that they never pile up to the cyclic GC's
+# generation-0 threshold (700 net allocations), which would trigger collections.
+_COMPACT_AT = 256
 _local = threading.local()
 
 
@@ -67,6 +72,7 @@ class AutogradGraph:
         self._rx = rx.PyDiGraph(check_cycle=False, multigraph=True)
         self._leaves: dict[int, int] = {}
         self._prune_at = 1024
+        self._compact_at = _COMPACT_AT
 
     # -- context -----------------------------------------------------------------------
     def __enter__(self) -> AutogradGraph:
@@ -98,11 +104,17 @@ class AutogradGraph:
 
     # -- recording ---------------------------------------------------------------------
     def record(self, node) -> None:
-        """Note a new node; the rustworkx graph catches up in bulk later."""
+        """Note a new node (a weak reference); the rustworkx graph catches up when queried."""
         pending = self.pending
         pending.append(weakref.ref(node))
-        if len(pending) >= _FLUSH_AT:
-            self.flush()
+        if len(pending) >= self._compact_at:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop pending entries whose Node has died, so recording without queries stays flat."""
+        live = [ref for ref in self.pending if ref() is not None]
+        self.pending = live
+        self._compact_at = max(_COMPACT_AT, 2 * len(live))
 
     def flush(self) -> None:
         """Bring the rustworkx graph up to date with the pending nodes, in bulk."""

@@ -25,3 +25,12 @@ cdef class Node:
 cdef class AccumulateGrad(Node):
     cdef public object leaf_ref
     cdef public object post_hooks
+
+
+cpdef Node new_node(object rule, tuple next_functions, tuple slot_pos, tuple input_meta,
+                    object saved, object versions, object graph)
+
+cdef Py_ssize_t _sequence_nr
+cdef object _anomaly_enabled
+cdef dict _NO_EXTRA
+cdef Py_ssize_t _next_sequence_nr()

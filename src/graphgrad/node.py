@@ -14,11 +14,20 @@ import weakref
 
 import torch
 
-from .references import PackedTensor, SavedResult, check_saved_versions, unpack_result, unpack_saved
+from .references import (
+    PackedSaved,
+    PackedTensor,
+    SavedResult,
+    check_saved_versions,
+    unpack_result,
+    unpack_saved,
+)
 
-__all__ = ["Node", "AccumulateGrad", "RemovableHandle"]
+__all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node"]
 
-_sequence = [0]
+_sequence_nr = 0  # Nodes are numbered in recording order
+_anomaly_enabled = torch.is_anomaly_enabled
+_NO_EXTRA: dict = {}  # never mutated: the keyword arguments of rules that take none
 
 
 class Node:
@@ -45,9 +54,8 @@ class Node:
         self.retained = None
         self.hooks = None
         self.prehooks = None
-        self.trace = _user_stack() if torch.is_anomaly_enabled() else None
-        _sequence[0] += 1
-        self.sequence_nr = _sequence[0]
+        self.trace = _user_stack() if _anomaly_enabled() else None
+        self.sequence_nr = _next_sequence_nr()
 
     def name(self) -> str:
         """The op's backward name, e.g. ``"MulBackward"``."""
@@ -105,21 +113,31 @@ class Node:
         """Run the rule on the gradients of this node's outputs; return one per rule param."""
         rule = self.rule
         grad = grads if rule.multi_output else grads[0]
-        extra = {}
-        if self.result is not None:
-            extra["result"] = unpack_result(self, create_graph)
-        if rule.wants_needs:
-            extra["needs_input_grad"] = self.needs_input_grad
+        if self.result is None and not rule.wants_needs:
+            extra = _NO_EXTRA
+        else:
+            extra = {}
+            if self.result is not None:
+                extra["result"] = unpack_result(self, create_graph)
+            if rule.wants_needs:
+                extra["needs_input_grad"] = self.needs_input_grad
         out = rule.invoke(rule.fn, grad, unpack_saved(self.saved, create_graph), extra)
         if out is None or isinstance(out, torch.Tensor):
             return (out,)
         return out
 
     def release(self, how=1):
-        """Drop what this node saved (after backward, or when its graph is released)."""
-        if how == 2 or self.result is not None or _holds_tensors(self.saved):
+        """Drop what this node saved (after backward, or when its graph is released).
+
+        A node that kept tensors can never run again, so everything goes; one that kept
+        only numbers and shapes may run again (as in torch) and keeps them.
+        """
+        if how == 2 or self.result is not None or self.versions or type(self.saved) is PackedSaved:
             self.released = how
-        self.saved = _drop_tensors(self.saved)
+            self.saved = ()
+        elif _holds_tensors(self.saved):  # saved by other means (e.g. gg.Function)
+            self.released = how
+            self.saved = _drop_tensors(self.saved)
         self.result = None
         self.versions = None
         if how == 2:
@@ -151,6 +169,35 @@ class Node:
         if self.retained is None:
             self.retained = {}
         self.retained[output_nr] = weakref.ref(tensor)
+
+
+def new_node(rule, next_functions, slot_pos, input_meta, saved, versions, graph):
+    """``Node(...)`` without the generic constructor call: dispatch's hot path (one per op)."""
+    node = Node.__new__(Node)
+    node.rule = rule
+    node.next_functions = next_functions
+    node.slot_pos = slot_pos
+    node.input_meta = input_meta
+    node.saved = saved
+    node.versions = versions
+    node.result = None
+    node.num_outputs = 1
+    node.released = 0
+    node.graph = graph
+    node.graph_index = -1
+    node.tensor_hooks = None
+    node.retained = None
+    node.hooks = None
+    node.prehooks = None
+    node.trace = _user_stack() if _anomaly_enabled() else None
+    node.sequence_nr = _next_sequence_nr()
+    return node
+
+
+def _next_sequence_nr():
+    global _sequence_nr
+    _sequence_nr += 1
+    return _sequence_nr
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -19,9 +19,16 @@ import torch
 
 from .rules import Meta
 
+_PlainTensor = torch.Tensor
+_version = torch._C.TensorBase._version.__get__
+_shape = torch._C.TensorBase.shape.__get__
+_dtype = torch._C.TensorBase.dtype.__get__
+_device = torch._C.TensorBase.device.__get__
+_meta_new = Meta.__new__
+
 __all__ = ["SavedResult", "PackedTensor", "save_arguments", "check_saved_versions",
            "unpack_result", "unpack_saved", "saved_bytes", "describe", "push_saved_hooks",
-           "pop_saved_hooks", "current_saved_hooks"]
+           "pop_saved_hooks", "current_saved_hooks", "PackedSaved"]
 
 class _SavedHooks(threading.local):
     """This thread's active (pack, unpack) pairs (a class default: no lookup miss per op)."""
@@ -32,16 +39,27 @@ class _SavedHooks(threading.local):
 _hooks = _SavedHooks()
 
 
+_active = [0]  # pairs pushed on all threads: 0 means no thread has any (no lookup needed)
+_active_lock = threading.Lock()
+
+
 def push_saved_hooks(pack, unpack) -> None:
     _hooks.stack = _hooks.stack + ((pack, unpack),)
+    with _active_lock:
+        _active[0] += 1
 
 
 def pop_saved_hooks() -> None:
+    if _hooks.stack:
+        with _active_lock:
+            _active[0] -= 1
     _hooks.stack = _hooks.stack[:-1]
 
 
 def current_saved_hooks():
     """The innermost (pack, unpack) pair on this thread, or None."""
+    if not _active[0]:
+        return None
     stack = _hooks.stack
     return stack[-1] if stack else None
 
@@ -75,8 +93,7 @@ def _pack(value, hooks):
 
 def unpack_saved(saved, create_graph):
     """The saved tuple with packed tensors restored (``saved`` itself when none were packed)."""
-    if not any(type(v) is PackedTensor or (type(v) in (list, tuple) and any(
-            type(i) is PackedTensor for i in v)) for v in saved):
+    if type(saved) is not PackedSaved:
         return saved
     out = []
     for v in saved:
@@ -132,34 +149,75 @@ class SavedResult:
                     raise RuntimeError(_modified_message(name, "result", t, v))
 
 
+class PackedSaved(tuple):
+    """A node's saved tuple in which saved-tensor hooks packed some values."""
+
+    __slots__ = ()
+
+
 def save_arguments(keep, values):
     """The saved tuple (None where the rule does not read) and ``(position, version)`` pairs."""
-    saved = []
+    n = len(values)
+    saved = [None] * n
     versions = []
-    hooks = current_saved_hooks()
-    for i, value in enumerate(values):
+    hooks = None
+    if _active[0]:
+        stack = _hooks.stack
+        hooks = stack[-1] if stack else None
+    packed = False
+    for i in range(n):
         k = keep[i]
         if k == 0:
-            saved.append(None)
-        elif k == 2 and isinstance(value, torch.Tensor):
-            saved.append(Meta(value))
-        elif k == 2 and type(value) in (list, tuple):
-            saved.append(type(value)(Meta(v) if isinstance(v, torch.Tensor) else v for v in value))
-        elif hooks is not None and isinstance(value, torch.Tensor):
-            saved.append(_pack(value, hooks))
-        elif hooks is not None and type(value) in (list, tuple) and any(
-                isinstance(v, torch.Tensor) for v in value):
-            saved.append(type(value)(_pack(v, hooks) if isinstance(v, torch.Tensor) else v
-                                     for v in value))
+            continue
+        value = values[i]
+        tp = type(value)
+        if k == 2:
+            saved[i] = _meta_of(value)
+        elif hooks is not None and (isinstance(value, _PlainTensor) or (
+                (tp is list or tp is tuple) and _has_tensor(value))):
+            saved[i] = _pack_all(value, hooks)
+            packed = True
         else:
-            saved.append(value)
-            if isinstance(value, torch.Tensor):
-                versions.append((i, value._version))
-            elif type(value) in (list, tuple):
-                for j, item in enumerate(value):
-                    if isinstance(item, torch.Tensor):
-                        versions.append(((i, j), item._version))
-    return tuple(saved), tuple(versions)
+            saved[i] = value
+            if isinstance(value, _PlainTensor):
+                versions.append((i, _version(value)))
+            elif tp is list or tp is tuple:
+                for j in range(len(value)):
+                    item = value[j]
+                    if isinstance(item, _PlainTensor):
+                        versions.append(((i, j), _version(item)))
+    return (PackedSaved(saved) if packed else tuple(saved)), tuple(versions)
+
+
+def _meta_of(value):
+    """What a ``Meta``-annotated parameter keeps: Meta for tensors (also inside lists)."""
+    if isinstance(value, _PlainTensor):
+        return _new_meta(value)
+    if type(value) is list or type(value) is tuple:
+        return type(value)([_new_meta(v) if isinstance(v, _PlainTensor) else v for v in value])
+    return value
+
+
+def _new_meta(tensor):
+    """``Meta(tensor)`` without running its Python ``__init__`` (the engine makes many)."""
+    meta = _meta_new(Meta)
+    meta.shape = _shape(tensor)
+    meta.dtype = _dtype(tensor)
+    meta.device = _device(tensor)
+    return meta
+
+
+def _has_tensor(items):
+    for v in items:
+        if isinstance(v, _PlainTensor):
+            return True
+    return False
+
+
+def _pack_all(value, hooks):
+    if isinstance(value, _PlainTensor):
+        return _pack(value, hooks)
+    return type(value)([_pack(v, hooks) if isinstance(v, _PlainTensor) else v for v in value])
 
 
 def check_saved_versions(name, params, saved, versions):

@@ -38,6 +38,12 @@ DECOMPOSITION = 1
 NONDIFFERENTIABLE = 2
 
 
+# the base class's getters (graphgrad.Tensor's own properties add a check per read)
+_shape = torch._C.TensorBase.shape.__get__
+_dtype = torch._C.TensorBase.dtype.__get__
+_device = torch._C.TensorBase.device.__get__
+
+
 class Meta:
     """A tensor's shape, dtype and device: what a rule needs when it needs no values.
 
@@ -48,9 +54,9 @@ class Meta:
     __slots__ = ("shape", "dtype", "device")
 
     def __init__(self, tensor: torch.Tensor):
-        self.shape = tensor.shape
-        self.dtype = tensor.dtype
-        self.device = tensor.device
+        self.shape = _shape(tensor)
+        self.dtype = _dtype(tensor)
+        self.device = _device(tensor)
 
     @property
     def ndim(self) -> int:
@@ -100,7 +106,7 @@ class Rule:
 
     __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
                  "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for",
-                 "family")
+                 "family", "keep_cache", "elementwise", "defaults")
 
     def __init__(self, fn: Callable, kind: int, name: str | None = None,
                  multi_output: bool = False, saved_for: dict | None = None):
@@ -109,10 +115,15 @@ class Rule:
         self.name = name or (fn.__name__[:1].upper() + fn.__name__[1:] + "Backward")
         self.multi_output = multi_output
         self.inplace_of = None
+        self.keep_cache: dict[int, tuple] = {}  # which params need grad (bits) -> keep
         module = getattr(fn, "__module__", "") or ""
         self.family = module.rsplit(".", 1)[-1] if module.startswith("graphgrad.ops.") else "user"
+        # elementwise rules return gradients shaped like the output (dispatch keeps no
+        # metadata for inputs shaped like it); other rules may rely on the engine's reduction
+        self.elementwise = self.family in ("elementwise", "activation")
         if kind != DIFFERENTIABLE:
             self.bind = None
+            self.defaults = None
             self.keep = ()
             self.n_required = 0
             self.saves_result = False
@@ -139,6 +150,10 @@ class Rule:
                 break
             self.n_required += 1
         self.bind = _make_binder(fn.__name__, params)
+        # all parameters positional-or-keyword: a positional call binds as args + defaults[len(args):]
+        self.defaults = None
+        if all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params):
+            self.defaults = tuple(p.default for p in params)  # p.empty marks required ones
         self.invoke = _make_invoker(fn.__name__, params)
         self.saved_for = None
         if saved_for:
