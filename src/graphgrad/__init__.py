@@ -11,6 +11,9 @@ from .native import load_engine as _load_engine
 _load_engine(__name__, _os.path.dirname(__file__))
 
 from . import (  # noqa: E402,F401
+    dispatch as _dispatch,
+)
+from . import (  # noqa: E402
     functional,
     nn,
     ops,  # noqa: E402,F401  (registers the derivative rules)
@@ -37,9 +40,7 @@ from .saved_hooks import save_on_cpu, saved_tensors_hooks  # noqa: E402
 from .tensor import Tensor, as_tensor, tensor  # noqa: E402
 
 # with every rule registered, give the Tensor class its operator and method fast paths
-from .dispatch import install_fast_paths as _install_fast_paths  # noqa: E402
-
-_install_fast_paths(Tensor)
+_dispatch.install_fast_paths(Tensor)
 
 #: True when the Cython-compiled engine is running (False: pure Python)
 compiled: bool = _engine_is_compiled(__name__)

@@ -28,7 +28,7 @@ __all__ = ["AutogradGraph", "current_graph", "default_graph"]
 # Compact the pending list when it reaches this many entries (or twice the live ones): dead
 # weak references are freed soon enough that they never pile up to the cyclic GC's
 # generation-0 threshold (700 net allocations), which would trigger collections.
-_COMPACT_AT = 256
+_COMPACT_AT = 64
 _local = threading.local()
 
 

@@ -16,7 +16,7 @@ import torch
 
 from .tensor import Tensor, _rebuild_as
 
-__all__ = ["Parameter", "adopt", "is_adopted"]
+__all__ = ["Parameter", "adopt", "is_adopted", "DataParallel"]
 
 M = TypeVar("M", bound=torch.nn.Module)
 _Disable = torch._C.DisableTorchFunctionSubclass
@@ -95,3 +95,6 @@ def adopt(module: M) -> M:
 def is_adopted(module: torch.nn.Module) -> bool:
     """True if every parameter of ``module`` is a graphgrad leaf."""
     return all(isinstance(p, Tensor) for p in module.parameters())
+
+
+from .distributed import DataParallel  # noqa: E402  (data-parallel training; imports adopt lazily)
