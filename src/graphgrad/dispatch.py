@@ -547,7 +547,7 @@ _OPERATORS = {
     "__truediv__": torch.Tensor.div, "__rtruediv__": torch.Tensor.__rdiv__,
     "__div__": torch.Tensor.div, "__rdiv__": torch.Tensor.__rdiv__,
     "__matmul__": torch.Tensor.matmul, "__rmatmul__": torch.Tensor.__rmatmul__,
-    "__pow__": torch.Tensor.pow, "__rpow__": torch.Tensor.__rpow__,
+    "__pow__": torch.Tensor.__pow__, "__rpow__": torch.Tensor.__rpow__,
     "__mod__": torch.Tensor.remainder,
 }
 _UNARY_OPERATORS = {"__neg__": torch.Tensor.neg, "__pos__": torch.Tensor.positive,
