@@ -48,17 +48,23 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
     if create_graph:
         torch._C._set_grad_enabled(True)
         try:
-            return _run(root_nodes, root_grads, retain_graph, True, targets, inputs,
-                        accumulate, allow_unused)
+            result = _run(root_nodes, root_grads, retain_graph, True, targets, inputs,
+                          accumulate, allow_unused)
         finally:
             torch._C._set_grad_enabled(prev_grad_mode)
-    torch._C._set_grad_enabled(False)
-    try:
-        with _Disable():
-            return _run(root_nodes, root_grads, retain_graph, False, targets, inputs,
-                        accumulate, allow_unused)
-    finally:
-        torch._C._set_grad_enabled(prev_grad_mode)
+    else:
+        torch._C._set_grad_enabled(False)
+        try:
+            with _Disable():
+                result = _run(root_nodes, root_grads, retain_graph, False, targets, inputs,
+                              accumulate, allow_unused)
+        finally:
+            torch._C._set_grad_enabled(prev_grad_mode)
+    if not retain_graph:  # what ran is about to be freed: let its graph drop it soon
+        for node, _ in root_nodes:
+            if node.graph is not None:
+                node.graph.expect_deaths()
+    return result
 
 
 def _walk(root_nodes, targets):

@@ -110,6 +110,11 @@ class AutogradGraph:
         if len(pending) >= self._compact_at:
             self._compact()
 
+    def expect_deaths(self) -> None:
+        """A backward pass freed what it ran: compact soon, not at a threshold set when the
+        graph was larger (dead weak references would otherwise pile up and wake the GC)."""
+        self._compact_at = min(self._compact_at, len(self.pending) + _COMPACT_AT)
+
     def _compact(self) -> None:
         """Drop pending entries whose Node has died, so recording without queries stays flat."""
         live = [ref for ref in self.pending if ref() is not None]
