@@ -24,7 +24,8 @@ _HALF_SQRT_PI = 0.5 * math.sqrt(math.pi)
 
 
 def _is_tensor(x) -> bool:
-    return isinstance(x, torch.Tensor)
+    """A tensor argument, or the Meta kept for one whose values no needed gradient reads."""
+    return isinstance(x, (torch.Tensor, Meta))
 
 
 # -- arithmetic --------------------------------------------------------------------------
