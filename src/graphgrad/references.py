@@ -25,6 +25,7 @@ _shape = torch._C.TensorBase.shape.__get__
 _dtype = torch._C.TensorBase.dtype.__get__
 _device = torch._C.TensorBase.device.__get__
 _meta_new = Meta.__new__
+_NONES: list = []  # _NONES[n] is (None,) * n
 
 __all__ = ["SavedResult", "PackedTensor", "save_arguments", "check_saved_versions",
            "unpack_result", "unpack_saved", "saved_bytes", "describe", "push_saved_hooks",
@@ -156,9 +157,14 @@ class PackedSaved(tuple):
 
 
 def save_arguments(keep, values):
-    """The saved tuple (None where the rule does not read) and ``(position, version)`` pairs."""
+    """The saved tuple (None where the rule does not read) and the versions of saved tensors.
+
+    The versions are one flat tuple ``(position, version, position, version, ...)`` of ints
+    (position ``i`` or ``(i, j)`` inside a list argument), so the cyclic GC stops tracking it
+    at its first look; a node that keeps nothing shares one all-None tuple per length.
+    """
     n = len(values)
-    saved = [None] * n
+    saved = None
     versions = []
     hooks = None
     if _active[0]:
@@ -169,6 +175,8 @@ def save_arguments(keep, values):
         k = keep[i]
         if k == 0:
             continue
+        if saved is None:
+            saved = [None] * n
         value = values[i]
         tp = type(value)
         if k == 2:
@@ -180,13 +188,24 @@ def save_arguments(keep, values):
         else:
             saved[i] = value
             if isinstance(value, _PlainTensor):
-                versions.append((i, _version(value)))
+                versions.append(i)
+                versions.append(_version(value))
             elif tp is list or tp is tuple:
                 for j in range(len(value)):
                     item = value[j]
                     if isinstance(item, _PlainTensor):
-                        versions.append(((i, j), _version(item)))
+                        versions.append((i, j))
+                        versions.append(_version(item))
+    if saved is None:
+        return _nones(n), ()
     return (PackedSaved(saved) if packed else tuple(saved)), tuple(versions)
+
+
+def _nones(n):
+    """The shared all-None saved tuple of length ``n``."""
+    while len(_NONES) <= n:
+        _NONES.append((None,) * len(_NONES))
+    return _NONES[n]
 
 
 def _meta_of(value):
@@ -221,8 +240,12 @@ def _pack_all(value, hooks):
 
 
 def check_saved_versions(name, params, saved, versions):
-    """Raise the in-place-modification error if a saved tensor changed since it was saved."""
-    for pos, version in versions:
+    """Raise the in-place-modification error if a saved tensor changed since it was saved.
+
+    ``versions`` is flat: ``(position, version, position, version, ...)``.
+    """
+    for k in range(0, len(versions), 2):
+        pos, version = versions[k], versions[k + 1]
         if type(pos) is tuple:
             value = saved[pos[0]][pos[1]]
             what = f"{params[pos[0]]}[{pos[1]}]"
