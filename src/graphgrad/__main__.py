@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="output folder (default: graphgrad-out)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    demo.add_argument("--distributed", action="store_true",
+                      help="data-parallel: gg.nn.DataParallel beside torch DDP, each rank on its share of "
+                           "every batch; launch with torchrun --nproc_per_node=N -m graphgrad demo "
+                           "--distributed (alone: a group of one)")
     tour = sub.add_parser(
         "tour", help="walk through the computational graph (grad_fn chain, retain_graph, ...)",
         description="Replays the computational-graph chapter (grad_fn chain, retain_graph, "
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
         summary = run_demo(DemoConfig(model=args.model, epochs=args.epochs,
                                       batch_size=args.batch_size, lr=args.lr, device=args.device,
-                                      out=args.out, seed=args.seed, progress=not args.no_progress))
+                                      out=args.out, seed=args.seed, progress=not args.no_progress,
+                                      distributed=args.distributed))
         return 0 if summary["parity"]["max_relative_gradient_difference_one_batch"] < 1e-4 else 1
     if args.command == "tour":
         from .tour import run_tour

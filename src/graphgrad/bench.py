@@ -14,6 +14,8 @@ Workloads (see issue 6 and ``docs/performance.md``):
   (each engine measured in a fresh subprocess); the full run adds 1,000,000 nodes for scale.
 * W5 Transformer encoder layer forward+backward (CPU: d=128, 4 heads, seq 64, batch 4; CUDA:
   d=768, 12 heads, seq 512, batch 8 in float32 and bf16 autocast, with peak CUDA memory).
+* DDP (full CPU runs): 2 processes with gg.nn.DataParallel on gloo, step time with and without
+  overlapping communication with backward, beside torch's DistributedDataParallel.
 * W6 the compiled engine against the pure-Python one (a subprocess with GRAPHGRAD_PURE_PYTHON=1
   running the same code) on W1 and W4.
 * GC: cyclic-GC collections and their total pause time (``gc.callbacks``) during N W2 steps.
@@ -584,6 +586,18 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
         _ratios(row)
         rows.append(row)
     done("GC")
+
+    # data-parallel: 2 processes on CPU (gloo), step time with and without overlap (full run only)
+    if not quick and device.type == "cpu":
+        from .bench_distributed import run_distributed_bench
+
+        ddp = run_distributed_bench(world_size=2)
+        if ddp.get("error"):
+            extra["DDP_error"] = ddp["error"]
+            log(f"  DDP failed: {ddp['error']}")
+        rows.extend(ddp.get("rows", []))
+        extra["DDP"] = ddp.get("extra", {})
+        done("DDP")
 
     result = {
         "meta": _machine(cfg, device, time.perf_counter() - t_start, repeats, warmup),

@@ -11,6 +11,7 @@ and ``summary.json``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import pathlib
@@ -40,6 +41,7 @@ class DemoConfig:
     out: str = "graphgrad-out"
     seed: int = 0
     progress: bool = True
+    distributed: bool = False  # gg.nn.DataParallel beside torch DDP; launch with torchrun
 
 
 def load_digits(device: str, seed: int = 0):
@@ -147,12 +149,20 @@ def run_demo(config: DemoConfig) -> dict:
         raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(MODELS)}")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device here")
+    rank, world = 0, 1
+    if config.distributed:
+        rank, world, device = _init_distributed(config.device)
+        config = dataclasses.replace(config, device=device)
     out = pathlib.Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     x_train, y_train, x_test, y_test = load_digits(config.device, config.seed)
     theirs = build_model(config.model).to(config.device)
     ours = gg.nn.adopt(copy.deepcopy(theirs))
+    if config.distributed:
+        ours = gg.nn.DataParallel(ours)
+        theirs = torch.nn.parallel.DistributedDataParallel(theirs)
     agreement = _gradient_agreement(ours, theirs, x_train[:config.batch_size],
                                     y_train[:config.batch_size])
     opt_ours = torch.optim.Adam(ours.parameters(), lr=config.lr)
@@ -160,11 +170,11 @@ def run_demo(config: DemoConfig) -> dict:
     steps_per_epoch = math.ceil(len(y_train) / config.batch_size)
     losses_ours, losses_theirs = [], []
     time_ours = time_theirs = 0.0
-    bar = _progress(config.epochs * steps_per_epoch, config.progress)
+    bar = _progress(config.epochs * steps_per_epoch, config.progress and rank == 0)
     for epoch in range(config.epochs):
         perm = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
         for start in range(0, len(y_train), config.batch_size):
-            idx = perm[start:start + config.batch_size].to(config.device)
+            idx = perm[start:start + config.batch_size][rank::world].to(config.device)  # this rank's share
             xb, yb = x_train[idx], y_train[idx]
             for model, opt, losses in ((ours, opt_ours, losses_ours),
                                        (theirs, opt_theirs, losses_theirs)):
@@ -188,6 +198,13 @@ def run_demo(config: DemoConfig) -> dict:
     accuracy = _accuracy(ours, x_test, y_test)
     accuracy_torch = _accuracy(theirs, x_test, y_test)
     loss_gap = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses_ours, losses_theirs))
+    if config.distributed:
+        gg.distributed.destroy_process_group()
+        ours = ours.module
+    if rank != 0:
+        return {"rank": rank, "world_size": world, "parity": {
+            "max_relative_gradient_difference_one_batch": agreement,
+            "max_relative_loss_difference_over_training": loss_gap}}
     _plot(losses_ours, losses_theirs, steps_per_epoch, out / "loss_curve.png")
     graph_file = _draw_step(ours, x_train, y_train, out)
     steps = len(losses_ours)
@@ -196,6 +213,7 @@ def run_demo(config: DemoConfig) -> dict:
         "epochs": config.epochs,
         "steps": steps,
         "device": config.device,
+        "world_size": world,
         "test_accuracy": accuracy,
         "test_accuracy_torch_autograd": accuracy_torch,
         "parity": {
@@ -218,6 +236,29 @@ def run_demo(config: DemoConfig) -> dict:
     return summary
 
 
+def _init_distributed(device: str) -> tuple[int, int, str]:
+    """Join the process group torchrun describes, or make a group of one; return rank, size, device."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    from .distributed import init_process_group
+
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: spare threads only fight gloo's for cores
+        torch.set_num_threads(1)
+    if "RANK" in os.environ:
+        init_process_group(backend)
+    else:
+        store = tempfile.NamedTemporaryFile(prefix="graphgrad-dist-", delete=False).name
+        init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -233,8 +274,9 @@ def _progress(total: int, enabled: bool):
 def _report(summary: dict, out: pathlib.Path) -> None:
     t = summary["time_per_step_ms"]
     parity = summary["parity"]
+    procs = f", {summary['world_size']} processes" if summary["world_size"] > 1 else ""
     print(f"model {summary['model']} on digits, {summary['epochs']} epochs "
-          f"({summary['steps']} steps, {summary['device']}, compiled engine: "
+          f"({summary['steps']} steps, {summary['device']}{procs}, compiled engine: "
           f"{summary['engine_compiled']})")
     print(f"test accuracy: graphgrad {summary['test_accuracy']:.4f}  "
           f"torch.autograd {summary['test_accuracy_torch_autograd']:.4f}")
