@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from .graph import current_graph
-from .node import new_node
+from .node import AccumulateGrad, new_node
 from .references import SavedResult, save_arguments
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 
@@ -420,7 +420,13 @@ def _record_inplace(func, rule, args, kwargs):
             f"a leaf Variable that requires grad is being used in an in-place operation "
             f"({qualified_name(func)}). Do it under gg.no_grad() (as optimizers do), or "
             "apply it to a clone() of the tensor.")
-    if self._is_view() and _base_requires_grad(self):
+    is_view = self._is_view()
+    if is_view and _base_requires_grad(self):
+        if type(_node_of(self._base)) is AccumulateGrad:
+            raise RuntimeError(
+                f"a view of a leaf Variable that requires grad is being used in an in-place "
+                f"operation ({qualified_name(func)}). Do it under gg.no_grad(), or apply it to "
+                "a clone() of the leaf.")
         raise NotImplementedError(
             f"{qualified_name(func)}: in-place operations on a view of a tensor that requires "
             "grad are not supported by graphgrad yet; use the out-of-place op and clone().")
@@ -430,6 +436,11 @@ def _record_inplace(func, rule, args, kwargs):
     slots = _slots(base_rule, values, graph, None)
     if slots is None:
         return func(*args, **kwargs)
+    if is_view and old is None:  # the base would have to start requiring grad: refuse
+        raise NotImplementedError(
+            f"{qualified_name(func)}: in-place operations on a view with an argument that "
+            "requires grad are not supported by graphgrad yet (the view's base would lose the "
+            "gradient); build the tensor out of place (e.g. torch.cat) instead.")
     nexts, slot_pos, metas = slots
     keep = _keep(base_rule, nexts, slot_pos)
     if keep and keep[0] == 1:  # the rule reads the value before the op
@@ -444,6 +455,10 @@ def _record_inplace(func, rule, args, kwargs):
         node.result = SavedResult(self.detach())
     if type(self) is _PlainTensor:
         self.__class__ = _TENSOR_CLS
+    if old is not None and old.retained is not None:  # retain_grad() follows the tensor
+        ref = old.retained.pop(getattr(self, "_gg_nr", 0), None)
+        if ref is not None:
+            node.retained = {0: ref}
     self._gg_node = node
     if getattr(self, "_gg_nr", 0):
         self._gg_nr = 0

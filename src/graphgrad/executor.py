@@ -15,6 +15,8 @@ are recorded, so the gradients can be differentiated again. Compiled by Cython.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .node import AccumulateGrad
@@ -23,6 +25,7 @@ __all__ = ["run_backward"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _PlainTensor = torch.Tensor
+_ACCUMULATE_LOCK = threading.Lock()
 
 
 def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
@@ -115,7 +118,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
          allow_unused):
     deps, needed, order = _walk(root_nodes, targets)
     for node in order:  # everything that can fail, before anything changes
-        if needed is None or needed[node] or node.released == 2:
+        if node.released == 2 or needed is None or (needed[node] and _runs(node, needed)):
             node.check_saved()
     buffers = {}
     for (node, nr), g in zip(root_nodes, root_grads):
@@ -193,6 +196,14 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                 f"One of the differentiated Tensors (inputs[{k}]) appears to not have been "
                 "used in the graph. Set allow_unused=True if this is the desired behavior.")
     return tuple(captured)
+
+
+def _runs(node, needed):
+    """Will backward call this node's rule (a target's rule runs only if it leads further)?"""
+    for parent, _ in node.next_functions:
+        if parent is not None and needed[parent]:
+            return True
+    return False
 
 
 def _all_none(grads):
@@ -305,7 +316,16 @@ def _accumulate(node, g, create_graph, handed):
 
 
 def _accumulate_into(t, g, create_graph, handed):
-    """Add ``g`` to ``t.grad``; store a copy when anyone else may hold ``g`` (or its storage)."""
+    """Add ``g`` to ``t.grad``; store a copy when anyone else may hold ``g`` (or its storage).
+
+    Under a lock: threads that backpropagate into a shared leaf at once must not lose updates
+    (``add_`` releases the GIL between reading and writing ``.grad``).
+    """
+    with _ACCUMULATE_LOCK:
+        _accumulate_locked(t, g, create_graph, handed)
+
+
+def _accumulate_locked(t, g, create_graph, handed):
     old = t.grad
     if old is None:
         if id(g) in handed or g._is_view():
@@ -327,8 +347,33 @@ def _run_tensor_hooks(node, grads, handed):
             handed.add(id(g))  # the hook may keep it: never accumulate into it in place
             r = hook(g)
             if r is not None:
+                _check_hook_result(hook, g, r)
                 g = r
         grads[nr] = g
+
+
+def _check_hook_result(hook, g, r):
+    """A tensor hook may replace a gradient, but not change what it is (as in torch)."""
+    name = getattr(hook, "__name__", repr(hook))
+    if not isinstance(r, _PlainTensor):
+        raise RuntimeError(f"hook '{name}' returned {type(r).__name__}; a tensor hook must "
+                           "return a tensor or None")
+    if r.shape != g.shape:
+        raise RuntimeError(f"hook '{name}' has changed the size of value: it returned shape "
+                           f"{tuple(r.shape)} for a gradient of shape {tuple(g.shape)}")
+    if r.dtype != g.dtype:
+        raise RuntimeError(f"hook '{name}' has changed the type of value (was {g.dtype}, got "
+                           f"{r.dtype})")
+    if r.device != g.device:
+        raise RuntimeError(f"hook '{name}' has changed the device of value (was {g.device}, "
+                           f"got {r.device})")
+
+
+def _check_count(hook, what, expected, got):
+    if got != expected:
+        name = getattr(hook, "__name__", repr(hook))
+        raise RuntimeError(f"hook '{name}' returned an incorrect number of {what} (expected "
+                           f"{expected}, got {got})")
 
 
 def _retain(node, grads):
@@ -347,6 +392,7 @@ def _run_prehooks(node, grads, handed):
             handed.add(id(g))
         r = hook(tuple(grads))
         if r is not None:
+            _check_count(hook, "gradients", len(grads), len(r))
             grads = list(r)
     return grads
 
@@ -357,5 +403,6 @@ def _run_hooks(node, outs, grads, handed):
             handed.add(id(g))
         r = hook(tuple(outs), tuple(grads))
         if r is not None:
+            _check_count(hook, "gradients", len(outs), len(r))
             outs = tuple(r)
     return outs

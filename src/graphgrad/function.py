@@ -156,6 +156,12 @@ class FunctionNode(Node):
             ctx._node = None
         if not isinstance(out, tuple):
             out = (out,)
+        expected = len(self.rule.params)
+        if len(out) < expected or any(g is not None for g in out[expected:]):
+            raise RuntimeError(
+                f"function {self.rule.name} returned an incorrect number of gradients (expected "
+                f"{expected}, got {len(out)}): backward must return one gradient (or None) per "
+                "argument of forward.")
         return out
 
     def release(self, how=1):

@@ -296,6 +296,7 @@ def atan(grad, input):
 @derivative(torch.atan2, T.atan2, torch.arctan2, T.arctan2, inplace=(T.atan2_, T.arctan2_))
 def atan2(grad, input, other, *, needs_input_grad):
     recip = (input * input + other * other).reciprocal()
+    recip = recip.masked_fill(recip.isinf(), 0.0)  # at (0, 0) torch's gradient is 0, not nan
     return (grad * other * recip if needs_input_grad[0] else None,
             grad * -input * recip if needs_input_grad[1] else None)
 
