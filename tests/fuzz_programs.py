@@ -1,0 +1,465 @@
+"""The fuzzer's programs and their interpreter (tests/test_fuzz.py says what it checks).
+
+A program is ``{"base": (a, b), "leaves": [(shape code, requires_grad)], "seed", "quantized",
+"steps": [(step, under_no_grad)]}``; tensor indices in steps count back from the newest
+tensor, modulo the number of tensors, so any list of steps is a valid program.
+"""
+
+import collections
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import graphgrad as gg
+
+DT = torch.float64
+TOL = {"rtol": 1e-7, "atol": 1e-7, "equal_nan": True}
+STATS: collections.Counter = collections.Counter()  # figures, read by the test
+
+
+def _set0(t, v):
+    t[0] = v.sum() if v.dim() else v
+
+
+UNARY = {
+    "sin": torch.sin, "cos": lambda t: t.cos(), "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "exp": lambda t: t.clamp(-4, 4).exp(), "neg": lambda t: -t, "abs": torch.abs, "relu": F.relu,
+    "square": torch.square, "sqrt": lambda t: (t * t + 1).sqrt(), "log1p": lambda t: t.abs().log1p(),
+    "softplus": F.softplus, "gelu": F.gelu, "silu": F.silu, "clamp": lambda t: t.clamp(-0.5, 0.5),
+    "pow3": lambda t: t.clamp(-2, 2) ** 3, "rpow": lambda t: 2 ** t.clamp(-3, 3),
+    "scalars": lambda t: (t * 0.5 + 1) / 3 - 0.25, "clone": torch.clone, "cumsum": lambda t: t.cumsum(-1),
+    "softmax": lambda t: t.softmax(-1), "log_softmax": lambda t: F.log_softmax(t, -1),
+    "where": lambda t: torch.where(t > 0, t, t * 0.1), "erf": torch.erf, "atan": torch.atan,
+    "flip": lambda t: t.flip(-1), "f32": lambda t: t.float().double(), "sign_mul": lambda t: t * t.sign(),
+}
+BINARY = {
+    "add": torch.add, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / (b * b + 1), "maximum": torch.maximum, "minimum": torch.minimum,
+    "lerp": lambda a, b: torch.lerp(a, b, 0.3), "hypot": torch.hypot, "matmul": torch.matmul,
+    "where": lambda a, b: torch.where(a > b, a, b), "cat": lambda a, b: torch.cat([a, b], -1),
+    "stack": lambda a, b: torch.stack([a, b]), "addcmul": lambda a, b: torch.addcmul(a, a, b, value=0.5),
+    "logaddexp": torch.logaddexp, "rsub": lambda a, b: 1 - a * b,
+}
+REDUCE = {
+    "sum": lambda t: t.sum(), "sum0": lambda t: t.sum(0), "sum_keep": lambda t: t.sum(-1, keepdim=True),
+    "mean": lambda t: t.mean(-1), "amax": lambda t: t.amax(-1), "max_all": lambda t: t.max(),
+    "prod": lambda t: t.prod(-1), "norm": lambda t: t.norm(), "logsumexp": lambda t: t.logsumexp(-1),
+    "var": lambda t: t.var(-1, correction=0), "min_all": lambda t: t.min(),
+}
+VIEW = {
+    "select": lambda t: t[0], "slice": lambda t: t[..., :1], "unsqueeze": lambda t: t.unsqueeze(0),
+    "transpose": lambda t: t.transpose(0, -1), "reshape": lambda t: t.reshape(-1),
+    "view": lambda t: t.view(-1), "expand": lambda t: t.expand(2, *t.shape),
+    "diagonal": lambda t: t.diagonal(), "narrow": lambda t: t.narrow(-1, 0, 1),
+    "squeeze": lambda t: t.squeeze(), "permute": lambda t: t.permute(*reversed(range(t.dim()))),
+    "split": lambda t: t.split(1, -1)[0], "unbind": lambda t: t.unbind(0)[-1],
+    "chunk": lambda t: t.chunk(2, -1)[-1], "mT": lambda t: t.mT, "as_is": lambda t: t.view_as(t),
+}
+INPLACE = {
+    "add_": lambda t, o: t.add_(o), "mul_": lambda t, o: t.mul_(o), "sub_": lambda t, o: t.sub_(o),
+    "sin_": lambda t, o: t.sin_(), "tanh_": lambda t, o: t.tanh_(), "relu_": lambda t, o: t.relu_(),
+    "clamp_": lambda t, o: t.clamp_(-0.5, 0.5), "div_": lambda t, o: t.div_(2.0),
+    "exp_": lambda t, o: t.clamp_(-3, 3).exp_(), "sigmoid_": lambda t, o: t.sigmoid_(),
+    "setitem": _set0, "fill0": lambda t, o: t.masked_fill_(t > 0, 0.0), "iadd": lambda t, o: t.__iadd__(o),
+}
+USES_OTHER = {"add_", "mul_", "sub_", "setitem", "iadd"}
+MULTI_OUTPUT_VIEWS = {"split", "unbind", "chunk"}
+ERROR_KINDS = ("second time", "modified by an inplace operation", "leaf Variable that requires grad",
+               "implicitly created only for scalar outputs", "does not require grad",
+               "not have been used in the graph", "Mismatch in shape", "you can only change requires_grad")
+# the same complaint in other words (torch's backward(inputs=[t]) on a t without grad: the first)
+SYNONYMS = {"requires_grad=False": "does not require grad",
+            # torch's words for an output of split/chunk/unbind whose storage was changed
+            "another view of its base has been modified inplace": "modified by an inplace operation"}
+# graphgrad checks these misuses before the kernel validates its arguments; torch after.
+PRE_CHECKS = ("leaf Variable that requires grad",)
+# a backward through a graph with several broken nodes: each library may name another first
+BROKEN_GRAPH = ("second time", "modified by an inplace operation")
+
+
+
+# -- the interpreter --------------------------------------------------------------------------
+class Side:
+    """One run of a program: graphgrad's (``gg=True``) or torch's."""
+
+    def __init__(self, program, is_gg):
+        self.is_gg = is_gg
+        self.env, self.leaves = [], []
+        a, b = program["base"]
+        shapes = [(a, b), (b,), (1, b), (a, 1), ()]
+        gen = torch.Generator().manual_seed(program["seed"])
+        for code, requires_grad in program["leaves"]:
+            data = torch.rand(shapes[code], dtype=DT, generator=gen) * 3 - 1.5
+            if program["quantized"]:  # zeros and ties: the edges of max, abs, relu...
+                data = (data * 2).round() / 2
+            t = (gg.as_tensor(data, requires_grad=requires_grad) if is_gg
+                 else data.requires_grad_(requires_grad))
+            self.env.append(t)
+            self.leaves.append(t)
+
+
+def plain(t):
+    return t.detach().as_subclass(torch.Tensor)
+
+
+def kind_of(exc):
+    text = str(exc)
+    for words, kind in SYNONYMS.items():
+        text = text.replace(words, kind)
+    return type(exc).__name__, next((k for k in ERROR_KINDS if k in text), "other")
+
+
+class StopProgram(Exception):
+    """The two graphs part ways (torch refused a second backward that graphgrad allows, or a
+    known bug was met): the program ends here."""
+
+
+def run_both(fn_g, fn_t, backward=False):
+    """Run torch's side, then graphgrad's; both must succeed or both raise the same kind.
+
+    Returns (ok, graphgrad's result, torch's result, torch's error kind)."""
+    try:
+        out_t, exc_t = fn_t(), None
+    except Exception as e:
+        out_t, exc_t = None, e
+    try:
+        out_g, exc_g = fn_g(), None
+    except Exception as e:
+        out_g, exc_g = None, e
+    if exc_t is None and exc_g is not None:
+        raise AssertionError(f"graphgrad raised where torch did not: {exc_g!r}") from exc_g
+    if exc_t is not None and exc_g is None:
+        raise AssertionError(f"graphgrad did not raise where torch raised {exc_t!r}")
+    if exc_t is None:
+        return True, out_g, out_t, None
+    kind_t, kind_g = kind_of(exc_t), kind_of(exc_g)
+    if kind_t[1] == "other" and kind_g[1] in PRE_CHECKS:
+        STATS["errors_checked_in_another_order"] += 1  # e.g. x[0] = 1 on a 0-d leaf
+    elif backward and kind_t != kind_g and {kind_t[1], kind_g[1]} <= set(BROKEN_GRAPH):
+        STATS["errors_checked_in_another_order"] += 1  # two broken nodes: another is named first
+    else:
+        assert kind_g == kind_t, f"graphgrad: {exc_g!r}\ntorch: {exc_t!r}"
+    STATS["errors_matched"] += 1
+    STATS["error " + " / ".join(kind_t)] += 1
+    return False, None, None, kind_t[1]
+
+
+def told_apart(g, t, what):
+    """Gradients whose graphs differ: True if graphgrad's and torch's agree in value but not in
+    requires_grad, or graphgrad has None where torch has zeros. Under create_graph=True a
+    rule's formula decides whether the gradient depends on the input again: torch's prod over
+    a dimension of size 1 returns the incoming gradient (no graph), graphgrad's formula has
+    one; the derivative of relu's backward with respect to its input is None in graphgrad, a
+    zero tensor (with a graph) in torch. Such gradients are compared by value only."""
+    if t is None:
+        return False
+    if g is None:
+        if bool((plain(t) == 0).all()):
+            STATS["gradients_with_other_graphs"] += 1
+            return True
+        return False
+    if g.requires_grad != t.requires_grad:
+        torch.testing.assert_close(plain(g), plain(t), **TOL, msg=lambda m: f"{what}: {m}")
+        STATS["gradients_with_other_graphs"] += 1
+        return True
+    return False
+
+
+def assert_same_tensor(g, t, what, flags=True):
+    if t is None:
+        assert g is None, what
+        return
+    assert g is not None, what
+    torch.testing.assert_close(plain(g), plain(t), **TOL, msg=lambda m: f"{what}: {m}")
+    if flags:
+        assert g.requires_grad == t.requires_grad, f"{what}: requires_grad"
+        assert g.is_leaf == t.is_leaf, f"{what}: is_leaf"
+        assert (g.grad_fn is None) == (t.grad_fn is None), f"{what}: grad_fn"
+
+
+class Interpreter:
+    def __init__(self, program):
+        self.G, self.T = Side(program, True), Side(program, False)
+        n = len(self.G.env)
+        self.root = list(range(n))  # which storage each tensor aliases (views share their base's)
+        self.stale = [False] * n
+        self.retained = set()
+        self.broken = set()  # see broken_view
+        self.diverged = set()  # see call_backward
+        self.wrapped = {}  # see push
+        self.no_grad_views = set()  # views made under no_grad (and views of them)
+        self.multi_output_views = set()  # outputs of split/chunk/unbind (and views of them)
+        self.stale_grad_graph = set()  # see grad_holders
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def args(self, *idx):
+        """The indexed tensors on both sides (None if one of them is stale)."""
+        ks = [len(self.T.env) - 1 - i % len(self.T.env) for i in idx]
+        if any(self.stale[k] for k in ks):
+            STATS["stale_reads_left_out"] += 1
+            return None
+        return ks, [self.G.env[k] for k in ks], [self.T.env[k] for k in ks]
+
+    def push(self, g, t, parent=None, multi_output=False):
+        assert_same_tensor(g, t, "result")
+        assert isinstance(g, gg.Tensor) or not g.requires_grad
+        if not isinstance(g, gg.Tensor):
+            # gradients are plain torch tensors (documented); made to require grad, a plain
+            # tensor would be torch.autograd's. A graphgrad user wraps it: so do we (once per
+            # tensor, as the same .grad pushed twice is one tensor on torch's side)
+            if id(g) not in self.wrapped:
+                self.wrapped[id(g)] = (g, gg.as_tensor(g))
+            g = self.wrapped[id(g)][1]
+        self.G.env.append(g)
+        self.T.env.append(t)
+        alias = parent is not None and (g is self.G.env[parent] or g._is_view())
+        self.root.append(self.root[parent] if alias else len(self.root))
+        self.stale.append(False)
+        if alias and (not torch.is_grad_enabled() or parent in self.no_grad_views):
+            self.no_grad_views.add(len(self.root) - 1)
+        if alias and (multi_output or parent in self.multi_output_views):
+            self.multi_output_views.add(len(self.root) - 1)
+
+    def grad_holders(self, stale_too=False):
+        """(k, graphgrad tensor, torch tensor) for each tensor whose .grad is filled in."""
+        for k, (g, t) in enumerate(zip(self.G.env, self.T.env)):
+            # torch would regenerate a stale view's grad_fn (or raise, for multi-output views)
+            if self.broken_view(k) or (self.stale[k] and not stale_too):
+                continue
+            if (t.is_leaf and t.requires_grad) or id(t) in self.retained:
+                yield k, g, t
+
+    def broken_view(self, k):
+        """torch refuses to tell the grad_fn of an output of split/chunk/unbind, or of a view made
+        under no_grad, once its base was changed in place; such a tensor is only compared by
+        value from then on."""
+        if self.stale[k] and k in self.broken:
+            return True
+        try:
+            _ = self.T.env[k].grad_fn
+        except RuntimeError as e:
+            assert "multiple views" in str(e) or "no_grad mode" in str(e), e
+            self.stale[k] = True
+            self.broken.add(k)
+            STATS["multi_output_views_changed"] += 1
+            return True
+        return False
+
+    def check_grads(self):
+        for k, g, t in self.grad_holders():
+            # a plain backward that adds to a .grad made with create_graph=True: torch adds in
+            # place and keeps the old grad_fn, graphgrad makes a new .grad: values compared
+            if told_apart(g.grad, t.grad, f".grad of tensor {k}"):
+                self.stale_grad_graph.add(id(t))
+                continue
+            flags = id(t) not in self.stale_grad_graph
+            assert_same_tensor(g.grad, t.grad, f".grad of tensor {k}", flags)
+
+    def call_backward(self, fn_g, fn_t, create, non_leaf_input=False):
+        """A backward or grad call. graphgrad checks the whole graph before it runs anything;
+        torch runs until it meets the broken node. So after an error graphgrad's .grads must
+        be exactly as before (checked); torch's partial sums are undone before going on."""
+        holders = list(self.grad_holders(stale_too=True))
+        before = [(g.grad, None if g.grad is None else plain(g.grad).clone(),
+                   t.grad, None if t.grad is None else plain(t.grad).clone()) for _, g, t in holders]
+        if not create:  # see check_grads; and torch's in-place sum shows through aliases
+            graphs = [t.grad for _, _, t in holders if t.grad is not None and t.grad.requires_grad]
+            self.stale_grad_graph.update(id(t) for _, _, t in holders if t.grad is not None
+                                         and t.grad.requires_grad)
+            for m, tt in enumerate(self.T.env):
+                if any(tt is grad for grad in graphs):
+                    self.stale[m] = True
+                    self.diverged.add(m)
+        try:
+            ok, got_g, got_t, _ = run_both(fn_g, fn_t, backward=True)
+        except AssertionError as e:
+            text = str(e)
+            torch_refused = "did not raise where" in text and any(k in text for k in BROKEN_GRAPH)
+            if torch_refused:
+                # the libraries keep different things for backward. torch freed more in a failed
+                # backward; or torch keeps 0.5 in x * 0.5 as a tensor and frees it (graphgrad
+                # keeps the number); or torch saves 2 ** x's result, graphgrad its input (so an
+                # in-place change of the result is fine). The programs part here.
+                STATS["stopped_where_torch_refused_again"] += 1
+                raise StopProgram from e
+            broken = any(k in text for k in BROKEN_GRAPH)
+            if non_leaf_input and broken and "raised where torch did not" in text:
+                # a known bug: tests/test_misuse.py::
+                # test_grad_with_respect_to_a_non_leaf_does_not_check_its_own_grad_fn
+                STATS["stopped_at_known_bug_grad_wrt_non_leaf"] += 1
+                raise StopProgram from e
+            raise
+        if not ok:
+            for (_, g, t), (g_obj, g_val, t_obj, t_val) in zip(holders, before):
+                assert g.grad is g_obj, "an error replaced a .grad"
+                if g_obj is not None:
+                    torch.testing.assert_close(plain(g.grad), g_val, rtol=0, atol=0, equal_nan=True,
+                                               msg="an error changed a .grad")
+                t.grad = t_obj
+                if t_obj is not None:
+                    with torch.no_grad():
+                        t_obj.copy_(t_val)
+        return ok, got_g, got_t
+
+    # -- steps --------------------------------------------------------------------------------
+    def op(self, table, name, *idx):
+        picked = self.args(*idx)
+        if picked is None:
+            return
+        ks, gs, ts = picked
+        fn = table[name]
+        ok, out_g, out_t, _ = run_both(lambda: fn(*gs), lambda: fn(*ts))
+        if ok:
+            if out_t.requires_grad and not torch.is_grad_enabled() and not any(out_t is t for t in ts):
+                # torch: a view made under no_grad of a tensor that requires grad is a leaf
+                # that requires grad (with its own rules for in-place changes); graphgrad's
+                # does not require grad. Documented; compared here as graphgrad has it.
+                assert table is VIEW and not out_g.requires_grad
+                STATS["no_grad_views"] += 1
+                out_t = out_t.detach()
+            self.push(out_g, out_t, ks[0] if table is VIEW else None, name in MULTI_OUTPUT_VIEWS)
+
+    def inplace(self, name, i, j):
+        picked = self.args(i, j)
+        if picked is None:
+            return
+        (k, _), (g, go), (t, to) = picked
+        fn = INPLACE[name]
+        base = g._base if g._is_view() else None
+        if id(t) in self.retained:
+            STATS["inplace_on_retained_left_out"] += 1
+            return
+        other = name in USES_OTHER and isinstance(go, torch.Tensor) and go.requires_grad
+        if k in self.no_grad_views and torch.is_grad_enabled() and (g.requires_grad or other):
+            # torch forbids it; graphgrad records it on the view only (a bug:
+            # tests/test_misuse.py::test_inplace_on_a_view_made_under_no_grad)
+            STATS["inplace_on_no_grad_view_left_out"] += 1
+            return
+        if k in self.multi_output_views and torch.is_grad_enabled():
+            # torch forbids changing an output of split/chunk/unbind in place under grad mode
+            # (sometimes even when nothing requires grad); graphgrad refuses only when it would
+            # record it, with its NotImplementedError for views
+            STATS["inplace_on_multi_output_view_left_out"] += 1
+            return
+        if torch.is_grad_enabled() and (g.requires_grad or other) and base is not None and base.requires_grad:
+            try:  # the documented limitation: graphgrad refuses, before changing anything
+                fn(g, go)
+            except NotImplementedError as e:
+                assert "in-place operations on a view" in str(e)
+                STATS["view_inplace_refused"] += 1
+                return
+            except RuntimeError as e:
+                assert "leaf Variable" in str(e) or "modified by an inplace" in str(e), e
+                STATS["view_inplace_refused"] += 1
+                return
+            raise AssertionError("in-place op on a view of a tensor that requires grad did not raise")
+        ok, _, _, _ = run_both(lambda: fn(g, go), lambda: fn(t, to))
+        # changed alike, or (after errors) not at all
+        assert_same_tensor(g, t, "in-place target", flags=not self.broken_view(k))
+        if ok:
+            for m in range(len(self.root)):  # other aliases of the changed storage
+                if m != k and self.root[m] == self.root[k]:
+                    self.stale[m] = True
+
+    def backward(self, i, retain, create, use_inputs, how):
+        picked = self.args(i)
+        if picked is None:
+            return
+        _, (g,), (t,) = picked
+
+        def call(x, leaves):
+            out = x.sum() if how == "sum" else x
+            grad = torch.ones_like(out) if how == "ones" else None
+            inputs = leaves[:1] if use_inputs else None
+            out.backward(grad, retain_graph=retain, create_graph=create, inputs=inputs)
+
+        STATS["backward_calls"] += 1
+        self.call_backward(lambda: call(g, self.G.leaves), lambda: call(t, self.T.leaves), create)
+
+    def grad(self, i, j, retain, create, allow_unused):
+        picked = self.args(i, j)
+        if picked is None:
+            return
+        _, (g, gi), (t, ti) = picked
+        STATS["grad_calls"] += 1
+        ok, got_g, got_t = self.call_backward(
+            lambda: gg.grad(g.sum(), gi, retain_graph=retain, create_graph=create, allow_unused=allow_unused),
+            lambda: torch.autograd.grad(t.sum(), ti, retain_graph=retain, create_graph=create,
+                                        allow_unused=allow_unused), create, non_leaf_input=not ti.is_leaf)
+        if ok:
+            if told_apart(got_g[0], got_t[0], "gg.grad result"):
+                return
+            assert_same_tensor(got_g[0], got_t[0], "gg.grad result")
+            if got_t[0] is not None:
+                # (torch's may be an expanded view made under no_grad, which it forbids to
+                # change in place later: the program goes on with copies)
+                self.push(got_g[0].clone(), got_t[0].clone())
+
+    def step(self, step, no_grad):
+        kind = step[0]
+        STATS["steps"] += 1
+        with torch.set_grad_enabled(not no_grad):
+            if kind in ("unary", "binary", "reduce", "view"):
+                table = {"unary": UNARY, "binary": BINARY, "reduce": REDUCE, "view": VIEW}[kind]
+                self.op(table, step[1], *step[2:])
+            elif kind == "inplace":
+                self.inplace(*step[1:])
+            elif kind == "detach":
+                picked = self.args(step[1])
+                if picked is not None:
+                    self.push(picked[1][0].detach(), picked[2][0].detach())
+            elif kind == "retain_grad":
+                picked = self.args(step[1])
+                if picked is not None:
+                    run_both(picked[1][0].retain_grad, picked[2][0].retain_grad)
+                    if picked[2][0].retains_grad:
+                        self.retained.add(id(picked[2][0]))
+            elif kind == "requires_grad_":
+                picked = self.args(step[1])
+                flag = step[2]
+                if picked is not None and (flag or not picked[2][0].is_leaf):
+                    # (requires_grad_(False) on a leaf is left out: torch keeps treating the
+                    # views and results made from it as made from a leaf that requires grad)
+                    ok, _, _, _ = run_both(lambda: picked[1][0].requires_grad_(flag),
+                                           lambda: picked[2][0].requires_grad_(flag))
+                    k = picked[0][0]
+                    for m in range(len(self.root)):  # torch's views follow their base's flag
+                        if ok and m != k and self.root[m] == self.root[k]:
+                            self.stale[m] = True
+            elif kind == "backward":
+                self.backward(*step[1:])
+            elif kind == "grad":
+                self.grad(*step[1:])
+            elif kind == "leaf_grad":
+                picked = self.args(step[1])
+                g, t = (None, None) if picked is None else (picked[1][0], picked[2][0])
+                if t is not None and t.is_leaf and t.requires_grad and id(t) not in self.stale_grad_graph:
+                    assert (g.grad is None) == (t.grad is None)
+                    if t.grad is not None:
+                        self.push(g.grad, t.grad)
+            else:  # zero_grad
+                for g, t in zip(self.G.leaves, self.T.leaves):
+                    g.grad = t.grad = None
+                self.stale_grad_graph.clear()
+        self.check_grads()
+
+    def finish(self):
+        self.backward(0, False, False, False, "sum")  # every program ends with a backward
+        for k, (g, t) in enumerate(zip(self.G.env, self.T.env)):
+            if k not in self.diverged:
+                torch.testing.assert_close(plain(g), t.data, **TOL, msg=lambda m, k=k: f"value {k}: {m}")
+        self.check_grads()
+
+
+def run_program(program):
+    STATS["programs"] += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        interp = Interpreter(program)
+        try:
+            for step, no_grad in program["steps"]:
+                interp.step(step, no_grad)
+            interp.finish()
+        except StopProgram:
+            pass
