@@ -5,12 +5,12 @@ results must be bit-for-bit those of the same work done in one thread, and agree
 torch.autograd. Barriers inside the loops make the threads interleave.
 """
 
-import threading
 
 import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
+from test_threads import run_threads as _run_threads
 
 DT = torch.float64
 N_THREADS = 8
@@ -19,26 +19,8 @@ TOL = {"rtol": 1e-7, "atol": 1e-9}
 
 
 def run_threads(target, n=N_THREADS):
-    """Run ``target(k, barrier)`` in n threads; re-raise the first error; bounded time."""
-    barrier = threading.Barrier(n, timeout=TIMEOUT)
-    errors, results = [], [None] * n
-
-    def body(k):
-        try:
-            results[k] = target(k, barrier)
-        except BaseException as e:  # re-raised in the main thread
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=body, args=(k,), daemon=True) for k in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT)
-    assert not any(t.is_alive() for t in threads), "a thread did not finish in time"
-    if errors:
-        raise errors[0]
-    return results
+    """Run ``target(k, barrier)`` in n threads (test_threads' runner, with 8 by default)."""
+    return _run_threads(target, n)
 
 
 def plain(t):

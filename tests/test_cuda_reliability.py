@@ -6,7 +6,6 @@ graph's outputs and gradients are dropped, and saved tensors must be gone right 
 backward without ``retain_graph`` even while the output is still referenced.
 """
 
-import gc
 
 import pytest
 import torch
@@ -22,13 +21,8 @@ WARMUP = 1_000
 
 
 @pytest.fixture(autouse=True)
-def no_cyclic_gc():
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+def _gc_off(no_cyclic_gc):
+    """Every test here runs with the cyclic GC off (conftest's ``no_cyclic_gc``)."""
 
 
 def allocated():

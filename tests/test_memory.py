@@ -18,13 +18,8 @@ DT = torch.float64
 
 
 @pytest.fixture(autouse=True)
-def no_cyclic_gc():
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+def _gc_off(no_cyclic_gc):
+    """Every test here runs with the cyclic GC off (conftest's ``no_cyclic_gc``)."""
 
 
 def leaf(*shape, seed=0):

@@ -34,3 +34,5 @@ cdef Py_ssize_t _sequence_nr
 cdef object _anomaly_enabled
 cdef dict _NO_EXTRA
 cdef Py_ssize_t _next_sequence_nr()
+cdef object _setup(Node node, object rule, tuple next_functions, tuple slot_pos, tuple input_meta,
+                   object saved, object versions, object graph)

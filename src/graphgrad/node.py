@@ -39,23 +39,7 @@ class Node:
     """
 
     def __init__(self, rule, next_functions, slot_pos, input_meta, saved, versions, graph):
-        self.rule = rule
-        self.next_functions = next_functions
-        self.slot_pos = slot_pos
-        self.input_meta = input_meta
-        self.saved = saved
-        self.versions = versions
-        self.result = None
-        self.num_outputs = 1
-        self.released = 0
-        self.graph = graph
-        self.graph_index = -1
-        self.tensor_hooks = None
-        self.retained = None
-        self.hooks = None
-        self.prehooks = None
-        self.trace = _user_stack() if _anomaly_enabled() else None
-        self.sequence_nr = _next_sequence_nr()
+        _setup(self, rule, next_functions, slot_pos, input_meta, saved, versions, graph)
 
     def name(self) -> str:
         """The op's backward name, e.g. ``"MulBackward"``."""
@@ -174,6 +158,12 @@ class Node:
 def new_node(rule, next_functions, slot_pos, input_meta, saved, versions, graph):
     """``Node(...)`` without the generic constructor call: dispatch's hot path (one per op)."""
     node = Node.__new__(Node)
+    _setup(node, rule, next_functions, slot_pos, input_meta, saved, versions, graph)
+    return node
+
+
+def _setup(node, rule, next_functions, slot_pos, input_meta, saved, versions, graph):
+    """Every field of a new Node (shared by ``Node.__init__`` and ``new_node``)."""
     node.rule = rule
     node.next_functions = next_functions
     node.slot_pos = slot_pos
@@ -191,7 +181,6 @@ def new_node(rule, next_functions, slot_pos, input_meta, saved, versions, graph)
     node.prehooks = None
     node.trace = _user_stack() if _anomaly_enabled() else None
     node.sequence_nr = _next_sequence_nr()
-    return node
 
 
 def _next_sequence_nr():
