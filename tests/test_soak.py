@@ -29,13 +29,8 @@ MAX_BLOCK_GROWTH = 500  # one leaked object in every fifth step would be 800
 
 
 @pytest.fixture(autouse=True)
-def no_cyclic_gc():
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+def _gc_off(no_cyclic_gc):
+    """Every soak runs with the cyclic GC off (conftest's ``no_cyclic_gc``)."""
 
 
 def rss_bytes():
