@@ -8,7 +8,7 @@ import os
 
 from setuptools import setup
 
-ENGINE_MODULES = ("references", "node", "graph", "executor", "dispatch")
+ENGINE_MODULES = ("references", "node", "graph", "dispatch", "executor")
 
 
 def engine_extensions():

@@ -39,13 +39,16 @@ BINARY = {
     "lerp": lambda a, b: torch.lerp(a, b, 0.3), "hypot": torch.hypot, "matmul": torch.matmul,
     "where": lambda a, b: torch.where(a > b, a, b), "cat": lambda a, b: torch.cat([a, b], -1),
     "stack": lambda a, b: torch.stack([a, b]), "addcmul": lambda a, b: torch.addcmul(a, a, b, value=0.5),
-    "logaddexp": torch.logaddexp, "rsub": lambda a, b: 1 - a * b,
+    "logaddexp": torch.logaddexp, "rsub": lambda a, b: 1 - a * b, "atan2": torch.atan2,
 }
 REDUCE = {
     "sum": lambda t: t.sum(), "sum0": lambda t: t.sum(0), "sum_keep": lambda t: t.sum(-1, keepdim=True),
     "mean": lambda t: t.mean(-1), "amax": lambda t: t.amax(-1), "max_all": lambda t: t.max(),
     "prod": lambda t: t.prod(-1), "norm": lambda t: t.norm(), "logsumexp": lambda t: t.logsumexp(-1),
     "var": lambda t: t.var(-1, correction=0), "min_all": lambda t: t.min(),
+    "max_dim": lambda t: t.max(-1).values, "min_dim": lambda t: t.min(0)[0],
+    "std_mean_mean": lambda t: torch.std_mean(t, -1, correction=0)[1],
+    "std_mean_std": lambda t: torch.std_mean(t, 0, correction=0)[0],
 }
 VIEW = {
     "select": lambda t: t[0], "slice": lambda t: t[..., :1], "unsqueeze": lambda t: t.unsqueeze(0),
@@ -67,13 +70,14 @@ USES_OTHER = {"add_", "mul_", "sub_", "setitem", "iadd"}
 MULTI_OUTPUT_VIEWS = {"split", "unbind", "chunk"}
 ERROR_KINDS = ("second time", "modified by an inplace operation", "leaf Variable that requires grad",
                "implicitly created only for scalar outputs", "does not require grad",
-               "not have been used in the graph", "Mismatch in shape", "you can only change requires_grad")
+               "not have been used in the graph", "Mismatch in shape", "you can only change requires_grad",
+               "no_grad mode", "returns multiple views")
 # the same complaint in other words (torch's backward(inputs=[t]) on a t without grad: the first)
 SYNONYMS = {"requires_grad=False": "does not require grad",
             # torch's words for an output of split/chunk/unbind whose storage was changed
             "another view of its base has been modified inplace": "modified by an inplace operation"}
 # graphgrad checks these misuses before the kernel validates its arguments; torch after.
-PRE_CHECKS = ("leaf Variable that requires grad",)
+PRE_CHECKS = ("leaf Variable that requires grad", "returns multiple views", "no_grad mode")
 # a backward through a graph with several broken nodes: each library may name another first
 BROKEN_GRAPH = ("second time", "modified by an inplace operation")
 
@@ -189,6 +193,7 @@ class Interpreter:
         self.diverged = set()  # see call_backward
         self.wrapped = {}  # see push
         self.no_grad_views = set()  # views made under no_grad (and views of them)
+        self.detached_on_torch = set()  # see op(): torch's side was detached (and views of it)
         self.multi_output_views = set()  # outputs of split/chunk/unbind (and views of them)
         self.stale_grad_graph = set()  # see grad_holders
 
@@ -216,8 +221,11 @@ class Interpreter:
         alias = parent is not None and (g is self.G.env[parent] or g._is_view())
         self.root.append(self.root[parent] if alias else len(self.root))
         self.stale.append(False)
-        if alias and (not torch.is_grad_enabled() or parent in self.no_grad_views):
+        same = parent is not None and g is self.G.env[parent]  # the op returned its input
+        if alias and ((not torch.is_grad_enabled() and not same) or parent in self.no_grad_views):
             self.no_grad_views.add(len(self.root) - 1)
+        if alias and parent in self.detached_on_torch:
+            self.detached_on_torch.add(len(self.root) - 1)
         if alias and (multi_output or parent in self.multi_output_views):
             self.multi_output_views.add(len(self.root) - 1)
 
@@ -256,7 +264,7 @@ class Interpreter:
             flags = id(t) not in self.stale_grad_graph
             assert_same_tensor(g.grad, t.grad, f".grad of tensor {k}", flags)
 
-    def call_backward(self, fn_g, fn_t, create, non_leaf_input=False):
+    def call_backward(self, fn_g, fn_t, create):
         """A backward or grad call. graphgrad checks the whole graph before it runs anything;
         torch runs until it meets the broken node. So after an error graphgrad's .grads must
         be exactly as before (checked); torch's partial sums are undone before going on."""
@@ -267,8 +275,9 @@ class Interpreter:
             graphs = [t.grad for _, _, t in holders if t.grad is not None and t.grad.requires_grad]
             self.stale_grad_graph.update(id(t) for _, _, t in holders if t.grad is not None
                                          and t.grad.requires_grad)
-            for m, tt in enumerate(self.T.env):
-                if any(tt is grad for grad in graphs):
+            roots = {self.root[m] for m, tt in enumerate(self.T.env) if any(tt is grad for grad in graphs)}
+            for m in range(len(self.T.env)):
+                if self.root[m] in roots:  # the .grad itself and views of it
                     self.stale[m] = True
                     self.diverged.add(m)
         try:
@@ -282,12 +291,6 @@ class Interpreter:
                 # keeps the number); or torch saves 2 ** x's result, graphgrad its input (so an
                 # in-place change of the result is fine). The programs part here.
                 STATS["stopped_where_torch_refused_again"] += 1
-                raise StopProgram from e
-            broken = any(k in text for k in BROKEN_GRAPH)
-            if non_leaf_input and broken and "raised where torch did not" in text:
-                # a known bug: tests/test_misuse.py::
-                # test_grad_with_respect_to_a_non_leaf_does_not_check_its_own_grad_fn
-                STATS["stopped_at_known_bug_grad_wrt_non_leaf"] += 1
                 raise StopProgram from e
             raise
         if not ok:
@@ -318,6 +321,7 @@ class Interpreter:
                 assert table is VIEW and not out_g.requires_grad
                 STATS["no_grad_views"] += 1
                 out_t = out_t.detach()
+                self.detached_on_torch.add(len(self.T.env))
             self.push(out_g, out_t, ks[0] if table is VIEW else None, name in MULTI_OUTPUT_VIEWS)
 
     def inplace(self, name, i, j):
@@ -327,40 +331,47 @@ class Interpreter:
         (k, _), (g, go), (t, to) = picked
         fn = INPLACE[name]
         base = g._base if g._is_view() else None
-        if id(t) in self.retained:
-            STATS["inplace_on_retained_left_out"] += 1
-            return
         other = name in USES_OTHER and isinstance(go, torch.Tensor) and go.requires_grad
-        if k in self.no_grad_views and torch.is_grad_enabled() and (g.requires_grad or other):
-            # torch forbids it; graphgrad records it on the view only (a bug:
-            # tests/test_misuse.py::test_inplace_on_a_view_made_under_no_grad)
-            STATS["inplace_on_no_grad_view_left_out"] += 1
+        if k in self.no_grad_views and torch.is_grad_enabled() and (
+                other or (base is not None and base.requires_grad)):
+            # torch forbids it ("A view was created in no_grad mode..."), and so does graphgrad,
+            # before changing anything. (torch's side of a no_grad view of a tensor that
+            # requires grad was detached in op(), see there: only graphgrad's is checked then.)
+            before = plain(g).clone()
+            sides = [g] + ([t] if k not in self.detached_on_torch else [])
+            for side, o in zip(sides, (go, to)):
+                try:
+                    fn(side, o)
+                except RuntimeError as e:
+                    assert "no_grad mode" in str(e), e
+                else:
+                    raise AssertionError("in-place op on a view made under no_grad did not raise")
+            torch.testing.assert_close(plain(g), before, rtol=0, atol=0, equal_nan=True)
+            STATS["inplace_on_no_grad_view_refused"] += 1
             return
-        if k in self.multi_output_views and torch.is_grad_enabled():
-            # torch forbids changing an output of split/chunk/unbind in place under grad mode
-            # (sometimes even when nothing requires grad); graphgrad refuses only when it would
-            # record it, with its NotImplementedError for views
-            STATS["inplace_on_multi_output_view_left_out"] += 1
-            return
-        if torch.is_grad_enabled() and (g.requires_grad or other) and base is not None and base.requires_grad:
-            try:  # the documented limitation: graphgrad refuses, before changing anything
-                fn(g, go)
-            except NotImplementedError as e:
-                assert "in-place operations on a view" in str(e)
-                STATS["view_inplace_refused"] += 1
-                return
-            except RuntimeError as e:
-                assert "leaf Variable" in str(e) or "modified by an inplace" in str(e), e
-                STATS["view_inplace_refused"] += 1
-                return
-            raise AssertionError("in-place op on a view of a tensor that requires grad did not raise")
-        ok, _, _, _ = run_both(lambda: fn(g, go), lambda: fn(t, to))
+        try:
+            ok, _, _, _ = run_both(lambda: fn(g, go), lambda: fn(t, to))
+        except AssertionError as e:
+            if "raised where torch did not" in str(e) and "single memory location" in str(e):
+                # an in-place op on an expanded view that the kernel allows (masked_fill_):
+                # graphgrad refuses to record it, torch fails in backward. The programs part.
+                STATS["stopped_at_inplace_on_overlapping_view"] += 1
+                raise StopProgram from e
+            raise
+        if ok and base is not None and torch.is_grad_enabled() and (g.requires_grad or other):
+            STATS["inplace_on_views_recorded"] += 1  # the base's grad_fn is now CopySlices
         # changed alike, or (after errors) not at all
         assert_same_tensor(g, t, "in-place target", flags=not self.broken_view(k))
         if ok:
             for m in range(len(self.root)):  # other aliases of the changed storage
                 if m != k and self.root[m] == self.root[k]:
-                    self.stale[m] = True
+                    # compared from here on: a view's grad_fn is rebuilt by both libraries;
+                    # torch refuses to rebuild those of split/chunk/unbind outputs and of views
+                    # made under no_grad: those are left out
+                    if m in self.multi_output_views or m in self.no_grad_views:
+                        self.stale[m] = True
+                    else:
+                        STATS["aliases_compared_after_inplace"] += 1
 
     def backward(self, i, retain, create, use_inputs, how):
         picked = self.args(i)
@@ -386,7 +397,7 @@ class Interpreter:
         ok, got_g, got_t = self.call_backward(
             lambda: gg.grad(g.sum(), gi, retain_graph=retain, create_graph=create, allow_unused=allow_unused),
             lambda: torch.autograd.grad(t.sum(), ti, retain_graph=retain, create_graph=create,
-                                        allow_unused=allow_unused), create, non_leaf_input=not ti.is_leaf)
+                                        allow_unused=allow_unused), create)
         if ok:
             if told_apart(got_g[0], got_t[0], "gg.grad result"):
                 return
@@ -405,6 +416,12 @@ class Interpreter:
                 self.op(table, step[1], *step[2:])
             elif kind == "inplace":
                 self.inplace(*step[1:])
+            elif kind == "inplace_on_view":  # a view, then an in-place op on it (CopySlices)
+                _, view, name, i, j = step
+                n = len(self.T.env)
+                self.op(VIEW, view, i)
+                if len(self.T.env) > n:
+                    self.inplace(name, 0, j)
             elif kind == "detach":
                 picked = self.args(step[1])
                 if picked is not None:

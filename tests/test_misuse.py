@@ -3,9 +3,8 @@
 Misuses that tests/test_errors.py does not cover, and every divergence from torch.autograd
 the fuzzer (tests/test_fuzz.py) and the soak/concurrency tests found. Each test checks the
 exception type and message and that state is intact afterwards: accumulated gradients are
-preserved and a retained graph is still usable. Where graphgrad silently computes something
-else than torch (a wrong gradient, a dropped one), the test asks for torch's result *or* an
-error that says what is not supported: never a silent difference.
+preserved and a retained graph is still usable. Where graphgrad silently computed something
+else than torch (a wrong gradient, a dropped one), the test asks for torch's result.
 """
 
 import pytest
@@ -35,15 +34,10 @@ def assert_same(a, b):
     torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def torch_or_refusal(run):
-    """Run ``run(lib)`` on both libraries; graphgrad must give torch's gradients or raise an
-    error that names what it does not support (NotImplementedError or RuntimeError)."""
+def like_torch(run):
+    """Run ``run(lib)`` on both libraries: graphgrad must give torch's gradients."""
     expected = run("torch")
-    try:
-        got = run("gg")
-    except (NotImplementedError, RuntimeError) as e:
-        assert "view" in str(e) or "in-place" in str(e) or "inplace" in str(e), e
-        return
+    got = run("gg")
     for g, t in zip(got, expected):
         assert (g is None) == (t is None), (got, expected)
         if t is not None:
@@ -213,9 +207,7 @@ def test_custom_function_returning_a_gradient_of_the_wrong_shape():
     assert_same(x.grad, before)
 
 
-@pytest.mark.xfail(strict=True, reason="open bug: a view's grad_fn is not regenerated after its base "
-                   "is changed in place (docs/reliability.md, open bugs)")
-# -- found by the fuzzer and the soak/concurrency tests: failing until the engine is fixed ------
+# -- found by the fuzzer and the soak/concurrency tests (fixed; tests/test_views.py has more) ---
 def test_view_used_after_its_base_was_modified_in_place():
     """torch regenerates a view's grad_fn after its base changes in place; graphgrad kept the
     view's old grad_fn and silently returned x.grad = [1, 1, 0] instead of [2, 2, 0]."""
@@ -227,12 +219,13 @@ def test_view_used_after_its_base_was_modified_in_place():
         (v * 1).sum().backward()
         return [x.grad]
 
-    torch_or_refusal(run)
+    like_torch(run)
 
 
 def test_inplace_on_view_of_tensor_without_grad():
     """c[0:2].add_(x) on a constant c: torch makes c depend on x (CopySlices); graphgrad gave
-    only the view a grad_fn, so x's gradient through c was silently dropped."""
+    only the view a grad_fn, so x's gradient through c was silently dropped (then refused it
+    with NotImplementedError; now CopySlices too)."""
     def run(lib):
         (x, xt), (y, yt) = pair((1.0, 2.0)), pair((1.0, 2.0, 3.0))
         x, y = (x, y) if lib == "gg" else (xt, yt)
@@ -241,11 +234,9 @@ def test_inplace_on_view_of_tensor_without_grad():
         (c * y).sum().backward()
         return [x.grad, y.grad]
 
-    torch_or_refusal(run)
+    like_torch(run)
 
 
-@pytest.mark.xfail(strict=True, reason="open bug: views made under no_grad are not tagged, so an "
-                   "in-place change through them is not refused (docs/reliability.md, open bugs)")
 @pytest.mark.parametrize("base", ["leaf", "constant"])
 def test_inplace_on_a_view_made_under_no_grad(base):
     """torch: 'A view was created in no_grad mode and is being modified inplace with grad mode
@@ -343,8 +334,6 @@ NOT_NEEDED = {"max_dim_output": (_max_values, "output"), "max_dim_input": (_max_
               "std_mean_mean": (_std_mean_mean, "output")}
 
 
-@pytest.mark.xfail(strict=True, reason="open bug: max/min(dim) and std_mean keep and version-check "
-                   "outputs and inputs their backward does not read (docs/reliability.md, open bugs)")
 @pytest.mark.parametrize("op,changed", NOT_NEEDED.values(), ids=NOT_NEEDED.keys())
 def test_inplace_on_what_max_dim_does_not_need(op, changed):
     """max(dim)'s backward needs only the indices (std_mean's, for the mean, nothing): torch

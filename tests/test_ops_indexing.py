@@ -127,6 +127,10 @@ CASES = [
     case("index_add_", inplace(T.index_add_, 0, extra_first=True), r(3, 4), idx(0, 2, 0), r(3, 4)),
     case("index_copy_", inplace(T.index_copy_, 1, extra_first=True), r(3, 4), idx(3, 0), r(3, 2)),
     case("index_fill_tensor_value_", inplace(T.index_fill_, 1, extra_first=True), r(3, 4), idx(3, 0, 3), r()),
+    case("copy_", inplace(T.copy_), r(3, 4), r(3, 4)),
+    case("copy_broadcast", inplace(T.copy_), r(3, 4), r(4)),
+    case("copy_from_float32", inplace(T.copy_), r(3, 4), Const(r(3, 4).float())),
+    case("copy_into_view", lambda a, b: (a * 1.0).t()[1:].copy_(b)._base, r(3, 4), r(3, 3)),
     # only some arguments need a gradient
     case("index_put_const_values", lambda a, i, v: a.index_put((i,), v), r(3, 4), idx(2, 0), Const(r(4))),
     case("index_put_const_input", lambda a, i, v: a.index_put((i,), v), Const(r(3, 4)), idx(2, 0), r(4)),
@@ -174,12 +178,22 @@ def test_setitem_on_leaf_raises():
     assert x.grad_fn is None and x.is_leaf
 
 
-def test_setitem_on_view_of_grad_tensor_raises():
-    """Documented limitation: in-place ops on views of tensors that require grad."""
-    y = _x(3, 4) * 1.0
-    row = y[0]
-    with pytest.raises(NotImplementedError, match="graphgrad"):
-        row[1] = 2.0
+def test_setitem_on_view_of_grad_tensor_changes_the_base_like_torch():
+    """``row = y[0]; row[1] = v``: y's grad_fn becomes CopySlices, as in torch."""
+    grads = []
+    data = (r(3, 4), r(1))
+    for lib in ("gg", "torch"):
+        if lib == "gg":
+            x, v = (gg.as_tensor(d.clone(), requires_grad=True) for d in data)
+        else:
+            x, v = (d.clone().requires_grad_() for d in data)
+        y = x * 1.0
+        row = y[0]
+        row[1] = v[0] * 3
+        (y * y).sum().backward()
+        grads.append((x.grad, v.grad))
+    for g, t in zip(*grads):
+        torch.testing.assert_close(g, t)
 
 
 def test_setitem_grad_fn_chain():

@@ -23,7 +23,7 @@ from .references import SavedResult, save_arguments
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 
 __all__ = ["torch_function", "call", "wrap_output", "set_tensor_class", "is_inplace", "observe_calls",
-           "install_fast_paths"]
+           "install_fast_paths", "current_node"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch._C.is_grad_enabled
@@ -34,6 +34,8 @@ _device = torch._C.TensorBase.device.__get__
 _ndim = torch._C.TensorBase.dim
 _same_size = torch._C.TensorBase.is_same_size
 _device_index = torch._C.TensorBase.get_device
+_version = torch._C.TensorBase._version.__get__
+_is_view = torch._C.TensorBase._is_view
 _tf_enabled = torch._C._is_torch_function_enabled
 _tf_mode = torch._C._is_torch_function_mode_enabled
 _autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)
@@ -50,6 +52,10 @@ _EMPTY = inspect.Parameter.empty
 _weakref = weakref.ref
 _INTERNED: dict = {}
 _observer = None  # see observe_calls
+NO_GRAD_VIEW = 1  # values of a view's _gg_view_tag (see _tag_views)
+MULTI_OUTPUT_VIEW = 2
+PLAIN_VIEW = 3
+_REBUILT_VIEW = [None, None]  # the Rules AsStridedBackward and CopySlices, made at first use
 
 
 def set_tensor_class(cls) -> None:
@@ -128,11 +134,12 @@ def _needs_grad(args, kwargs):
     for a in args:
         tp = type(a)
         if tp is cls:
-            if a._gg_node is not None:
+            if a._gg_node is not None or (a._gg_view_tag == PLAIN_VIEW and _revived(a)):
                 return True
         elif tp is list or tp is tuple:
             for b in a:
-                if isinstance(b, _PlainTensor) and _node_of(b) is not None:
+                if isinstance(b, _PlainTensor) and (_node_of(b) is not None or (
+                        getattr(b, "_gg_view_tag", 0) == PLAIN_VIEW and _revived(b))):
                     return True
         elif tp is not _PlainTensor and isinstance(a, _PlainTensor) and _node_of(a) is not None:
             return True
@@ -168,7 +175,15 @@ def call(func, args, kwargs):
     if kwargs is None:
         kwargs = _NO_KWARGS
     with _Disable():
-        if not _grad_enabled() or not _needs_grad(args, kwargs):
+        if not _grad_enabled():
+            out = func(*args, **kwargs)
+            if rule is not None and rule.may_view:
+                _tag_views(out, args, kwargs, NO_GRAD_VIEW)
+            return _wrap_plain(out, args, kwargs)
+        if not _needs_grad(args, kwargs):
+            if (rule is not None and rule.may_view) or (
+                    args and type(args[0]) is _TENSOR_CLS and args[0]._gg_view_tag):
+                return _unrecorded_view_op(func, rule, args, kwargs)
             return _wrap_plain(func(*args, **kwargs), args, kwargs)
         if rule is None:
             return _no_rule(func, args, kwargs)
@@ -295,6 +310,8 @@ def _interned(key):
 
 def _add_slot(t, graph, nexts, metas):
     node = _node_of(t)
+    if node is not None and node.view_version and _version(t) + 1 != node.view_version:
+        node = _rebuild_view_node(t, graph)
     if node is None:
         nexts.append(_NO_EDGE)
         metas.append(None)
@@ -359,9 +376,19 @@ def _record(func, rule, args, kwargs):
     keep = _keep(rule, nexts, slot_pos)
     if _autocast_enabled() and type(out) is _PlainTensor:
         values = _as_autocast_ran(values, keep, out.dtype)
+    parts = None
+    if rule.saves is not None:
+        keep, parts = rule.saves(values, keep)
     saved, versions = save_arguments(keep, values)
     node = new_node(rule, nexts, slot_pos, metas, saved, versions, graph)
-    out = _attach(out, node, rule)
+    out = _attach(out, node, rule, parts)
+    if rule.may_view:
+        _stamp_view(node, out)
+        tag = getattr(args[0], "_gg_view_tag", 0) if args else 0
+        if tag == PLAIN_VIEW:
+            tag = 0
+        if tag or rule.multi_output:  # torch's view creation_meta, which views of views inherit
+            _tag_views(out, args, kwargs, tag or MULTI_OUTPUT_VIEW)
     pending = graph.pending  # graph.record(node), inlined
     pending.append(_weakref(node))
     if len(pending) >= graph._compact_at:
@@ -381,8 +408,9 @@ def _as_autocast_ran(values, keep, dtype):
     return tuple(out)
 
 
-def _attach(out, node, rule):
-    """Wrap the op's outputs and make ``node`` their grad_fn; save them if the rule reads them."""
+def _attach(out, node, rule, parts):
+    """Wrap the op's outputs and make ``node`` their grad_fn; save them if the rule reads them
+    (of a multi-output op, only the outputs listed in ``parts``, or all when None)."""
     if type(out) is _PlainTensor:
         if rule.saves_result:
             node.result = SavedResult(out.detach())
@@ -400,7 +428,8 @@ def _attach(out, node, rule):
             n -= 1
         node.num_outputs = n
         if rule.saves_result:
-            node.result = SavedResult(tuple(o.detach() for o in items))
+            node.result = SavedResult(tuple(
+                o.detach() if parts is None or i in parts else None for i, o in enumerate(items)))
         for i, o in enumerate(items):
             if type(o) is _PlainTensor:
                 if o.is_floating_point() or o.is_complex():
@@ -412,35 +441,39 @@ def _attach(out, node, rule):
 
 
 def _record_inplace(func, rule, args, kwargs):
-    """Record ``self.op_(...)``: self's grad_fn becomes the new node, whose input is self's old one."""
+    """Record ``self.op_(...)``: self's grad_fn becomes the new node, whose input is self's old one.
+
+    On a view, the view's base changes too: it gets a CopySlices node (see ``_copy_slices``).
+    """
     self = args[0]
+    tag = getattr(self, "_gg_view_tag", 0)
+    if tag and tag != PLAIN_VIEW:  # (checked first, as torch does)
+        raise RuntimeError(_view_tag_message(func, tag))
     old = _node_of(self)
     if old is not None and old.graph is None:
         raise RuntimeError(
             f"a leaf Variable that requires grad is being used in an in-place operation "
             f"({qualified_name(func)}). Do it under gg.no_grad() (as optimizers do), or "
             "apply it to a clone() of the tensor.")
-    is_view = self._is_view()
-    if is_view and _base_requires_grad(self):
-        if type(_node_of(self._base)) is AccumulateGrad:
+    # a view of one of its inputs (its grad_fn was stamped by a view op); an op output that
+    # is a view of a temporary of the op's own (max_pool2d's) is not one for autograd
+    is_view = self._is_view() and (old is None or old.view_version != 0)
+    if is_view:
+        base_node = _node_of(torch.Tensor._base.__get__(self))
+        # torch: a view that requires grad, of a leaf (one that requires grad or not)
+        if type(base_node) is AccumulateGrad or (old is not None and base_node is None):
             raise RuntimeError(
                 f"a view of a leaf Variable that requires grad is being used in an in-place "
                 f"operation ({qualified_name(func)}). Do it under gg.no_grad(), or apply it to "
                 "a clone() of the leaf.")
-        raise NotImplementedError(
-            f"{qualified_name(func)}: in-place operations on a view of a tensor that requires "
-            "grad are not supported by graphgrad yet; use the out-of-place op and clone().")
     base_rule = rule.inplace_of or rule
     values = _bind(func, base_rule, args, kwargs)
     graph = current_graph()
-    slots = _slots(base_rule, values, graph, None)
+    slots = _slots(base_rule, values, graph, None)  # (rebuilds a stale view's grad_fn first)
     if slots is None:
         return func(*args, **kwargs)
-    if is_view and old is None:  # the base would have to start requiring grad: refuse
-        raise NotImplementedError(
-            f"{qualified_name(func)}: in-place operations on a view with an argument that "
-            "requires grad are not supported by graphgrad yet (the view's base would lose the "
-            "gradient); build the tensor out of place (e.g. torch.cat) instead.")
+    old = _node_of(self)
+    target = _view_target(func, base_rule, self) if is_view else None
     nexts, slot_pos, metas = slots
     keep = _keep(base_rule, nexts, slot_pos)
     if keep and keep[0] == 1:  # the rule reads the value before the op
@@ -463,7 +496,205 @@ def _record_inplace(func, rule, args, kwargs):
     if getattr(self, "_gg_nr", 0):
         self._gg_nr = 0
     graph.record(node)
+    if target is not None:
+        _copy_slices(target, node, graph)
+        # as in torch, the view's own grad_fn becomes AsStridedBackward of the base's new
+        # CopySlices (so hooks and retain_grad on the base see gradients of the view's uses):
+        # built at its next use (a version never matched)
+        node.view_version = -1
     return out
+
+
+def _view_target(func, rule, view):
+    """Check an in-place op on a view that will record, before anything changes; returns
+    (base, its node, its output number, the view's geometry in it) for ``_copy_slices``."""
+    name = qualified_name(func)
+    if torch._debug_has_internal_overlap(view) == 1:  # (1: yes; 2: cannot tell cheaply)
+        raise RuntimeError(
+            f"{name}: unsupported operation: more than one element of the written-to tensor "
+            "refers to a single memory location (an expand()ed view?), so this in-place op "
+            "has no gradient. Please clone() the tensor before performing the operation.")
+    if rule.family == "shape":
+        raise NotImplementedError(
+            f"{name}: an in-place shape change of a view of a tensor that requires grad, or "
+            "with an argument that does, is not supported by graphgrad; use the out-of-place "
+            "op.")
+    base = torch.Tensor._base.__get__(view)
+    if _dtype(base) is not _dtype(view):
+        raise RuntimeError(
+            f"{name}: in-place change of a view with dtype {_dtype(view)} of a {_dtype(base)} "
+            "tensor (x.real, view_as_real, x.view(dtype)) with gradients is not supported by "
+            "graphgrad; build the tensor out of place.")
+    return base, _node_of(base), getattr(base, "_gg_nr", 0), _geometry(base, view)
+
+
+def _copy_slices(target, view_node, graph):
+    """After an in-place op on a view, make the base's grad_fn torch's CopySlices.
+
+    The new base is the old base with the view's positions replaced by the op's output; so
+    its gradient goes to the base's old grad_fn with those positions zeroed, and, gathered
+    at those positions, to the op's node (which passes it on to the view's old grad_fn,
+    itself leading back to the base's old one, and to the op's other inputs).
+    """
+    base, base_node, base_nr, geometry = target
+    rule = _REBUILT_VIEW[1]
+    if rule is None:
+        from .ops.shape import copy_slices_backward
+        from .rules import DIFFERENTIABLE, Rule
+
+        rule = _REBUILT_VIEW[1] = Rule(copy_slices_backward, DIFFERENTIABLE, "CopySlices")
+    values = (base, None, geometry)
+    saved, versions = save_arguments(rule.keep, values)
+    nexts = (_NO_EDGE if base_node is None else (base_node, base_nr), (view_node, 0))
+    node = new_node(rule, nexts, (0, 1), (None, None), saved, versions, graph)
+    if base_node is not None and base_node.retained is not None:  # retain_grad() follows
+        ref = base_node.retained.pop(base_nr, None)
+        if ref is not None:
+            node.retained = {0: ref}
+    if type(base) is _PlainTensor:
+        base.__class__ = _TENSOR_CLS
+    base._gg_node = node
+    if base_nr:
+        base._gg_nr = 0
+    graph.record(node)
+
+
+def _stamp_view(node, out):
+    """Remember the version a view had when ``node`` became its grad_fn (plus one: 0 means
+    not a view). A different version at use means its base changed in place since."""
+    first = out
+    if not isinstance(out, _PlainTensor):
+        if not isinstance(out, (tuple, list)) or not out or not isinstance(out[0], _PlainTensor):
+            return
+        first = out[0]
+    if _is_view(first):
+        node.view_version = _version(first) + 1
+
+
+def current_node(t):
+    """A tensor's node (grad_fn or AccumulateGrad), with a view's grad_fn rebuilt first if its
+    base was changed in place since the view was made (see ``_rebuild_view_node``)."""
+    node = _node_of(t)
+    if node is not None and node.view_version and _version(t) + 1 != node.view_version:
+        with _Disable():
+            node = _rebuild_view_node(t, current_graph())
+    elif node is None and getattr(t, "_gg_view_tag", 0) == PLAIN_VIEW:
+        with _Disable():
+            if _revived(t):
+                node = t._gg_node
+    return node
+
+
+def _rebuild_view_node(t, graph):
+    """Give view ``t`` a new grad_fn that reads its base's current one, as torch does.
+
+    The view's old grad_fn leads to the base's grad_fn from before the in-place op, which
+    would miss that op's derivative: a silently wrong gradient. Like torch's
+    ``AsStridedBackward``, the new node scatters the view's gradient onto the base by
+    position (from the two tensors' geometry), so any view geometry works, overlapping ones
+    included. A view with no grad_fn (a ``PLAIN_VIEW``) gets one if its base now has one.
+    """
+    base = torch.Tensor._base.__get__(t)
+    old = t._gg_node
+    if base is None:  # no longer a view (t.set_()): its grad_fn stays
+        if old is not None:
+            old.view_version = 0
+        return old
+    if _dtype(base) is not _dtype(t):
+        raise RuntimeError(
+            f"a view with dtype {_dtype(t)} of a {_dtype(base)} tensor (x.real, "
+            "view_as_real, x.view(dtype)) is used after its base was modified in place; "
+            "graphgrad cannot rebuild its grad_fn across a dtype change. Take the view again "
+            "after the in-place op.")
+    rule = _REBUILT_VIEW[0]
+    if rule is None:
+        from .ops.shape import as_strided_backward
+        from .rules import DIFFERENTIABLE, Rule
+
+        rule = _REBUILT_VIEW[0] = Rule(as_strided_backward, DIFFERENTIABLE, "AsStridedBackward")
+    values = (base, _geometry(base, t))
+    slots = _slots(rule, values, graph, None)
+    node = None
+    if slots is not None:  # else the base no longer requires grad, and neither does the view
+        nexts, slot_pos, metas = slots
+        saved, versions = save_arguments(rule.keep, values)
+        node = new_node(rule, nexts, slot_pos, metas, saved, versions, graph)
+        node.view_version = _version(t) + 1
+        nr = t._gg_nr
+        if old is not None and old.retained is not None:  # retain_grad() follows the tensor
+            ref = old.retained.pop(nr, None)
+            if ref is not None:
+                node.retained = {0: ref}
+        graph.record(node)
+    else:  # seen at this version: not to be looked at again until it changes
+        t._gg_view_version = _version(t) + 1
+    t._gg_node = node
+    if t._gg_nr:
+        t._gg_nr = 0
+    return node
+
+
+def _revived(t):
+    """Does a view that had no grad_fn require grad now? It does (as in torch) once its base
+    was changed in place by an op that made the base require grad."""
+    if _version(t) + 1 == t._gg_view_version:
+        return False
+    return _rebuild_view_node(t, current_graph()) is not None
+
+
+def _geometry(base, view):
+    from .ops.shape import ViewGeometry
+
+    return ViewGeometry(base, view)
+
+
+def _tag_views(out, args, kwargs, tag):
+    """Mark the views among an op's outputs as torch marks them: ``NO_GRAD_VIEW`` for views
+    made in no-grad mode (and by split/chunk/unbind of a tensor that does not require grad),
+    ``MULTI_OUTPUT_VIEW`` for outputs of split/chunk/unbind (neither may be changed in place
+    with grad mode on); views of a marked view inherit its mark. ``PLAIN_VIEW``: a view made
+    with grad mode on of a tensor that required no grad, stamped with its version, so that it
+    requires grad once its base does (see ``_revived``)."""
+    if isinstance(out, _PlainTensor):
+        if _is_view(out) and not _is_input(out, args, kwargs):
+            out._gg_view_tag = tag
+            if tag == PLAIN_VIEW:
+                out._gg_view_version = _version(out) + 1
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, _PlainTensor) and _is_view(o) and not _is_input(o, args, kwargs):
+                o._gg_view_tag = tag
+                if tag == PLAIN_VIEW:
+                    o._gg_view_version = _version(o) + 1
+
+
+def _unrecorded_view_op(func, rule, args, kwargs):
+    """An op that may make a view, or that reads a marked one, with grad mode on and no input
+    requiring grad: nothing is recorded, but views are marked as torch marks them."""
+    tag = getattr(args[0], "_gg_view_tag", 0) if args else 0
+    if tag and tag != PLAIN_VIEW and is_inplace(func) and _base_requires_grad(args[0]):
+        raise RuntimeError(_view_tag_message(func, tag))
+    out = func(*args, **kwargs)
+    if rule is not None and rule.may_view:
+        if not tag or tag == PLAIN_VIEW:  # (torch: outputs of an unrecorded split count as
+            tag = NO_GRAD_VIEW if rule.multi_output else PLAIN_VIEW  # made under no_grad)
+        _tag_views(out, args, kwargs, tag)
+    return _wrap_plain(out, args, kwargs)
+
+
+def _view_tag_message(func, tag):
+    name = qualified_name(func)
+    if tag == MULTI_OUTPUT_VIEW:
+        return (
+            f"{name}: this tensor is a view (or a view of one) of the outputs of a function that "
+            "returns multiple views (split, chunk, unbind) and is being modified inplace. "
+            "Such outputs may not be modified in place (as in torch): use the out-of-place op, "
+            "or clone() the output first.")
+    return (
+        f"{name}: a view was created in no_grad mode and is being modified in place with grad "
+        "mode enabled. This case is ambiguous, so it is forbidden (as in torch): make the view "
+        "and the in-place op both inside the no_grad block (if the change should not be "
+        "tracked) or both outside it (if it should).")
 
 
 def _base_requires_grad(view):

@@ -19,6 +19,7 @@ import threading
 
 import torch
 
+from .dispatch import current_node
 from .node import AccumulateGrad
 
 __all__ = ["run_backward"]
@@ -36,12 +37,12 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
     ``inputs`` when given). ``accumulate=False`` (``grad``): gradients w.r.t. ``inputs`` are
     returned and ``.grad`` is left alone.
     """
-    root_nodes = [(r._gg_node, getattr(r, "_gg_nr", 0)) for r in roots]
+    root_nodes = [(current_node(r), getattr(r, "_gg_nr", 0)) for r in roots]
     targets = None
     if inputs is not None:
         targets = {}
         for k, t in enumerate(inputs):
-            node = getattr(t, "_gg_node", None) if isinstance(t, _PlainTensor) else None
+            node = current_node(t) if isinstance(t, _PlainTensor) else None
             if node is None:
                 raise RuntimeError(
                     f"One of the differentiated Tensors (inputs[{k}]) does not require grad; "

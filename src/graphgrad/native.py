@@ -15,7 +15,7 @@ import sys
 __all__ = ["ENGINE_MODULES", "load_engine", "engine_is_compiled"]
 
 #: the hot path: compiled together, in import order
-ENGINE_MODULES = ("references", "node", "graph", "executor", "dispatch")
+ENGINE_MODULES = ("references", "node", "graph", "dispatch", "executor")
 
 
 def _force_pure() -> bool:

@@ -19,6 +19,7 @@ cdef class Node:
     cdef public object prehooks
     cdef public object trace
     cdef public Py_ssize_t sequence_nr
+    cdef public long long view_version
     cdef object __weakref__
 
 

@@ -109,7 +109,8 @@ def unpack_saved(saved, create_graph):
 class SavedResult:
     """An op's output kept for its own backward: a plain alias of the data, and its version.
 
-    Under saved-tensor hooks the data is packed instead (and no version is checked).
+    Under saved-tensor hooks the data is packed instead (and no version is checked). Outputs
+    of a multi-output op that the rule does not read are kept as None.
     """
 
     __slots__ = ("data", "version", "unpack", "multi")
@@ -122,19 +123,20 @@ class SavedResult:
             self.unpack = hooks[1]
             self.version = None
             with torch._C._EnableTorchFunction():
-                self.data = tuple(hooks[0](t) for t in data) if self.multi else hooks[0](data)
+                self.data = tuple(None if t is None else hooks[0](t) for t in data) if self.multi \
+                    else hooks[0](data)
             return
         self.unpack = None
         self.data = data
         self.version = data._version if isinstance(data, torch.Tensor) else tuple(
-            t._version for t in data)
+            None if t is None else t._version for t in data)
 
     def value(self):
         if self.unpack is None:
             return self.data
         with torch._C._EnableTorchFunction():
             if self.multi:
-                return tuple(self.unpack(p) for p in self.data)
+                return tuple(None if p is None else self.unpack(p) for p in self.data)
             return self.unpack(self.data)
 
     def check(self, name):
@@ -146,7 +148,7 @@ class SavedResult:
                 raise RuntimeError(_modified_message(name, "result", data, self.version))
         else:
             for t, v in zip(data, self.version):
-                if t._version != v:
+                if t is not None and t._version != v:
                     raise RuntimeError(_modified_message(name, "result", t, v))
 
 
@@ -280,7 +282,7 @@ def unpack_result(node, create_graph):
 
     if isinstance(data, torch.Tensor):
         return wrap_output(data.detach(), node, 0)
-    return tuple(wrap_output(t.detach(), node, i) for i, t in enumerate(data))
+    return tuple(None if t is None else wrap_output(t.detach(), node, i) for i, t in enumerate(data))
 
 
 def saved_bytes(nodes) -> int:

@@ -106,18 +106,24 @@ class Rule:
 
     __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
                  "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for",
-                 "family", "keep_cache", "elementwise", "defaults")
+                 "family", "keep_cache", "elementwise", "defaults", "may_view", "saves")
 
     def __init__(self, fn: Callable, kind: int, name: str | None = None,
-                 multi_output: bool = False, saved_for: dict | None = None):
+                 multi_output: bool = False, saved_for: dict | None = None,
+                 saves: Callable | None = None):
         self.fn = fn
         self.kind = kind
         self.name = name or (fn.__name__[:1].upper() + fn.__name__[1:] + "Backward")
         self.multi_output = multi_output
         self.inplace_of = None
         self.keep_cache: dict[int, tuple] = {}  # which params need grad (bits) -> keep
+        self.saves = saves
         module = getattr(fn, "__module__", "") or ""
         self.family = module.rsplit(".", 1)[-1] if module.startswith("graphgrad.ops.") else "user"
+        # ops that can return a view of an input: dispatch checks their outputs (a view's
+        # grad_fn is rebuilt after its base changes in place; views made under no_grad are
+        # tagged). Views come from the shape and indexing families, or from user rules.
+        self.may_view = self.family in ("shape", "indexing", "user")
         # elementwise rules return gradients shaped like the output (dispatch keeps no
         # metadata for inputs shaped like it); other rules may rely on the engine's reduction
         self.elementwise = self.family in ("elementwise", "activation")
@@ -228,7 +234,8 @@ def _register(funcs: tuple, rule: Rule) -> Rule:
 
 def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
                multi_output: bool = False,
-               saved_for: dict[str, str | tuple[str, ...]] | None = None) -> Callable[[Callable], Callable]:
+               saved_for: dict[str, str | tuple[str, ...]] | None = None,
+               saves: Callable | None = None) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the derivative rule of the torch functions ``funcs``.
 
     ``inplace`` lists in-place variants (``torch.Tensor.mul_``) that use the same rule: the
@@ -236,13 +243,20 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     parameter to the parameters whose gradients need it (``{"input": "other"}`` for mul): its
     values are saved only when one of those requires grad, otherwise only its ``Meta`` (so
     the rule must consult ``needs_input_grad`` before using its values).
+
+    ``saves(values, keep) -> (keep, result_parts)`` narrows what one call saves, for rules
+    whose overloads need different things (``max(x, dim)`` needs only its indices):
+    ``values`` are the bound arguments, ``keep`` says per parameter 0 (nothing), 1 (the
+    value) or 2 (its ``Meta``), and ``result_parts`` lists the outputs of a multi-output op
+    that the rule reads (None: all). What is not saved is not version-checked either, so an
+    in-place change of it after the op is allowed, as in torch.
     """
 
     def register(fn: Callable) -> Callable:
-        rule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for)
+        rule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for, saves)
         _register(funcs, rule)
         if inplace:
-            irule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for)
+            irule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for, saves)
             irule.inplace_of = rule
             _register(inplace, irule)
         fn.rule = rule
@@ -266,6 +280,7 @@ def nondifferentiable(*funcs: Any) -> None:
     rule = Rule(lambda *a, **k: None, NONDIFFERENTIABLE, "nondifferentiable")
     caller = sys._getframe(1).f_globals.get("__name__", "")
     rule.family = caller.rsplit(".", 1)[-1] if caller.startswith("graphgrad.ops.") else "user"
+    rule.may_view = rule.family in ("shape", "indexing")
     for f in funcs:
         RULES.setdefault(f, rule)
 

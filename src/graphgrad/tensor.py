@@ -20,6 +20,7 @@ __all__ = ["Tensor", "tensor", "as_tensor", "wrap_output"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 wrap_output = dispatch.wrap_output
+_current_node = dispatch.current_node  # a view's grad_fn, rebuilt if its base changed in place
 
 
 class Tensor(torch.Tensor):
@@ -27,6 +28,8 @@ class Tensor(torch.Tensor):
 
     _gg_node = None
     _gg_nr = 0
+    _gg_view_tag = 0  # how torch would mark this view (see dispatch._tag_views)
+    _gg_view_version = 0
 
     __torch_function__ = classmethod(dispatch.torch_function)
 
@@ -36,7 +39,8 @@ class Tensor(torch.Tensor):
     # -- autograd state ----------------------------------------------------------------
     @property
     def requires_grad(self) -> bool:
-        return self._gg_node is not None
+        return self._gg_node is not None or (
+            self._gg_view_tag == dispatch.PLAIN_VIEW and _current_node(self) is not None)
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
@@ -73,7 +77,7 @@ class Tensor(torch.Tensor):
 
     @property
     def grad_fn(self) -> Node | None:
-        node = self._gg_node
+        node = _current_node(self)
         return None if node is None or type(node) is AccumulateGrad else node
 
     @property
@@ -113,7 +117,7 @@ class Tensor(torch.Tensor):
 
     def retain_grad(self) -> None:
         """Keep this non-leaf tensor's gradient in ``.grad`` during backward."""
-        node = self._gg_node
+        node = _current_node(self)
         if node is None:
             raise RuntimeError("can't retain_grad on Tensor that has requires_grad=False")
         if type(node) is not AccumulateGrad:
@@ -121,7 +125,7 @@ class Tensor(torch.Tensor):
 
     def register_hook(self, hook: Callable[[torch.Tensor], torch.Tensor | None]) -> RemovableHandle:
         """``hook(grad)`` runs when this tensor's gradient is computed; it may return a new one."""
-        node = self._gg_node
+        node = _current_node(self)
         if node is None:
             raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
         return node.add_tensor_hook(self._gg_nr, hook)
@@ -139,7 +143,7 @@ class Tensor(torch.Tensor):
         with _Disable():
             plain = torch.Tensor.detach(self)
             text = torch.Tensor.__repr__(plain, tensor_contents=tensor_contents)
-        node = self._gg_node
+        node = _current_node(self)
         if node is None:
             return text
         extra = "requires_grad=True" if type(node) is AccumulateGrad else f"grad_fn=<{node.name()}>"

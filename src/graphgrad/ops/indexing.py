@@ -1,4 +1,4 @@
-"""Indexing ops: __getitem__/__setitem__, index_select/index_add/index_copy/index_fill/index_put,
+"""Indexing ops: __getitem__/__setitem__, copy_, index_select/index_add/index_copy/index_fill/index_put,
 gather/scatter/scatter_add, take/take_along_dim, masked_fill/masked_select/masked_scatter, unfold.
 
 Selections that may pick an element several times (integer indices, ``unfold``) send the
@@ -107,6 +107,13 @@ def setitem(grad, input: Meta, index, value: Meta, *, needs_input_grad):
         grad_input[index] = 0
     grad_value = _like_value(grad[index], value) if needs_input_grad[2] else None
     return grad_input, None, grad_value
+
+
+@derivative(T.copy_)
+def copy_(grad, input: Meta, src: Meta, non_blocking=False):
+    """``input.copy_(src)``: the old values get nothing; the engine sums src's share down to
+    its shape (src broadcasts) and casts it to src's dtype and device."""
+    return None, grad
 
 
 @derivative(torch.index_put, T.index_put, inplace=(T.index_put_, torch.index_put_))

@@ -146,13 +146,22 @@ def _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, is_max
     return grad.new_zeros(input.shape).scatter(dim, index, grad)
 
 
-@derivative(torch.max, T.max, multi_output=True, name="MaxBackward")
+def _max_min_saves(values, keep):
+    """``max(x, dim)`` needs only the indices and x's shape; torch allows changing the values
+    or x in place afterwards. ``max(x)`` needs x and the value, ``max(x, other)`` both inputs."""
+    dim, other = values[1], values[3]
+    if dim is None or isinstance(dim, torch.Tensor) or other is not None:
+        return keep, None
+    return (2,) + tuple(keep[1:]), (1,)
+
+
+@derivative(torch.max, T.max, multi_output=True, name="MaxBackward", saves=_max_min_saves)
 def max_rule(grads, input, dim=None, keepdim=False, *, other=None, result, needs_input_grad):
     """``max(x)``, ``max(x, dim, keepdim)`` -> (values, indices), and ``max(x, other)``."""
     return _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, True)
 
 
-@derivative(torch.min, T.min, multi_output=True, name="MinBackward")
+@derivative(torch.min, T.min, multi_output=True, name="MinBackward", saves=_max_min_saves)
 def min_rule(grads, input, dim=None, keepdim=False, *, other=None, result, needs_input_grad):
     """``min(x)``, ``min(x, dim, keepdim)`` -> (values, indices), and ``min(x, other)``."""
     return _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, False)
@@ -230,7 +239,12 @@ def var_mean(grads, input, *args, **kwargs):
     return _var_mean_grad(grads, input, args, kwargs)
 
 
-@derivative(torch.std_mean, multi_output=True)
+def _std_only(values, keep):
+    """std_mean's backward reads the std, never the mean."""
+    return keep, (0,)
+
+
+@derivative(torch.std_mean, multi_output=True, saves=_std_only)
 def std_mean(grads, input, *args, result, **kwargs):
     return _var_mean_grad(grads, input, args, kwargs, std=result[0])
 
