@@ -331,6 +331,12 @@ class Interpreter:
         (k, _), (g, go), (t, to) = picked
         fn = INPLACE[name]
         base = g._base if g._is_view() else None
+        if id(t) in self.retained and t.output_nr != 0:
+            # torch bug (2.13): an in-place op on output 1 of a multi-output op (std_mean's
+            # mean) that retains its grad fails "out != nullptr INTERNAL ASSERT FAILED", or
+            # crashes the process
+            STATS["inplace_on_retained_second_output_left_out"] += 1
+            return
         other = name in USES_OTHER and isinstance(go, torch.Tensor) and go.requires_grad
         if k in self.no_grad_views and torch.is_grad_enabled() and (
                 other or (base is not None and base.requires_grad)):
@@ -441,9 +447,11 @@ class Interpreter:
                     ok, _, _, _ = run_both(lambda: picked[1][0].requires_grad_(flag),
                                            lambda: picked[2][0].requires_grad_(flag))
                     k = picked[0][0]
-                    for m in range(len(self.root)):  # torch's views follow their base's flag
-                        if ok and m != k and self.root[m] == self.root[k]:
-                            self.stale[m] = True
+                    if ok and any(m != k and self.root[m] == self.root[k] for m in range(len(self.root))):
+                        # torch's views follow their base's flag, without a grad_fn (and one that
+                        # a node saved may then raise when backward unpacks it): the programs part
+                        STATS["stopped_at_requires_grad_on_a_base_with_views"] += 1
+                        raise StopProgram
             elif kind == "backward":
                 self.backward(*step[1:])
             elif kind == "grad":
