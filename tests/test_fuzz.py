@@ -46,7 +46,11 @@ Left out:
   (torch then says they require grad, with no grad_fn);
 - an in-place op on an expanded view that the kernel allows (``masked_fill_``): graphgrad
   refuses to record it (its gradient is undefined), torch fails later, in backward: the
-  program ends there.
+  program ends there;
+- ``requires_grad_()`` on a tensor that has views: torch's views then require grad without a
+  grad_fn (a saved one may even raise when backward unpacks it): the program ends there;
+- an in-place op on the second output of ``std_mean`` while it retains its grad: a torch 2.13
+  bug ("out != nullptr INTERNAL ASSERT FAILED", or a crash).
 
 CI runs 500 examples (derandomized: the same ones every run); ``--run-slow`` runs 5,000; the
 environment variable ``GRAPHGRAD_FUZZ_EXAMPLES=N`` runs N fresh random ones. Figures are
