@@ -488,10 +488,7 @@ def _record_inplace(func, rule, args, kwargs):
         node.result = SavedResult(self.detach())
     if type(self) is _PlainTensor:
         self.__class__ = _TENSOR_CLS
-    if old is not None and old.retained is not None:  # retain_grad() follows the tensor
-        ref = old.retained.pop(getattr(self, "_gg_nr", 0), None)
-        if ref is not None:
-            node.retained = {0: ref}
+    _move_retained(old, getattr(self, "_gg_nr", 0), node)
     self._gg_node = node
     if getattr(self, "_gg_nr", 0):
         self._gg_nr = 0
@@ -537,20 +534,12 @@ def _copy_slices(target, view_node, graph):
     itself leading back to the base's old one, and to the op's other inputs).
     """
     base, base_node, base_nr, geometry = target
-    rule = _REBUILT_VIEW[1]
-    if rule is None:
-        from .ops.shape import copy_slices_backward
-        from .rules import DIFFERENTIABLE, Rule
-
-        rule = _REBUILT_VIEW[1] = Rule(copy_slices_backward, DIFFERENTIABLE, "CopySlices")
+    rule = _view_rule(1)
     values = (base, None, geometry)
     saved, versions = save_arguments(rule.keep, values)
     nexts = (_NO_EDGE if base_node is None else (base_node, base_nr), (view_node, 0))
     node = new_node(rule, nexts, (0, 1), (None, None), saved, versions, graph)
-    if base_node is not None and base_node.retained is not None:  # retain_grad() follows
-        ref = base_node.retained.pop(base_nr, None)
-        if ref is not None:
-            node.retained = {0: ref}
+    _move_retained(base_node, base_nr, node)
     if type(base) is _PlainTensor:
         base.__class__ = _TENSOR_CLS
     base._gg_node = node
@@ -606,12 +595,7 @@ def _rebuild_view_node(t, graph):
             "view_as_real, x.view(dtype)) is used after its base was modified in place; "
             "graphgrad cannot rebuild its grad_fn across a dtype change. Take the view again "
             "after the in-place op.")
-    rule = _REBUILT_VIEW[0]
-    if rule is None:
-        from .ops.shape import as_strided_backward
-        from .rules import DIFFERENTIABLE, Rule
-
-        rule = _REBUILT_VIEW[0] = Rule(as_strided_backward, DIFFERENTIABLE, "AsStridedBackward")
+    rule = _view_rule(0)
     values = (base, _geometry(base, t))
     slots = _slots(rule, values, graph, None)
     node = None
@@ -620,11 +604,7 @@ def _rebuild_view_node(t, graph):
         saved, versions = save_arguments(rule.keep, values)
         node = new_node(rule, nexts, slot_pos, metas, saved, versions, graph)
         node.view_version = _version(t) + 1
-        nr = t._gg_nr
-        if old is not None and old.retained is not None:  # retain_grad() follows the tensor
-            ref = old.retained.pop(nr, None)
-            if ref is not None:
-                node.retained = {0: ref}
+        _move_retained(old, t._gg_nr, node)
         graph.record(node)
     else:  # seen at this version: not to be looked at again until it changes
         t._gg_view_version = _version(t) + 1
@@ -640,6 +620,30 @@ def _revived(t):
     if _version(t) + 1 == t._gg_view_version:
         return False
     return _rebuild_view_node(t, current_graph()) is not None
+
+
+def _move_retained(old, nr, node):
+    """retain_grad() follows the tensor to its new grad_fn (output 0 of ``node``), as in torch."""
+    if old is not None and old.retained is not None:
+        ref = old.retained.pop(nr, None)
+        if ref is not None:
+            node.retained = {0: ref}
+
+
+def _view_rule(i):
+    """The rules of the nodes made here for views: AsStridedBackward (0), CopySlices (1).
+
+    Written in ops/shape.py (pure Python: rules are read by their bytecode), made at first use.
+    """
+    rule = _REBUILT_VIEW[i]
+    if rule is None:
+        from .ops import shape
+        from .rules import DIFFERENTIABLE, Rule
+
+        fn, name = ((shape.as_strided_backward, "AsStridedBackward"),
+                    (shape.copy_slices_backward, "CopySlices"))[i]
+        rule = _REBUILT_VIEW[i] = Rule(fn, DIFFERENTIABLE, name)
+    return rule
 
 
 def _geometry(base, view):
