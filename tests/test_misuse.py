@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import graphgrad as gg
+from test_saved_hooks import Square
 
 DT = torch.float64
 TOL = {"rtol": 1e-7, "atol": 1e-7}
@@ -159,21 +160,17 @@ def test_user_error_during_backward_propagates_and_the_retained_graph_recovers(w
         torch.testing.assert_close(g, t, **TOL)
 
 
-class FailingOnce(gg.Function):
-    armed = True
+class FailingOnce(Square):
+    """test_saved_hooks' Square, whose backward fails the first time it runs."""
 
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
+    armed = True
 
     @staticmethod
     def backward(ctx, grad):
         if FailingOnce.armed:
             FailingOnce.armed = False
             raise ValueError("custom backward failed")
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
+        return Square.backward(ctx, grad)
 
 
 def test_custom_function_backward_error_propagates_and_the_retained_graph_recovers():
