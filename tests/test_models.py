@@ -199,44 +199,48 @@ def mlp32():
     return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
-def autocast_train(model, batches, device="cpu", dtype=torch.bfloat16, steps=STEPS):
+def autocast_step(model, opt, x, y, step, device, dtype):
     """The usual AMP recipe: forward and loss under autocast, backward outside it."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses, grads, dtypes = [], [], []
-    for step in range(steps):
-        x, y = (t.to(device) for t in batches(step, torch.float32))
-        opt.zero_grad()
-        torch.manual_seed(step)
-        with torch.autocast(device, dtype=dtype):
-            out = model(x)
-            loss = F.cross_entropy(out, y)
-        dtypes.append((out.dtype, loss.dtype))
-        loss.backward()
-        grads.append([plain(p.grad) for p in model.parameters()])
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads, dtypes
+    opt.zero_grad()
+    torch.manual_seed(step)
+    with torch.autocast(device, dtype=dtype):
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+    loss.backward()
+    return loss, out.dtype, [plain(p.grad) for p in model.parameters()]
 
 
 def check_autocast(name, device, dtype):
+    """Low-precision steps in lockstep: before every step graphgrad's model takes the
+    reference's weights and buffers, so each step is compared from the same state and the
+    bf16/fp16 rounding of earlier steps is never amplified (no trajectory comparison)."""
     make, batches = {"mlp": (mlp32, vectors), "cnn": (cnn32, images)}[name]
     torch.manual_seed(0)
     ref = make().to(device)
     ours = gg.nn.adopt(copy.deepcopy(ref))
-    losses_o, grads_o, dtypes_o = autocast_train(ours, batches, device, dtype)
-    losses_r, grads_r, dtypes_r = autocast_train(ref, batches, device, dtype)
-    assert dtypes_o == dtypes_r and dtypes_r[0][0] == dtype
-    for p in ours.parameters():  # gradients come back in each leaf's dtype
-        assert p.dtype == torch.float32 and type(p.grad) is torch.Tensor and p.grad.dtype == torch.float32
-    # Step 0 starts from identical weights and both engines run the same low-precision kernels:
-    # the loss agrees to float32 rounding, the gradients up to float32 summation order (measured
-    # 2.5e-8 of the largest entry). Later steps drift at bf16 level (weights rounded to bf16 amplify
-    # those last bits; measured <= 2e-3 on the losses), so those losses are compared to 1e-2.
-    assert losses_o[0] == pytest.approx(losses_r[0], rel=1e-6)
-    scale = max(b.abs().max().item() for b in grads_r[0])
-    for a, b in zip(grads_o[0], grads_r[0]):
-        assert (a - b).abs().max().item() <= 1e-5 * scale
-    assert losses_o == pytest.approx(losses_r, rel=1e-2)
+    opt_o = torch.optim.SGD(ours.parameters(), lr=0.05)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(STEPS):
+        with torch.no_grad():
+            ours.load_state_dict(ref.state_dict())
+        x, y = (t.to(device) for t in batches(step, torch.float32))
+        loss_o, dtype_o, grads_o = autocast_step(ours, opt_o, x, y, step, device, dtype)
+        loss_r, dtype_r, grads_r = autocast_step(ref, opt_r, x, y, step, device, dtype)
+        assert dtype_o == dtype_r == dtype and loss_o.dtype == loss_r.dtype == torch.float32
+        for p in ours.parameters():  # gradients come back in each leaf's dtype
+            assert p.dtype == torch.float32 and type(p.grad) is torch.Tensor and p.grad.dtype == torch.float32
+        # The forward runs the same low-precision kernels on the same values: the loss agrees
+        # to float32 rounding. Backward rules may compute in another order than torch's fused
+        # kernels (BatchNorm's recomputes its statistics in float32), which can flip the
+        # rounding of a bf16 gradient entry by one unit (2**-8 relative): measured 1.3e-3 of
+        # the largest gradient entry at worst (a bias gradient that sums such entries), so
+        # they must agree to two units of bf16 rounding of the largest entry.
+        assert loss_o.item() == pytest.approx(loss_r.item(), rel=1e-6), step
+        scale = max(b.abs().max().item() for b in grads_r)
+        for a, b in zip(grads_o, grads_r):
+            assert (a - b).abs().max().item() <= 2.0 ** -7 * scale, step
+        opt_o.step()
+        opt_r.step()
 
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "nll_log_softmax", "mse"])
@@ -258,9 +262,8 @@ def test_autocast_loss_matches_torch(loss):
     lo.backward()
     lr.backward()
     assert ours.grad.dtype == torch.float32
-    # log_softmax's backward in bf16: torch's fused kernel rounds once, the rule's ops each round
-    ulp = 2.0 ** -8 * ref.grad.abs().max().item() if loss == "nll_log_softmax" else 1e-7
-    torch.testing.assert_close(ours.grad, ref.grad, rtol=0, atol=ulp)
+    # log_softmax's backward runs torch's fused kernel, in bf16 here, as torch's own does
+    torch.testing.assert_close(ours.grad, ref.grad, rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])

@@ -269,6 +269,7 @@ CASES = [
     N(torch.randint_like, lambda x: torch.randint_like(x, 3, 10), r(3, 4)),
     N(T.new_ones, method("new_ones", (2, 3)), r(3, 4)),
     N(T.new_tensor, method("new_tensor", [[1, 2], [3, 4]]), r(3, 4)),
+    N(T.new_empty_strided, lambda x: x.new_empty_strided((2, 3), (3, 1)).zero_(), r(3, 4)),
 ]
 
 

@@ -13,6 +13,7 @@ import torch
 from torch.autograd.anomaly_mode import detect_anomaly, set_detect_anomaly
 from torch.autograd.grad_mode import enable_grad, no_grad, set_grad_enabled
 
+from .dispatch import current_node, route
 from .executor import run_backward
 
 __all__ = ["backward", "grad", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
@@ -53,7 +54,7 @@ def _make_root_grads(outputs: tuple, grads: tuple, create_graph: bool, is_grads_
         for i, out in enumerate(outputs):
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"outputs[{i}] is a {type(out).__name__}, not a tensor")
-            if getattr(out, "_gg_node", None) is None:
+            if current_node(out) is None:
                 raise RuntimeError(
                     f"element {i} of tensors does not require grad and does not have a "
                     "grad_fn. Make sure the leaves it comes from were created with "
@@ -126,3 +127,48 @@ def grad(outputs: _TensorOrTensors, inputs: _TensorOrTensors,
         with _Disable():
             result = tuple(torch.zeros_like(i) if g is None else g for g, i in zip(result, ins))
     return result
+
+
+def _torch_autograd_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+                         only_inputs=True, allow_unused=None, is_grads_batched=False,
+                         materialize_grads=False):
+    """``torch.autograd.grad`` called on graphgrad tensors: graphgrad's ``grad``.
+
+    ``is_grads_batched`` runs one backward pass per row of the batched gradients (the same
+    result as torch's vmap, one pass at a time) and stacks the results.
+    """
+    if not is_grads_batched:
+        return grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused,
+                    materialize_grads)
+    outs = _as_tuple(outputs, "outputs")
+    batched = _as_tuple(grad_outputs, "grad_outputs") if grad_outputs is not None else ()
+    if len(batched) != len(outs) or any(g is None for g in batched):
+        raise RuntimeError("is_grads_batched=True needs one batched gradient per output "
+                           "(a tensor whose first dimension is the batch)")
+    n = batched[0].shape[0]
+    if any(g.shape[0] != n for g in batched):
+        raise RuntimeError("is_grads_batched=True: every batched gradient needs the same first "
+                           f"dimension (got {[tuple(g.shape) for g in batched]})")
+    rows = []
+    for i in range(n):
+        keep = True if i < n - 1 else retain_graph
+        rows.append(grad(outputs, inputs, [g[i] for g in batched], keep, create_graph,
+                         allow_unused, materialize_grads))
+    result = []
+    for k in range(len(rows[0]) if rows else 0):
+        column = [row[k] for row in rows]
+        result.append(None if all(g is None for g in column) else torch.stack(
+            [torch.zeros_like(_as_tuple(inputs, "inputs")[k]) if g is None else g for g in column]))
+    return tuple(result)
+
+
+def _torch_autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
+                             grad_variables=None, inputs=None):
+    """``torch.autograd.backward`` called on graphgrad tensors: graphgrad's ``backward``."""
+    if grad_tensors is None:
+        grad_tensors = grad_variables
+    backward(tensors, grad_tensors, retain_graph, create_graph, inputs)
+
+
+route(torch.autograd.grad, _torch_autograd_grad)
+route(torch.autograd.backward, _torch_autograd_backward)

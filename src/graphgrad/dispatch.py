@@ -18,12 +18,12 @@ import weakref
 import torch
 
 from .graph import current_graph
-from .node import AccumulateGrad, new_node
+from .node import TORCH_BRIDGE, TORCH_LEAF, AccumulateGrad, new_node
 from .references import SavedResult, save_arguments
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 
 __all__ = ["torch_function", "call", "wrap_output", "set_tensor_class", "is_inplace", "observe_calls",
-           "install_fast_paths", "current_node"]
+           "install_fast_paths", "current_node", "torch_node", "route"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch._C.is_grad_enabled
@@ -36,6 +36,9 @@ _same_size = torch._C.TensorBase.is_same_size
 _device_index = torch._C.TensorBase.get_device
 _version = torch._C.TensorBase._version.__get__
 _is_view = torch._C.TensorBase._is_view
+_torch_requires_grad = torch._C.TensorBase.requires_grad.__get__
+_torch_grad_fn = torch._C.TensorBase.grad_fn.__get__
+_set_grad_enabled = torch._C._set_grad_enabled
 _tf_enabled = torch._C._is_torch_function_enabled
 _tf_mode = torch._C._is_torch_function_mode_enabled
 _autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)
@@ -52,6 +55,7 @@ _EMPTY = inspect.Parameter.empty
 _weakref = weakref.ref
 _INTERNED: dict = {}
 _observer = None  # see observe_calls
+TORCH_TRACKED = 2  # _needs_grad: an argument is tracked by torch's own autograd
 NO_GRAD_VIEW = 1  # values of a view's _gg_view_tag (see _tag_views)
 MULTI_OUTPUT_VIEW = 2
 PLAIN_VIEW = 3
@@ -121,37 +125,87 @@ def _wrap_plain(out, args, kwargs):
 
 
 def _node_of(t):
-    """The graph node of a tensor argument (None for plain tensors and no-grad ones)."""
+    """The graph node of a tensor argument (None for one that needs no gradient).
+
+    A plain torch tensor with torch's own ``requires_grad=True`` is a leaf of graphgrad's
+    graph too (see ``torch_node``)."""
     tp = type(t)
     if tp is _TENSOR_CLS:
         return t._gg_node
+    if _torch_requires_grad(t):
+        return torch_node(t)
     return None if tp is _PlainTensor else getattr(t, "_gg_node", None)
 
 
+_BRIDGES = weakref.WeakValueDictionary()  # id(torch non-leaf) -> its bridge node, while alive
+
+
+def torch_node(t):
+    """The node of a tensor that torch's own autograd tracks (torch ``requires_grad=True``).
+
+    A torch leaf gets an AccumulateGrad, kept on the tensor as a graphgrad leaf keeps its
+    own: its gradient lands in its ``.grad`` as torch would put it there. A tensor that
+    torch's autograd computed (it has a torch ``grad_fn``) gets a bridge: its gradient is
+    handed to torch's own backward (see the executor). The bridge holds the tensor (its
+    torch graph must live until then) and the tensor does not hold the bridge, so no cycle.
+    """
+    if _torch_grad_fn(t) is None:
+        node = getattr(t, "_gg_torch_node", None)
+        if node is None:
+            node = AccumulateGrad(t, TORCH_LEAF)
+            t._gg_torch_node = node
+        return node
+    node = _BRIDGES.get(id(t))
+    if node is None or node.variable is not t:
+        node = AccumulateGrad(t, TORCH_BRIDGE)
+        _BRIDGES[id(t)] = node
+    return node
+
+
 def _needs_grad(args, kwargs):
-    """Does any tensor argument (one level into lists) require grad?"""
+    """Does any tensor argument (one level into lists) require grad?
+
+    0: no; 1: yes; ``TORCH_TRACKED`` (2): yes, and one of them is tracked by torch's own
+    autograd, which must then record nothing (the kernel runs with torch's grad mode off).
+    """
     cls = _TENSOR_CLS
+    found = 0
     for a in args:
         tp = type(a)
         if tp is cls:
             if a._gg_node is not None or (a._gg_view_tag == PLAIN_VIEW and _revived(a)):
-                return True
+                found = 1
+        elif tp is _PlainTensor:
+            if _torch_requires_grad(a):
+                return TORCH_TRACKED
         elif tp is list or tp is tuple:
             for b in a:
-                if isinstance(b, _PlainTensor) and (_node_of(b) is not None or (
-                        getattr(b, "_gg_view_tag", 0) == PLAIN_VIEW and _revived(b))):
-                    return True
-        elif tp is not _PlainTensor and isinstance(a, _PlainTensor) and _node_of(a) is not None:
-            return True
+                if isinstance(b, _PlainTensor):
+                    if _torch_requires_grad(b):
+                        return TORCH_TRACKED
+                    if _node_of(b) is not None or (
+                            getattr(b, "_gg_view_tag", 0) == PLAIN_VIEW and _revived(b)):
+                        found = 1
+        elif isinstance(a, _PlainTensor):
+            if _torch_requires_grad(a):
+                return TORCH_TRACKED
+            if _node_of(a) is not None:
+                found = 1
     if kwargs:
         for a in kwargs.values():
             if type(a) is list or type(a) is tuple:
                 for b in a:
-                    if isinstance(b, _PlainTensor) and _node_of(b) is not None:
-                        return True
-            elif isinstance(a, _PlainTensor) and _node_of(a) is not None:
-                return True
-    return False
+                    if isinstance(b, _PlainTensor):
+                        if _torch_requires_grad(b):
+                            return TORCH_TRACKED
+                        if _node_of(b) is not None:
+                            found = 1
+            elif isinstance(a, _PlainTensor):
+                if _torch_requires_grad(a):
+                    return TORCH_TRACKED
+                if _node_of(a) is not None:
+                    found = 1
+    return found
 
 
 def torch_function(cls, func, types, args=(), kwargs=None):
@@ -160,7 +214,20 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     if special is not None:
         with _Disable():
             return special(*args, **(kwargs or {}))
+    route = _ROUTES.get(func)
+    if route is not None:
+        return route(*args, **(kwargs or {}))
     return call(func, args, kwargs)
+
+
+#: torch functions that graphgrad answers with its own (``torch.autograd.grad`` -> ``gg.grad``),
+#: called with the protocol still on; filled by ``route`` from the modules above this one
+_ROUTES: dict = {}
+
+
+def route(func, to) -> None:
+    """Answer calls of torch function ``func`` on graphgrad tensors with ``to(*args, **kwargs)``."""
+    _ROUTES[func] = to
 
 
 def call(func, args, kwargs):
@@ -174,22 +241,26 @@ def call(func, args, kwargs):
         _observer(func)
     if kwargs is None:
         kwargs = _NO_KWARGS
+    elif kwargs.get("requires_grad"):
+        return _new_leaf(func, args, kwargs)
     with _Disable():
         if not _grad_enabled():
             out = func(*args, **kwargs)
             if rule is not None and rule.may_view:
                 _tag_views(out, args, kwargs, NO_GRAD_VIEW)
             return _wrap_plain(out, args, kwargs)
-        if not _needs_grad(args, kwargs):
+        needs = _needs_grad(args, kwargs)
+        if not needs:
             if (rule is not None and rule.may_view) or (
                     args and type(args[0]) is _TENSOR_CLS and args[0]._gg_view_tag):
                 return _unrecorded_view_op(func, rule, args, kwargs)
             return _wrap_plain(func(*args, **kwargs), args, kwargs)
+        silent = needs == TORCH_TRACKED
         if rule is None:
-            return _no_rule(func, args, kwargs)
+            return _no_rule(func, args, kwargs, silent)
         kind = rule.kind
         if kind == NONDIFFERENTIABLE:
-            return _wrap_plain(func(*args, **kwargs), args, kwargs)
+            return _wrap_plain(_kernel(func, args, kwargs, silent), args, kwargs)
         if kind != DECOMPOSITION:
             if kwargs and kwargs.get("out") is not None:
                 raise RuntimeError(
@@ -197,10 +268,33 @@ def call(func, args, kwargs):
                     "automatic differentiation, but one of the arguments requires grad. Call "
                     "it without out=, or under gg.no_grad().")
             if rule.inplace_of is not None or is_inplace(func):
-                return _record_inplace(func, rule, args, kwargs)
-            return _record(func, rule, args, kwargs)
+                return _record_inplace(func, rule, args, kwargs, silent)
+            return _record(func, rule, args, kwargs, silent)
     # a composite: run it with recording on, so its primitives are recorded
     return rule.fn(*args, **kwargs)
+
+
+def _kernel(func, args, kwargs, silent):
+    """Run the torch function; ``silent``: with torch's grad mode off, because an argument
+    is tracked by torch's own autograd, which must not record what graphgrad records."""
+    if not silent:
+        return func(*args, **kwargs)
+    _set_grad_enabled(False)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _set_grad_enabled(True)
+
+
+def _new_leaf(func, args, kwargs):
+    """A factory asked for ``requires_grad=True`` (``torch.zeros_like(x, requires_grad=True)``):
+    a new graphgrad leaf that requires grad (torch's own flag stays off)."""
+    kwargs = dict(kwargs)
+    del kwargs["requires_grad"]
+    out = call(func, args, kwargs)
+    if not isinstance(out, _TENSOR_CLS):
+        raise TypeError(f"{qualified_name(func)}(requires_grad=True) did not return a new tensor")
+    return out.requires_grad_(True)
 
 
 def observe_calls(fn):
@@ -318,7 +412,7 @@ def _add_slot(t, graph, nexts, metas):
         return False
     if node.graph is not graph and node.graph is not None:
         _check_same_graph(node, graph)
-    nexts.append((node, t._gg_nr))
+    nexts.append((node, t._gg_nr if type(t) is _TENSOR_CLS else getattr(t, "_gg_nr", 0)))
     metas.append(t)
     return True
 
@@ -359,10 +453,10 @@ def _check_same_graph(node, graph):
         )
 
 
-def _record(func, rule, args, kwargs):
+def _record(func, rule, args, kwargs, silent):
     values = _bind(func, rule, args, kwargs)
     graph = current_graph()
-    out = func(*args, **kwargs)
+    out = _kernel(func, args, kwargs, silent)
     ref = None
     if type(out) is _PlainTensor:
         if _is_input(out, args, kwargs):  # the op returned an input unchanged (x.to(x.dtype))
@@ -440,7 +534,7 @@ def _attach(out, node, rule, parts):
     return out
 
 
-def _record_inplace(func, rule, args, kwargs):
+def _record_inplace(func, rule, args, kwargs, silent):
     """Record ``self.op_(...)``: self's grad_fn becomes the new node, whose input is self's old one.
 
     On a view, the view's base changes too: it gets a CopySlices node (see ``_copy_slices``).
@@ -450,6 +544,11 @@ def _record_inplace(func, rule, args, kwargs):
     if tag and tag != PLAIN_VIEW:  # (checked first, as torch does)
         raise RuntimeError(_view_tag_message(func, tag))
     old = _node_of(self)
+    if old is not None and type(old) is AccumulateGrad and old.torch_kind == TORCH_BRIDGE:
+        raise NotImplementedError(
+            f"{qualified_name(func)}: an in-place op on a tensor that torch's own autograd "
+            "computed (it has a torch grad_fn), with graphgrad tensors among the arguments, "
+            "is not supported; use the out-of-place op (y = y.op(...)).")
     if old is not None and old.graph is None:
         raise RuntimeError(
             f"a leaf Variable that requires grad is being used in an in-place operation "
@@ -471,7 +570,7 @@ def _record_inplace(func, rule, args, kwargs):
     graph = current_graph()
     slots = _slots(base_rule, values, graph, None)  # (rebuilds a stale view's grad_fn first)
     if slots is None:
-        return func(*args, **kwargs)
+        return _kernel(func, args, kwargs, silent)
     old = _node_of(self)
     target = _view_target(func, base_rule, self) if is_view else None
     nexts, slot_pos, metas = slots
@@ -482,7 +581,7 @@ def _record_inplace(func, rule, args, kwargs):
             copy = wrap_output(copy, old, getattr(self, "_gg_nr", 0))
         values = (copy,) + tuple(values[1:])
     saved, versions = save_arguments(keep, values)
-    out = func(*args, **kwargs)
+    out = _kernel(func, args, kwargs, silent)
     node = new_node(base_rule, nexts, slot_pos, metas, saved, versions, graph)
     if base_rule.saves_result:
         node.result = SavedResult(self.detach())
@@ -706,7 +805,7 @@ def _base_requires_grad(view):
     return base is not None and _node_of(base) is not None
 
 
-def _no_rule(func, args, kwargs):
+def _no_rule(func, args, kwargs, silent):
     if "out" in kwargs and kwargs["out"] is not None:
         name = qualified_name(func)
         raise RuntimeError(
@@ -723,7 +822,7 @@ def _no_rule(func, args, kwargs):
                 f"({name}). Do it under gg.no_grad() (as optimizers do), or apply it to a "
                 "clone() of the tensor.")
         raise NotImplementedError(_no_rule_message(name, inplace=True))
-    out = func(*args, **kwargs)
+    out = _kernel(func, args, kwargs, silent)
     if _has_float_tensor(out, args, kwargs):
         raise NotImplementedError(_no_rule_message(qualified_name(func), inplace=False))
     return _wrap_plain(out, args, kwargs)
@@ -750,7 +849,21 @@ def _has_float_tensor(out, args, kwargs):
 
 
 # -- functions with fixed meanings, handled before rules --------------------------------
+_NON_LEAF_GRAD = (
+    "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its .grad "
+    "attribute won't be populated during autograd.backward(). If you indeed want the .grad "
+    "field to be populated for a non-leaf Tensor, use .retain_grad() on the non-leaf Tensor. "
+    "If you access the non-leaf Tensor by mistake, make sure you access the leaf Tensor "
+    "instead.")
+
+
 def _get_grad(self):
+    node = getattr(self, "_gg_node", None)
+    if node is not None and type(node) is not AccumulateGrad and (
+            node.retained is None or node.retained.get(getattr(self, "_gg_nr", 0)) is None):
+        import warnings  # (rare: only a mistaken read of a non-leaf's .grad gets here)
+
+        warnings.warn(_NON_LEAF_GRAD, UserWarning, stacklevel=3)
     return torch.Tensor.grad.__get__(self)
 
 
@@ -772,7 +885,44 @@ def _get_base(self):
     return torch.Tensor._base.__get__(self)
 
 
+def _requires_grad(t):
+    return _node_of(t) is not None or current_node(t) is not None
+
+
+def _numpy(self, *, force=False):
+    if not force and _requires_grad(self):
+        raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use "
+                           "tensor.detach().numpy() instead.")
+    return torch.Tensor.numpy(self, force=force)
+
+
+def _array(self, *args, **kwargs):
+    if _requires_grad(self):
+        raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use "
+                           "tensor.detach().numpy() instead.")
+    return torch.Tensor.__array__(self, *args, **kwargs)
+
+
+def _resizer(func):
+    def resize(self, *args, **kwargs):
+        if _requires_grad(self):
+            raise RuntimeError("cannot resize variables that require grad (as in torch): resize "
+                               "a detach()ed tensor, or build a new one")
+        return func(self, *args, **kwargs)
+    return resize
+
+
+def _share_memory(self):
+    """Moves the storage to shared memory: no new values, nothing to differentiate."""
+    return torch.Tensor.share_memory_(self)
+
+
 _SPECIAL = {
+    torch.Tensor.numpy: _numpy,
+    torch.Tensor.__array__: _array,
+    torch.Tensor.resize_: _resizer(torch.Tensor.resize_),
+    torch.Tensor.resize_as_: _resizer(torch.Tensor.resize_as_),
+    torch.Tensor.share_memory_: _share_memory,
     torch.Tensor.grad.__get__: _get_grad,
     torch.Tensor.grad.__set__: _set_grad,
     torch.Tensor._grad.__get__: _get_grad,

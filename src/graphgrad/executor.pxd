@@ -7,12 +7,13 @@ from graphgrad.node cimport AccumulateGrad, Node
 cdef object _Disable, _PlainTensor
 
 @cython.locals(node=Node, parent=Node, i=Py_ssize_t, nexts=tuple)
-cdef tuple _walk(list root_nodes, object targets)
+cdef tuple _walk(list root_nodes, object targets, bint into_torch)
 
 @cython.locals(node=Node, j=Py_ssize_t, nexts=tuple, slot_pos=tuple, metas=tuple, ready=list,
                buffers=dict, deps=dict, anomaly=bint, is_target=bint, n=Py_ssize_t)
 cdef object _run(list root_nodes, object root_grads, object retain_graph, bint create_graph,
-                 object targets, object inputs, object accumulate, object allow_unused)
+                 object targets, object inputs, object accumulate, object allow_unused,
+                 bint into_torch)
 
 cdef bint _all_none(object grads) except -1
 cdef object _pick(object outs, object pos)

@@ -20,7 +20,7 @@ import threading
 import torch
 
 from .dispatch import current_node
-from .node import AccumulateGrad
+from .node import TORCH_BRIDGE, TORCH_LEAF, AccumulateGrad
 
 __all__ = ["run_backward"]
 
@@ -39,6 +39,7 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
     """
     root_nodes = [(current_node(r), getattr(r, "_gg_nr", 0)) for r in roots]
     targets = None
+    into_torch = False  # may a wanted input lie upstream in torch's own graph?
     if inputs is not None:
         targets = {}
         for k, t in enumerate(inputs):
@@ -47,13 +48,15 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
                 raise RuntimeError(
                     f"One of the differentiated Tensors (inputs[{k}]) does not require grad; "
                     "pass only tensors with requires_grad=True as inputs.")
+            if type(node) is AccumulateGrad and node.torch_kind != 0:
+                into_torch = True
             targets.setdefault(node, []).append((getattr(t, "_gg_nr", 0), k, t))
     prev_grad_mode = torch.is_grad_enabled()
     if create_graph:
         torch._C._set_grad_enabled(True)
         try:
             result = _run(root_nodes, root_grads, retain_graph, True, targets, inputs,
-                          accumulate, allow_unused)
+                          accumulate, allow_unused, into_torch)
         finally:
             torch._C._set_grad_enabled(prev_grad_mode)
     else:
@@ -61,7 +64,7 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
         try:
             with _Disable():
                 result = _run(root_nodes, root_grads, retain_graph, False, targets, inputs,
-                              accumulate, allow_unused)
+                              accumulate, allow_unused, into_torch)
         finally:
             torch._C._set_grad_enabled(prev_grad_mode)
     if not retain_graph:  # what ran is about to be freed: let its graph drop it soon
@@ -71,8 +74,9 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
     return result
 
 
-def _walk(root_nodes, targets):
-    """Dependency counts over the nodes needed to reach the targets (all nodes if none)."""
+def _walk(root_nodes, targets, into_torch):
+    """Dependency counts over the nodes needed to reach the targets (all nodes if none;
+    ``into_torch``: bridges into torch's own graph count as targets too)."""
     deps = {}
     order = []  # post-order: a node after all of its inputs
     for root, _ in root_nodes:
@@ -99,7 +103,7 @@ def _walk(root_nodes, targets):
     else:
         needed = {}
         for node in order:
-            need = node in targets
+            need = node in targets or (into_torch and _is_bridge(node))
             if not need:
                 for parent, _ in node.next_functions:
                     if parent is not None and needed.get(parent, False):
@@ -116,11 +120,18 @@ def _walk(root_nodes, targets):
 
 
 def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, accumulate,
-         allow_unused):
-    deps, needed, order = _walk(root_nodes, targets)
+         allow_unused, into_torch):
+    deps, needed, order = _walk(root_nodes, targets, into_torch)
     for node in order:  # everything that can fail, before anything changes
         if node.released == 2 or needed is None or (needed[node] and _runs(node, needed)):
             node.check_saved()
+        if create_graph and _is_bridge(node) and (needed is None or needed[node]):
+            raise NotImplementedError(
+                "create_graph=True through a tensor that torch's own autograd computed (a plain "
+                "torch tensor with a torch grad_fn, used in graphgrad ops) is not supported: "
+                "its torch graph cannot be differentiated twice by graphgrad. Compute it with "
+                "graphgrad tensors (gg.as_tensor / gg.nn.adopt) instead.")
+    bridges = []  # (node, gradient) for the tensors handed to torch's backward at the end
     buffers = {}
     for (node, nr), g in zip(root_nodes, root_grads):
         _add_to_buffer(buffers, node, nr, g)
@@ -137,6 +148,8 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             grads = [None] * node.num_outputs
         if node.tensor_hooks is not None:
             _run_tensor_hooks(node, grads, handed)
+        elif type(node) is AccumulateGrad and _is_torch_leaf(node):
+            _run_torch_hooks(node, grads, handed)
         if node.retained is not None:
             _retain(node, grads)
         if node.prehooks is not None:
@@ -148,7 +161,12 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                 if g is not None:
                     captured[k] = g if captured[k] is None else captured[k] + g
         if type(node) is AccumulateGrad:
-            if accumulate and (targets is None or is_target):
+            if _is_bridge(node):
+                if grads[0] is not None and (targets is None or into_torch):
+                    bridges.append((node, grads[0]))
+                if accumulate and is_target:
+                    _accumulate(node, grads[0], create_graph, handed)
+            elif accumulate and (targets is None or is_target):
                 _accumulate(node, grads[0], create_graph, handed)
             if node.hooks is not None:
                 _run_hooks(node, (), grads, handed)
@@ -189,6 +207,8 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             deps[parent] -= 1
             if deps[parent] == 0:
                 ready.append(parent)
+    if bridges:
+        _into_torch(bridges, inputs, deps, retain_graph, accumulate, captured)
     if inputs is None or accumulate:
         return None
     for k, g in enumerate(captured):
@@ -197,6 +217,61 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                 f"One of the differentiated Tensors (inputs[{k}]) appears to not have been "
                 "used in the graph. Set allow_unused=True if this is the desired behavior.")
     return tuple(captured)
+
+
+def _is_bridge(node):
+    return type(node) is AccumulateGrad and node.torch_kind == TORCH_BRIDGE
+
+
+def _is_torch_leaf(node):
+    return node.torch_kind == TORCH_LEAF
+
+
+def _into_torch(bridges, inputs, deps, retain_graph, accumulate, captured):
+    """Hand the gradients of tensors that torch's own autograd computed to torch's backward,
+    in one call (torch sums what reaches a tensor twice, and frees its graph once).
+
+    With ``inputs``, only those upstream in torch's graph are asked for: torch leaves, and
+    torch non-leaves that graphgrad's own pass did not reach (those it reached have their
+    gradient already).
+    """
+    tensors = [node.variable for node, _ in bridges]
+    grads = [g for _, g in bridges]
+    if inputs is None:
+        torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
+        return
+    wanted = []
+    for k, t in enumerate(inputs):
+        node = current_node(t)
+        if type(node) is AccumulateGrad and (
+                node.torch_kind == TORCH_LEAF or (node.torch_kind == TORCH_BRIDGE and node not in deps)):
+            wanted.append(k)
+    if not wanted:
+        return
+    ins = [inputs[k] for k in wanted]
+    if accumulate:
+        torch.autograd.backward(tensors, grads, retain_graph=retain_graph, inputs=ins)
+        return
+    found = torch.autograd.grad(tensors, ins, grads, retain_graph=retain_graph, allow_unused=True)
+    for k, g in zip(wanted, found):
+        if g is not None:
+            captured[k] = g if captured[k] is None else captured[k] + g
+
+
+def _run_torch_hooks(node, grads, handed):
+    """The hooks registered with torch's own ``register_hook`` on a plain torch leaf."""
+    leaf = node.variable
+    hooks = getattr(leaf, "_backward_hooks", None) if leaf is not None else None
+    g = grads[0]
+    if not hooks or g is None:
+        return
+    for hook in list(hooks.values()):
+        handed.add(id(g))
+        r = hook(g)
+        if r is not None:
+            _check_hook_result(hook, g, r)
+            g = r
+    grads[0] = g
 
 
 def _runs(node, needed):
@@ -314,6 +389,11 @@ def _accumulate(node, g, create_graph, handed):
     if node.post_hooks is not None:
         for hook in list(node.post_hooks):
             hook(leaf)
+    if node.torch_kind == TORCH_LEAF:  # registered with torch's own method
+        hooks = getattr(leaf, "_post_accumulate_grad_hooks", None)
+        if hooks:
+            for hook in list(hooks.values()):
+                hook(leaf)
 
 
 def _accumulate_into(t, g, create_graph, handed):

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .dispatch import torch_node
 from .graph import current_graph
 from .node import Node
 from .references import (
@@ -38,6 +39,8 @@ from .references import (
     unpack_saved,
 )
 from .tensor import Tensor, wrap_output
+
+_torch_requires_grad = torch._C.TensorBase.requires_grad.__get__
 
 __all__ = ["Function", "FunctionCtx", "FunctionNode"]
 
@@ -209,8 +212,12 @@ class Function:
 
 
 def _node_of(value):
-    if type(value) is torch.Tensor or not isinstance(value, torch.Tensor):
+    """An argument's node: a graphgrad tensor's own, a torch-tracked plain tensor's leaf or
+    bridge (see ``dispatch.torch_node``), None for the rest."""
+    if not isinstance(value, torch.Tensor):
         return None
+    if _torch_requires_grad(value):
+        return torch_node(value)
     return getattr(value, "_gg_node", None)
 
 

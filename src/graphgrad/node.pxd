@@ -26,6 +26,7 @@ cdef class Node:
 cdef class AccumulateGrad(Node):
     cdef public object leaf_ref
     cdef public object post_hooks
+    cdef public int torch_kind
 
 
 cpdef Node new_node(object rule, tuple next_functions, tuple slot_pos, tuple input_meta,

@@ -23,7 +23,8 @@ from .references import (
     unpack_saved,
 )
 
-__all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node"]
+__all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "GG_LEAF", "TORCH_LEAF",
+           "TORCH_BRIDGE"]
 
 _sequence_nr = 0  # Nodes are numbered in recording order
 _anomaly_enabled = torch.is_anomaly_enabled
@@ -221,13 +222,38 @@ def _drop_tensors(saved):
     return tuple(None if _holds_tensors((v,)) else v for v in saved)
 
 
-class AccumulateGrad(Node):
-    """The sink of a leaf's gradient; holds the leaf weakly (the leaf holds this node)."""
+#: AccumulateGrad.torch_kind: whose tensor the gradient goes to
+GG_LEAF = 0  # a graphgrad leaf: into its .grad
+TORCH_LEAF = 1  # a plain torch leaf with torch's requires_grad=True: into its .grad, running
+#               # the hooks registered on it with torch's register_hook
+TORCH_BRIDGE = 2  # a tensor torch's own autograd computed: handed to torch's backward
 
-    def __init__(self, leaf):
+
+class _Strong:
+    """A strong reference with weakref.ref's interface (``ref()`` gives the object)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __call__(self):
+        return self.obj
+
+
+class AccumulateGrad(Node):
+    """The sink of a leaf's gradient; holds the leaf weakly (the leaf holds this node).
+
+    A bridge (``TORCH_BRIDGE``) holds its tensor strongly instead: the tensor's torch graph
+    must stay alive until graphgrad's backward hands it the gradient, and the tensor does
+    not hold the bridge.
+    """
+
+    def __init__(self, leaf, torch_kind=GG_LEAF):
         Node.__init__(self, _ACCUMULATE_RULE, (), (), (), (), None, None)
-        self.leaf_ref = weakref.ref(leaf)
+        self.leaf_ref = _Strong(leaf) if torch_kind == TORCH_BRIDGE else weakref.ref(leaf)
         self.post_hooks = None
+        self.torch_kind = torch_kind
 
     @property
     def variable(self):
@@ -235,10 +261,10 @@ class AccumulateGrad(Node):
         return self.leaf_ref()
 
     def name(self) -> str:
-        return "AccumulateGrad"
+        return "TorchBackward" if self.torch_kind == TORCH_BRIDGE else "AccumulateGrad"
 
     def __repr__(self) -> str:
-        return f"<AccumulateGrad object at {id(self):#x}>"
+        return f"<{self.name()} object at {id(self):#x}>"
 
     def check_saved(self):
         pass

@@ -110,6 +110,11 @@ class Tensor(torch.Tensor):
 
     def detach_(self) -> Tensor:
         """Take this tensor out of the graph, in place."""
+        with _Disable():
+            if self._is_view():
+                raise RuntimeError(
+                    "Can't detach views in-place. Use detach() instead (as in torch): "
+                    "y = y.detach().")
         self._gg_node = None
         if self._gg_nr:
             self._gg_nr = 0
@@ -137,6 +142,26 @@ class Tensor(torch.Tensor):
             raise RuntimeError("post accumulate grad hooks can only be registered on leaf "
                                "tensors that require grad")
         return node.add_post_hook(hook)
+
+    def set_(self, *args: Any, **kwargs: Any) -> Tensor:
+        """torch's ``set_`` (which skips ``__torch_function__``): refused where it would
+        break the graph, as torch refuses it or has no derivative for it."""
+        if torch.is_grad_enabled():
+            node = _current_node(self)
+            if type(node) is AccumulateGrad:
+                raise RuntimeError(
+                    "a leaf Variable that requires grad is being used in an in-place operation "
+                    "(torch.Tensor.set_). Do it under gg.no_grad(), or on a detach()ed tensor.")
+            source = args[0] if args else kwargs.get("source")
+            if node is not None or (isinstance(source, torch.Tensor) and (
+                    getattr(source, "_gg_node", None) is not None)):
+                raise NotImplementedError(
+                    "graphgrad has no derivative for torch.Tensor.set_ (nor has torch): it was "
+                    "called with grad mode on and a tensor that requires grad. Call it under "
+                    "gg.no_grad(), or build the tensor out of place.")
+        with _Disable():
+            torch.Tensor.set_(self, *args, **kwargs)
+        return self
 
     # -- python protocol -----------------------------------------------------------------
     def __repr__(self, *, tensor_contents: Any = None) -> str:

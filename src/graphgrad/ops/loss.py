@@ -152,17 +152,40 @@ def nll_loss(grad, input, target, weight=None, size_average=None, ignore_index=-
     return g_input, None, g_weight
 
 
+_AUTOCAST_KERNELS: dict = {}
+
+
+def _autocast_has_kernel(op: str, device_type: str) -> bool:
+    """Does autocast on ``device_type`` have a kernel of its own for ``op`` (a cast policy)?
+
+    torch's policies differ by device: CPU autocast runs ``cross_entropy_loss`` in float32,
+    CUDA autocast has no entry for it (its pieces follow their own policies)."""
+    key = (op, device_type)
+    found = _AUTOCAST_KERNELS.get(key)
+    if found is None:
+        try:
+            found = torch._C._dispatch_has_kernel_for_dispatch_key(op, "Autocast" + device_type.upper())
+        except (RuntimeError, AttributeError):  # no such dispatch key in this torch
+            found = device_type == "cpu"
+        _AUTOCAST_KERNELS[key] = found
+    return found
+
+
 @decomposition(F.cross_entropy)
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                   reduction="mean", label_smoothing=0.0):
     """log_softmax over the class dimension, then nll_loss (class indices) or the weighted sum
     against the probabilities; label smoothing mixes in the uniform distribution, as torch does."""
     reduction = _reduction(size_average, reduce, reduction)
-    if input.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(input.device.type):
-        input = input.float()  # autocast runs cross_entropy in float32: so must its pieces
+    device_type = input.device.type
+    if input.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(device_type) \
+            and _autocast_has_kernel("aten::cross_entropy_loss", device_type):
+        input = input.float()  # autocast runs cross_entropy in float32 here: so must its pieces
     class_dim = 1 if input.dim() >= 2 else 0
     n_classes = input.shape[class_dim]
-    logp = torch.log_softmax(input, class_dim)
+    # the dtype given, as torch's own cross_entropy gives it: autocast then keeps log_softmax
+    # in the input's precision where it has no cross_entropy kernel of its own (CUDA)
+    logp = torch.log_softmax(input, class_dim, dtype=input.dtype)
     if weight is not None:
         shape = [1] * input.dim()
         shape[class_dim] = n_classes

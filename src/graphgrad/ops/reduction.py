@@ -316,12 +316,37 @@ def cumsum(grad, input: Meta, dim, *, dtype=None):
 
 @derivative(torch.softmax, T.softmax, torch._softmax, torch.special.softmax)
 def softmax(grad, input, dim, dtype=None, *, result):
-    return result * (grad - (grad * result).sum(dim, keepdim=True))
+    """torch's fused kernel (one rounding in low precision, as torch's own backward rounds);
+    recorded under ``create_graph`` like any op, with its own rule below."""
+    if grad.dtype != result.dtype:
+        grad = grad.to(result.dtype)
+    return torch._softmax_backward_data(grad, result, dim, result.dtype)
+
+
+@derivative(torch._softmax_backward_data)
+def softmax_backward_data(grad, grad_output, output, dim, input_dtype):
+    """y = output * (grad_output - sum(grad_output * output)): torch's softmax_double_backward."""
+    grad = grad.to(output.dtype)
+    g_output = (grad * (grad_output - (grad_output * output).sum(dim, keepdim=True))
+                - (grad * output).sum(dim, keepdim=True) * grad_output)
+    return torch._softmax_backward_data(grad, output, dim, output.dtype), g_output
 
 
 @derivative(torch.log_softmax, T.log_softmax, torch._log_softmax, torch.special.log_softmax)
 def log_softmax(grad, input, dim, dtype=None, *, result):
-    return grad - result.exp() * grad.sum(dim, keepdim=True)
+    """torch's fused kernel, as for softmax."""
+    if grad.dtype != result.dtype:
+        grad = grad.to(result.dtype)
+    return torch._log_softmax_backward_data(grad, result, dim, result.dtype)
+
+
+@derivative(torch._log_softmax_backward_data)
+def log_softmax_backward_data(grad, grad_output, output, dim, input_dtype):
+    """y = grad_output - exp(output) * sum(grad_output)."""
+    grad = grad.to(output.dtype)
+    g_grad_output = grad - (grad * output.exp()).sum(dim, keepdim=True)
+    g_output = -grad * output.exp() * grad_output.sum(dim, keepdim=True)
+    return g_grad_output, g_output
 
 
 @decomposition(F.softmax)

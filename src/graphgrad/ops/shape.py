@@ -411,5 +411,6 @@ def triu(grad, input, diagonal=0):
 nondifferentiable(
     torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
     torch.randn_like, torch.randint_like, T.new_zeros, T.new_ones, T.new_empty, T.new_full,
-    T.new_tensor, torch.detach, T.detach, T.argmax, T.argmin, torch.argmax, torch.argmin,
+    T.new_tensor, T.new_empty_strided, torch.detach, T.detach, T.argmax, T.argmin, torch.argmax,
+    torch.argmin,
 )
