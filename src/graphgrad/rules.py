@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Meta", "Rule", "derivative", "decomposition", "nondifferentiable", "RULES", "rule_for"]
+__all__ = ["Meta", "Rule", "derivative", "node_name", "decomposition", "nondifferentiable", "RULES", "rule_for"]
 
 #: torch function (as it reaches ``__torch_function__``) -> Rule
 RULES: dict[Any, Rule] = {}
@@ -95,6 +95,18 @@ def _names_read(fn: Callable) -> set[str]:
     return names
 
 
+def node_name(rule_name: str) -> str:
+    """The backward node's name for a rule function's name, in torch's style.
+
+    The one naming rule: the snake_case name in CamelCase, trailing underscores (in-place
+    spellings) dropped, plus ``Backward`` -- ``nll_loss`` gives ``NllLossBackward``,
+    ``leaky_relu_`` gives ``LeakyReluBackward`` (torch appends a version digit,
+    ``NllLossBackward0``; graphgrad does not). ``@derivative(..., name=...)`` overrides it where
+    the function's name is not the op's (the rule ``where_method`` makes ``WhereBackward``).
+    """
+    return "".join(part[:1].upper() + part[1:] for part in rule_name.split("_") if part) + "Backward"
+
+
 class Rule:
     """One derivative rule and what the engine needs to call it cheaply.
 
@@ -113,7 +125,7 @@ class Rule:
                  saves: Callable | None = None):
         self.fn = fn
         self.kind = kind
-        self.name = name or (fn.__name__[:1].upper() + fn.__name__[1:] + "Backward")
+        self.name = name or node_name(fn.__name__)
         self.multi_output = multi_output
         self.inplace_of = None
         self.keep_cache: dict[int, tuple] = {}  # which params need grad (bits) -> keep
@@ -237,6 +249,9 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
                saved_for: dict[str, str | tuple[str, ...]] | None = None,
                saves: Callable | None = None) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the derivative rule of the torch functions ``funcs``.
+
+    Its nodes are named ``node_name(fn.__name__)`` (``nll_loss`` -> ``NllLossBackward``)
+    unless ``name`` is given.
 
     ``inplace`` lists in-place variants (``torch.Tensor.mul_``) that use the same rule: the
     engine saves a copy of ``input`` first when the rule reads it. ``saved_for`` maps a
