@@ -73,7 +73,8 @@ def test_bad_options_fail_clearly(args, message, capsys, tmp_path):
         main(["demo", *args, "--out", str(tmp_path / "never")])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert message in err and "usage:" in err
+    assert message in err and "see python -m graphgrad demo --help" in err
+    assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "never").exists()  # nothing ran
 
 

@@ -1,9 +1,29 @@
-"""Command line: ``python -m graphgrad demo | tour | bench``."""
+"""Command line: ``python -m graphgrad demo | tour | bench``.
+
+Every mistake a user can make on the command line (a bad option, ``--device cuda`` without a
+GPU, an output path that cannot be written) ends the same way: one line on stderr that says
+what was wrong, and exit status 2, before any work starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
+
+import torch
+
+
+class CommandError(Exception):
+    """A problem the user fixes on the command line: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _positive_int(text: str) -> int:
@@ -27,13 +47,38 @@ def _positive_float(text: str) -> float:
 
 
 def _device(text: str) -> str:
-    if text != "cpu" and not text.startswith("cuda"):
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
         raise argparse.ArgumentTypeError(f"device must be 'cpu' or 'cuda[:N]', got {text!r}")
     return text
 
 
+def _check_device(device: str) -> None:
+    """``--device cuda[:N]`` needs a CUDA device that torch can see."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "without CUDA"
+        raise CommandError(f"--device {device}: torch sees no CUDA device on this machine "
+                           f"(torch {torch.__version__}, built {build}); use --device cpu")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise CommandError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA "
+                           f"device(s), numbered from 0")
+
+
+def _check_folder(path: str, option: str) -> None:
+    """An output folder that exists as a folder or can be made (checked before a long run)."""
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise CommandError(f"{option} {path}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CommandError(f"{option} {path}: {folder} is not writable")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m graphgrad",
         description="graphgrad: a reverse-mode autograd engine of its own, on PyTorch kernels.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -78,14 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu or cuda (default: cpu)")
     bench.add_argument("--repeats", type=_positive_int, default=None, metavar="N",
                        help="timed repeats per workload (default: 5 with --quick, else 15)")
+    parser.commands = {"demo": demo, "tour": tour, "bench": bench}
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the command's own parser, so the hint names its --help
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        return _run(args)
+    except CommandError as exc:
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from .demo import DemoConfig, run_demo
 
+        _check_device(args.device)
+        _check_folder(args.out, "--out")
         summary = run_demo(DemoConfig(model=args.model, epochs=args.epochs,
                                       batch_size=args.batch_size, lr=args.lr, device=args.device,
                                       out=args.out, seed=args.seed, progress=not args.no_progress,
@@ -100,9 +159,14 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import BenchConfig
         from .bench import main as run_bench
 
+        _check_device(args.device)
+        if args.json:
+            if os.path.isdir(args.json):
+                raise CommandError(f"--json {args.json}: a folder, not a file")
+            _check_folder(os.path.dirname(args.json) or ".", "--json")
         return run_bench(BenchConfig(quick=args.quick, device=args.device, repeats=args.repeats,
                                      json_path=args.json))
-    return 2
+    raise CommandError(f"unknown command {args.command!r}")
 
 
 if __name__ == "__main__":

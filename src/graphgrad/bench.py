@@ -689,6 +689,7 @@ def main(cfg: BenchConfig) -> int:
           f"{meta['seconds']:.1f} s. W6 rows: graphgrad column = compiled engine, last column = "
           "pure/compiled.")
     if cfg.json_path:
+        os.makedirs(os.path.dirname(cfg.json_path) or ".", exist_ok=True)
         with open(cfg.json_path, "w") as f:
             json.dump(_finite(result), f, indent=1)
         print(f"wrote {cfg.json_path}")
