@@ -15,7 +15,10 @@ trap 'rm -rf "$log_dir"' EXIT
 run_suite() {
   local name=$1 setting=$2
   echo "== tests, $name engine ($setting) =="
-  env "$setting" python -m pytest -q -p no:cacheprovider ${pytest_args[@]+"${pytest_args[@]}"} 2>&1 | tee "$log_dir/$name"
+  # each run sets its own mode: a mode variable already exported must not leak into the other run
+  env -u GRAPHGRAD_PURE_PYTHON -u GRAPHGRAD_REQUIRE_COMPILED "$setting" \
+    python -m pytest -q -p no:cacheprovider ${pytest_args[@]+"${pytest_args[@]}"} 2>&1 \
+    | tee "$log_dir/$name"
   return "${PIPESTATUS[0]}"
 }
 

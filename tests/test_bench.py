@@ -99,6 +99,9 @@ def test_table_and_meta(quick):
     assert meta["torch"] == torch.__version__ and meta["nproc"] >= 1
     for header in ("gg/torch", "gg/bound", "W1", "W5", "GC"):
         assert header in proc.stdout
+    # the columns are explained where the table is printed
+    key = " ".join(proc.stdout.split(" CPUs, torch threads ", 1)[1].split())  # after the table
+    assert "target: the gg/torch ratio graphgrad aims for" in key and "met: whether" in key
 
 
 @pytest.mark.parametrize("args, message", [

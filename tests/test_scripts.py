@@ -24,6 +24,7 @@ def test_fails_where_asked():
 def run_test_sh(tmp_path, fail_in):
     (tmp_path / "test_mode.py").write_text(MODE_TEST)
     env = dict(os.environ, GRAPHGRAD_NO_SETUP="1", FAIL_IN=fail_in,
+               GRAPHGRAD_PURE_PYTHON="1",  # exported by the caller: must not reach the compiled run
                PATH=os.pathsep.join([str(pathlib.Path(sys.executable).parent), os.environ["PATH"]]))
     return subprocess.run(["bash", str(ROOT / "scripts" / "test.sh"), str(tmp_path / "test_mode.py")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

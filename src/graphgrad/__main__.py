@@ -112,17 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
                            "every batch; launch with torchrun --nproc_per_node=N -m graphgrad demo "
                            "--distributed (alone: a group of one)")
     tour = sub.add_parser(
-        "tour", help="walk through the computational graph (grad_fn chain, retain_graph, ...)",
-        description="Replays the computational-graph chapter (grad_fn chain, retain_graph, "
+        "tour", help="walk through how an autograd graph works (grad_fn chain, retain_graph, ...)",
+        description="Walks through how an autograd graph works (grad_fn chain, retain_graph, "
                     "multiple paths, version counter, create_graph) on graphgrad, then trains an "
                     "MLP with torch.optim.SGD on synthetic data side by side with torch.autograd.")
     tour.add_argument("--steps", type=_positive_int, default=200, help="training steps (default: 200)")
     bench = sub.add_parser(
         "bench", help="benchmark graphgrad against torch.autograd (and a hand-written bound)",
-        description="Runs the issue-6 workloads (W1 tiny-op chain, W2/W3 MLP step, W4 deep graph, "
-                    "W5 Transformer layer, W6 compiled vs pure-Python engine, cyclic-GC during W2 "
-                    "steps) with graphgrad and torch.autograd interleaved in one process, and prints "
-                    "medians, ratios and peak memory.")
+        description="Runs graphgrad and torch.autograd interleaved in one process on: W1 a "
+                    "tiny-op chain, W2/W3 an MLP step, W4 a deep graph, W5 a Transformer layer, "
+                    "W6 the compiled engine against the pure-Python one, and GC (cyclic-GC "
+                    "collections during W2 steps); prints medians, their ratios (gg/torch), the "
+                    "ratio aimed for (target) and whether it was met, and peak memory. "
+                    "docs/performance.md has the latest table and how to read it.")
     bench.add_argument("--quick", action="store_true", help="fewer repeats and smaller runs (< 1 minute)")
     bench.add_argument("--json", default=None, metavar="FILE", help="also write every number to FILE")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu or cuda (default: cpu)")

@@ -1,6 +1,6 @@
 """``python -m graphgrad tour``: the computational-graph walk-through, then a small training run.
 
-Part 1 replays the PyTorch "Computational Graphs" chapter (seeds/003) on graphgrad: the graph
+Part 1 walks through how autograd graphs work, on graphgrad: the graph
 structure, the grad_fn chain, retain_graph, multiple paths and the version counter. Part 2
 trains an MLP with torch.optim.SGD on synthetic data, side by side with torch.autograd from
 identical weights, and prints the loss and how closely the gradients agree.
