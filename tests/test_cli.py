@@ -69,3 +69,17 @@ def test_bench_json_is_checked_before_the_run(tmp_path):
     proc = graphgrad_cli("bench", "--quick", "--json", str(blocker / "bench.json"))
     assert_one_line_error(proc, "--json", "is a file, not a folder")
     assert "graphgrad bench (" not in proc.stdout  # the run never started
+
+
+def test_a_cuda_index_beyond_the_devices_is_refused(monkeypatch, capsys, tmp_path):
+    import torch
+
+    from graphgrad.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU, as torch would see it
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["demo", "--device", "cuda:1", "--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("python -m graphgrad demo: error: --device cuda:1: torch sees 1 CUDA "
+                           "device(s), numbered from 0")
+    assert not (tmp_path / "never").exists()
