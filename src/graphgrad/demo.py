@@ -25,6 +25,7 @@ import shutil
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -32,7 +33,10 @@ import torch.nn.functional as F
 
 import graphgrad as gg
 
-__all__ = ["DemoConfig", "run_demo", "build_model", "load_digits"]
+if TYPE_CHECKING:
+    import matplotlib.figure
+
+__all__ = ["DemoConfig", "run_demo", "build_model", "load_digits", "loss_figure"]
 
 MODELS = ("mlp", "cnn", "transformer")
 
@@ -129,7 +133,8 @@ def _draw_step(model, x, y, out: pathlib.Path) -> str:
     return path.name
 
 
-def loss_figure(losses_ours: list[float], losses_theirs: list[float], steps_per_epoch: int):
+def loss_figure(losses_ours: list[float], losses_theirs: list[float],
+                steps_per_epoch: int) -> matplotlib.figure.Figure:
     """Both engines' training losses on a log axis whose ticks read as plain numbers.
 
     matplotlib's default log axis labels only powers of ten (10^-1, 10^0) and leaves the ticks
