@@ -1,18 +1,108 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing), installs the pinned dependencies and graphgrad itself
-# (compiling its Cython engine). Sourced by demo.sh and test.sh.
+# Creates .venv (if missing), installs the pinned dependencies and graphgrad itself (compiling
+# its Cython engine), saying at each step what it does and how long set-up has taken so far.
+# Sourced by demo.sh and test.sh. The first run downloads torch and compiles (minutes); later
+# runs find everything in place and take seconds.
+# GRAPHGRAD_NO_SETUP=1 skips all of it and uses the `python` on PATH (your own environment,
+# with graphgrad installed).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-# Graphviz (a system package) renders the graph pictures; without it they are written as .dot.
-if ! command -v dot >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz) >/dev/null 2>&1 \
-    || echo "graphviz could not be installed: graph pictures will be written as .dot files"
+setup_started=$SECONDS
+
+say() {
+  printf '[set-up %4ss] %s\n' "$((SECONDS - setup_started))" "$*"
+}
+
+# Runs "$@"; while it runs, says every 30 s that it still does (pip -q and apt-get are silent).
+with_heartbeat() {
+  local what=$1 status=0 beat
+  shift
+  (while sleep 30; do say "$what: still running"; done) &
+  beat=$!
+  "$@" || status=$?
+  kill "$beat" 2>/dev/null || true
+  wait "$beat" 2>/dev/null || true
+  return "$status"
+}
+
+# Exit status 0 when every `name==version` of requirements/pinned.txt is installed.
+pinned_installed() {
+  python - <<'EOF'
+import importlib.metadata as md
+import pathlib
+import sys
+
+for line in pathlib.Path("requirements/pinned.txt").read_text().splitlines():
+    line = line.split("#", 1)[0].strip()
+    if not line:
+        continue
+    name, _, version = line.partition("==")
+    try:
+        installed = md.version(name.strip())
+    except md.PackageNotFoundError:
+        sys.exit(1)
+    if installed.split("+", 1)[0] != version.strip():  # torch's "2.13.0+cpu" is 2.13.0
+        sys.exit(1)
+EOF
+}
+
+# A digest of what `pip install .` builds from: it changes when a source file does.
+source_digest() {
+  {
+    echo "GRAPHGRAD_NO_CYTHON=${GRAPHGRAD_NO_CYTHON:-}"
+    cat setup.py pyproject.toml
+    find src -type f \( -name '*.py' -o -name '*.pxd' -o -name '*.pyx' \) -print0 \
+      | LC_ALL=C sort -z | xargs -0 cat
+  } | sha256sum | cut -d' ' -f1
+}
+
+if [ "${GRAPHGRAD_NO_SETUP:-0}" != "0" ]; then
+  say "GRAPHGRAD_NO_SETUP is set: using $(command -v python) as it is"
+  return 0
 fi
+
+# Graphviz (a system package) renders the graph pictures; without it they are written as .dot.
+if ! command -v dot >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    say "installing Graphviz with apt-get (it draws graph.svg)"
+    if with_heartbeat "installing Graphviz" bash -c '(apt-get update -qq &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz) >/dev/null 2>&1'; then
+      say "Graphviz installed"
+    else
+      say "Graphviz could not be installed: graph pictures will be written as .dot files"
+    fi
+  else
+    say "Graphviz (dot) is not installed and this script cannot install it (needs apt-get as" \
+        "root): graph pictures will be written as .dot files"
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
+  say "creating .venv with $(python3 --version)"
   python3 -m venv .venv
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pip install -q -r requirements/pinned.txt
-python -m pip install -q --no-build-isolation --no-deps --force-reinstall .
+
+if pinned_installed; then
+  say "pinned dependencies already installed (requirements/pinned.txt)"
+else
+  say "installing the pinned dependencies (requirements/pinned.txt): torch 2.13.0 is a large" \
+      "download, a few minutes the first time"
+  python -m pip install --progress-bar on -r requirements/pinned.txt
+  say "pinned dependencies installed"
+fi
+
+digest="$(source_digest)"
+stamp=.venv/graphgrad-installed-from
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ] && python -c "import graphgrad" 2>/dev/null; then
+  say "graphgrad already installed from these sources"
+else
+  say "installing graphgrad and compiling its Cython engine (5 modules; a few minutes on a small machine)"
+  with_heartbeat "compiling the engine" \
+    python -m pip install -q --no-build-isolation --no-deps --force-reinstall .
+  echo "$digest" > "$stamp"
+  say "graphgrad installed; compiled engine: $(python -c 'import graphgrad; print(graphgrad.compiled)')"
+fi
+say "set-up done"

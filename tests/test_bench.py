@@ -99,6 +99,9 @@ def test_table_and_meta(quick):
     assert meta["torch"] == torch.__version__ and meta["nproc"] >= 1
     for header in ("gg/torch", "gg/bound", "W1", "W5", "GC"):
         assert header in proc.stdout
+    # the columns are explained where the table is printed
+    key = " ".join(proc.stdout.split(" CPUs, torch threads ", 1)[1].split())  # after the table
+    assert "target: the gg/torch ratio graphgrad aims for" in key and "met: whether" in key
 
 
 @pytest.mark.parametrize("args, message", [
@@ -118,4 +121,5 @@ def test_cuda_without_gpu_is_a_clear_error():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # hide any GPU so the message shows everywhere
     proc = run_bench_cli("--device", "cuda", "--quick", timeout=120, env=env)
     assert proc.returncode == 2
-    assert "CUDA is not available" in proc.stderr
+    assert "torch sees no CUDA device" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -323,3 +323,47 @@ def test_docs_example_runs_and_the_committed_picture_is_current(tmp_path):
         now = sorted(t.text for t in ET.parse(tmp_path / "attention_graph.svg").getroot().iter(ns))
         assert now == want, ("docs/attention_graph.svg is stale: regenerate it by running the "
                              "example of docs/graphs.md from the docs/ directory")
+
+
+# -- bytes: each saved tensor at its own size ----------------------------------------------
+def test_a_saved_slice_counts_as_the_slice_and_says_whose_view_it_is():
+    data = torch.randn(100, 50, dtype=DT)          # a data set: 40,000 B, needs no grad
+    w = leaf(50, 3)
+    with gg.AutogradGraph() as g:
+        y = torch.matmul(data[:2], w).sum()         # the batch is a 2×50 view: 800 B
+        dot = viz.to_dot(y, params={"w": w})
+        assert g.saved_bytes() == 40_000            # whole storages
+    labels, _ = parse(dot)
+    matmul = labelled(labels, "MatmulBackward")
+    assert "input: 2×50 float64, view of a 39.1 KiB storage" in matmul, matmul
+    assert "holds 800 B" in matmul
+    assert 'label="saved for backward: 800 B' in dot
+    assert "saved views of larger storages keep 38.3 KiB more alive (1 storage," in dot  # 39,200 B
+
+
+def test_views_of_one_storage_are_counted_once_and_never_beyond_it():
+    x = leaf(6, 4)
+    base = x * 1                                    # one storage, 192 B
+    first, second, third = base.chunk(3)            # three disjoint views of it, 64 B each
+    y = (first * second).sum() + (third * third.t().t()).sum()
+    dot = viz.to_dot(y)
+    assert 'label="saved for backward: 192 B' in dot  # the three views fill their storage
+    assert "more alive" not in dot
+    overlapping = base.sin().sum() + base[:2].cos().sum()  # saved: base (192 B) and base[:2] (64 B)
+    assert 'label="saved for backward: 192 B' in viz.to_dot(overlapping)
+
+
+def test_an_expanded_tensor_counts_its_storage_not_its_elements():
+    x = leaf(1)
+    big = x.expand(1000)                             # 1000 elements, 8 B of storage
+    dot = viz.to_dot((big * big).sum())
+    assert 'label="saved for backward: 8 B' in dot
+
+
+def test_a_path_that_holds_everything_is_not_highlighted():
+    x = leaf(100)
+    chain = x.sin().exp().sum()                      # every byte lies on the one path
+    assert f'color="{HOT}"' not in viz.to_dot(chain) and "red:" not in viz.to_dot(chain)
+    side = chain + leaf(3, seed=4).cos().sum()       # a branch holding 24 B off the heavy path
+    dot = viz.to_dot(side)
+    assert f'color="{HOT}"' in dot and "red: the path whose nodes hold the most (1.6 KiB)" in dot

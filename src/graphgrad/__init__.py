@@ -1,6 +1,6 @@
 """graphgrad: a reverse-mode autograd engine of its own, on PyTorch kernels.
 
-Public API only; see README.md and DESIGN.md.
+Public API only; see README.md and docs/design.md.
 """
 
 import os as _os

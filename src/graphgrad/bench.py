@@ -5,7 +5,7 @@ Every workload runs graphgrad and torch.autograd in the same process, interleave
 timed rounds. On CPU torch runs single-threaded. Where a lower bound is given it is the same forward
 with plain tensors (no autograd at all) plus a hand-coded backward with the same torch kernels.
 
-Workloads (see issue 6 and ``docs/performance.md``):
+Workloads (the figures and how to read them: ``docs/performance.md``):
 
 * W1 tiny-op chain: (8, 8) float32, 200 elementwise ops (mul, add, tanh, sin in turn), sum,
   backward; microseconds per op, forward and backward separately.
@@ -47,7 +47,7 @@ Phases = dict[str, float]
 W1_OPS = 200
 W4_OPS = 20_000
 W4_SCALE_OPS = 1_000_000
-TARGETS = {  # graphgrad / torch.autograd, CPU single thread (issue 6)
+TARGETS = {  # the graphgrad / torch.autograd ratio aimed for (CPU single thread)
     ("W1", "forward"): 1.5, ("W1", "backward"): 1.5, ("W2", "step"): 1.15, ("W3", "step"): 1.05,
     ("W4", "forward+backward"): 1.5, ("W4", "peak RSS delta"): 1.2,
     ("W5", "step"): 1.05, ("W5 bf16", "step"): 1.05,
@@ -648,6 +648,13 @@ def _fmt(value: Any, unit: str = "") -> str:
     return f"{value:.3g}" if value else "0"
 
 
+TABLE_KEY = """\
+gg/torch: graphgrad divided by torch.autograd (same workload, same run); gg/bound: divided by
+the hand-written bound (plain tensors, hand-coded backward). target: the gg/torch ratio graphgrad
+aims for on that row; met: whether this run's gg/torch is within it (- where there is no target).
+W6 rows: the graphgrad column is the compiled engine, then the pure-Python time and pure/compiled."""
+
+
 def format_table(result: dict[str, Any]) -> str:
     header = ["workload", "metric", "unit", "graphgrad", "torch", "bound", "gg/torch", "gg/bound",
               "target", "met"]
@@ -686,9 +693,10 @@ def main(cfg: BenchConfig) -> int:
     print(format_table(result))
     meta = result["meta"]
     print(f"\n{meta['cpu']}, {meta['nproc']} CPUs, torch threads {meta['torch_threads']}, "
-          f"{meta['seconds']:.1f} s. W6 rows: graphgrad column = compiled engine, last column = "
-          "pure/compiled.")
+          f"{meta['seconds']:.1f} s.")
+    print(TABLE_KEY)
     if cfg.json_path:
+        os.makedirs(os.path.dirname(cfg.json_path) or ".", exist_ok=True)
         with open(cfg.json_path, "w") as f:
             json.dump(_finite(result), f, indent=1)
         print(f"wrote {cfg.json_path}")

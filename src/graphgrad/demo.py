@@ -6,6 +6,11 @@ side by side on torch.autograd so that the run reports, besides test accuracy, h
 time per step compares and how closely the gradients agree. Results go to an output folder:
 ``loss_curve.png``, ``graph.svg`` (or ``graph.dot`` without Graphviz) of one training step,
 and ``summary.json``.
+
+Timings mean something only with their context: both engines run with the same fixed number
+of torch threads (``threads``, 1 by default, so that another busy process moves them little),
+their steps alternate (one step each, the order swapped every step), the first steps are left
+out as warm-up, and the report gives medians with their spread.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import math
 import pathlib
 import platform
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -26,7 +33,10 @@ import torch.nn.functional as F
 
 import graphgrad as gg
 
-__all__ = ["DemoConfig", "run_demo", "build_model", "load_digits"]
+if TYPE_CHECKING:
+    import matplotlib.figure
+
+__all__ = ["DemoConfig", "run_demo", "build_model", "load_digits", "loss_figure"]
 
 MODELS = ("mlp", "cnn", "transformer")
 
@@ -42,6 +52,7 @@ class DemoConfig:
     seed: int = 0
     progress: bool = True
     distributed: bool = False  # gg.nn.DataParallel beside torch DDP; launch with torchrun
+    threads: int = 1  # torch's intra-op threads for the whole run, both engines
 
 
 def load_digits(device: str, seed: int = 0):
@@ -122,11 +133,20 @@ def _draw_step(model, x, y, out: pathlib.Path) -> str:
     return path.name
 
 
-def _plot(losses_ours, losses_theirs, steps_per_epoch, path: pathlib.Path) -> None:
+def loss_figure(losses_ours: list[float], losses_theirs: list[float],
+                steps_per_epoch: int) -> matplotlib.figure.Figure:
+    """Both engines' training losses on a log axis whose ticks read as plain numbers.
+
+    matplotlib's default log axis labels only powers of ten (10^-1, 10^0) and leaves the ticks
+    between them bare, so a curve that spans one or two decades has one or two readable values.
+    Ticks at 1, 2 and 5 times each power of ten (more within a short range), written as
+    decimals, fix that.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([i / steps_per_epoch for i in range(len(losses_theirs))], losses_theirs,
@@ -136,9 +156,23 @@ def _plot(losses_ours, losses_theirs, steps_per_epoch, path: pathlib.Path) -> No
     ax.set_xlabel("epoch")
     ax.set_ylabel("training loss (cross-entropy)")
     ax.set_yscale("log")
+    values = [v for v in losses_ours + losses_theirs if v > 0]
+    decades = math.log10(max(values) / min(values)) if values else 1.0
+    subs = (1.0, 2.0, 5.0) if decades >= 1.5 else (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.grid(True, which="major", axis="y", alpha=0.3)
     ax.set_title("digits: graphgrad vs torch.autograd, same model and data")
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def _plot(losses_ours, losses_theirs, steps_per_epoch, path: pathlib.Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(losses_ours, losses_theirs, steps_per_epoch)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -149,6 +183,15 @@ def run_demo(config: DemoConfig) -> dict:
         raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(MODELS)}")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device here")
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _run(config)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(config: DemoConfig) -> dict:
     rank, world = 0, 1
     if config.distributed:
         rank, world, device = _init_distributed(config.device)
@@ -168,35 +211,29 @@ def run_demo(config: DemoConfig) -> dict:
     opt_ours = torch.optim.Adam(ours.parameters(), lr=config.lr)
     opt_theirs = torch.optim.Adam(theirs.parameters(), lr=config.lr)
     steps_per_epoch = math.ceil(len(y_train) / config.batch_size)
-    losses_ours, losses_theirs = [], []
-    time_ours = time_theirs = 0.0
+    losses = {"ours": [], "theirs": []}
+    times = {"ours": [], "theirs": []}
+    engines = {"ours": (ours, opt_ours), "theirs": (theirs, opt_theirs)}
     bar = _progress(config.epochs * steps_per_epoch, config.progress and rank == 0)
     for epoch in range(config.epochs):
         perm = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
         for start in range(0, len(y_train), config.batch_size):
             idx = perm[start:start + config.batch_size][rank::world].to(config.device)  # this rank's share
             xb, yb = x_train[idx], y_train[idx]
-            for model, opt, losses in ((ours, opt_ours, losses_ours),
-                                       (theirs, opt_theirs, losses_theirs)):
+            # one step each, the order swapped every step: neither engine always runs second
+            order = ("ours", "theirs") if len(times["ours"]) % 2 == 0 else ("theirs", "ours")
+            for name in order:
+                model, opt = engines[name]
                 torch.manual_seed(epoch * 100_003 + start)  # the same dropout masks for both
-                _sync(config.device)
-                t0 = time.perf_counter()
-                opt.zero_grad()
-                loss = F.cross_entropy(model(xb), yb)
-                loss.backward()
-                opt.step()
-                _sync(config.device)
-                elapsed = time.perf_counter() - t0
-                if model is ours:
-                    time_ours += elapsed
-                else:
-                    time_theirs += elapsed
-                losses.append(loss.item())
+                elapsed, loss = _timed_step(model, opt, xb, yb, config.device)
+                times[name].append(elapsed)
+                losses[name].append(loss)
             bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{losses_ours[-1]:.4f}")
+            bar.set_postfix(epoch=epoch + 1, loss=f"{losses['ours'][-1]:.4f}")
     bar.close()
     accuracy = _accuracy(ours, x_test, y_test)
     accuracy_torch = _accuracy(theirs, x_test, y_test)
+    losses_ours, losses_theirs = losses["ours"], losses["theirs"]
     loss_gap = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses_ours, losses_theirs))
     if config.distributed:
         gg.distributed.destroy_process_group()
@@ -220,11 +257,7 @@ def run_demo(config: DemoConfig) -> dict:
             "max_relative_gradient_difference_one_batch": agreement,
             "max_relative_loss_difference_over_training": loss_gap,
         },
-        "time_per_step_ms": {
-            "graphgrad": 1e3 * time_ours / steps,
-            "torch_autograd": 1e3 * time_theirs / steps,
-            "ratio_graphgrad_over_torch": time_ours / time_theirs,
-        },
+        "time_per_step_ms": _timing(times["ours"], times["theirs"], config.threads),
         "engine_compiled": gg.compiled,
         "versions": {"graphgrad": gg.__version__, "torch": torch.__version__,
                      "python": platform.python_version()},
@@ -249,14 +282,50 @@ def _init_distributed(device: str) -> tuple[int, int, str]:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: spare threads only fight gloo's for cores
-        torch.set_num_threads(1)
     if "RANK" in os.environ:
         init_process_group(backend)
     else:
         store = tempfile.NamedTemporaryFile(prefix="graphgrad-dist-", delete=False).name
         init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _timed_step(model, opt, xb, yb, device: str) -> tuple[float, float]:
+    """One training step; its wall time in seconds and its loss."""
+    _sync(device)
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    loss = F.cross_entropy(model(xb), yb)
+    loss.backward()
+    opt.step()
+    _sync(device)
+    return time.perf_counter() - t0, loss.item()
+
+
+def _spread(values: list[float]) -> tuple[float, float]:
+    """The 10th and 90th percentiles: where most steps lie, untouched by a few outliers."""
+    if len(values) < 2:
+        return values[0], values[0]
+    cuts = statistics.quantiles(values, n=10, method="inclusive")
+    return cuts[0], cuts[-1]
+
+
+def _timing(ours: list[float], theirs: list[float], threads: int) -> dict:
+    """Medians and spreads of both engines' step times, warm-up steps left out, in ms."""
+    warmup = min(5, len(ours) // 4)
+    ours, theirs = [1e3 * t for t in ours[warmup:]], [1e3 * t for t in theirs[warmup:]]
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return {
+        "graphgrad": statistics.median(ours), "graphgrad_p10_p90": _spread(ours),
+        "torch_autograd": statistics.median(theirs), "torch_autograd_p10_p90": _spread(theirs),
+        "ratio_graphgrad_over_torch": statistics.median(ours) / statistics.median(theirs),
+        "step_ratio_p10_p90": _spread(ratios),
+        "torch_threads": threads, "steps_timed": len(ours), "warmup_steps_left_out": warmup,
+    }
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _sync(device: str) -> None:
@@ -275,13 +344,21 @@ def _report(summary: dict, out: pathlib.Path) -> None:
     t = summary["time_per_step_ms"]
     parity = summary["parity"]
     procs = f", {summary['world_size']} processes" if summary["world_size"] > 1 else ""
-    print(f"model {summary['model']} on digits, {summary['epochs']} epochs "
-          f"({summary['steps']} steps, {summary['device']}{procs}, compiled engine: "
+    print(f"model {summary['model']} on digits, {_plural(summary['epochs'], 'epoch')} "
+          f"({_plural(summary['steps'], 'step')}, {summary['device']}{procs}, compiled engine: "
           f"{summary['engine_compiled']})")
     print(f"test accuracy: graphgrad {summary['test_accuracy']:.4f}  "
           f"torch.autograd {summary['test_accuracy_torch_autograd']:.4f}")
-    print(f"time per step: graphgrad {t['graphgrad']:.2f} ms  torch.autograd "
-          f"{t['torch_autograd']:.2f} ms  (ratio {t['ratio_graphgrad_over_torch']:.2f})")
+    print(f"time per step ({_plural(t['torch_threads'], 'torch thread')}; medians of "
+          f"{_plural(t['steps_timed'], 'step')}, the first {t['warmup_steps_left_out']} left out; "
+          "engines alternating step by step):")
+    low, high = t["graphgrad_p10_p90"]
+    print(f"  graphgrad       {t['graphgrad']:7.2f} ms   (10-90% of steps: {low:.2f}-{high:.2f} ms)")
+    low, high = t["torch_autograd_p10_p90"]
+    print(f"  torch.autograd  {t['torch_autograd']:7.2f} ms   (10-90% of steps: {low:.2f}-{high:.2f} ms)")
+    low, high = t["step_ratio_p10_p90"]
+    print(f"  ratio           {t['ratio_graphgrad_over_torch']:7.2f}      (step by step, 10-90%: "
+          f"{low:.2f}-{high:.2f})")
     print(f"gradient agreement on one batch: max relative difference "
           f"{parity['max_relative_gradient_difference_one_batch']:.2e}; losses over training "
           f"differ by at most {parity['max_relative_loss_difference_over_training']:.2e} (relative)")

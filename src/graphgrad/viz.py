@@ -6,7 +6,14 @@ node of an ``AutogradGraph``. Edges run input → output, so the leaves sit at t
 output at the bottom. Each op box shows the rule's name, the shapes and dtypes of the values it
 saved for backward and the bytes it holds; leaves are labelled with your names for them
 (``params=dict(model.named_parameters())``, or any ``{name: tensor}``) or else by shape; the
-input-to-output path whose nodes hold the most saved bytes is drawn in red.
+input-to-output path whose nodes hold the most saved bytes is drawn in red, unless it holds
+them all (then there is nothing to single out).
+
+Bytes are each saved tensor's own (elements × element size), so a saved slice of a large
+batch counts as the slice. A tensor saved by several nodes is counted once. A view of a larger
+storage is marked as such ("view of a 449.0 KiB storage"), and the caption says how much more
+such storages hold: the graph keeps them alive too, but they are shared with the tensors the
+views were taken from (``AutogradGraph.saved_bytes()`` counts whole storages).
 
 The DOT text is generated here, so ``.dot`` / ``.gv`` always works; ``.svg``, ``.png`` and
 ``.pdf`` run Graphviz's ``dot`` program (Debian/Ubuntu: ``apt-get install graphviz``).
@@ -82,11 +89,14 @@ def to_dot(tensor_or_graph, params=None, highlight_largest: bool = True) -> str:
             if parent is not None and id(parent) in index:
                 inputs[id(n)].append((parent, _edge_label(n, slot, parent, nr)))
     names = _names(params)
-    held = _bytes_held(nodes)
-    weight = {key: charged for key, (_, charged, _) in held.items()}
+    memory = _saved_memory(nodes)
+    held = memory.by_node
+    weight = {key: charged for key, (_, charged, _, _) in held.items()}
     hot_nodes, hot_edges, hot_bytes = set(), set(), 0
     if highlight_largest:
         hot_nodes, hot_edges, hot_bytes = _heaviest_path(nodes, inputs, weight)
+        if hot_bytes == memory.total:  # the path holds everything: nothing to single out
+            hot_nodes, hot_edges, hot_bytes = set(), set(), 0
 
     lines = [
         "digraph autograd {",
@@ -123,9 +133,13 @@ def to_dot(tensor_or_graph, params=None, highlight_largest: bool = True) -> str:
         lines.append(f"  out{k} [{_attrs({'label': _Html(text), 'fillcolor': _OUT_FILL})}];")
         hot = f' [color="{_HOT}", penwidth="2.5"]' if id(node) in hot_nodes else ""
         lines.append(f"  n{index[id(node)]} -> out{k}{hot};")
-    caption = f"saved for backward: {_bytes(sum(weight.values()))}"
+    caption = f"saved for backward: {_bytes(memory.total)}"
     if hot_bytes:
         caption += f"   ·   red: the path whose nodes hold the most ({_bytes(hot_bytes)})"
+    if memory.beyond_views:
+        n = memory.view_storages
+        caption += (f"\nsaved views of larger storages keep {_bytes(memory.beyond_views)} more alive "
+                    f"({n} storage{'' if n == 1 else 's'}, shared with the tensors they are views of)")
     lines.append(f"  label={_quote(caption)};")
     lines.append("}")
     return "\n".join(lines) + "\n"
@@ -182,34 +196,83 @@ def _names(params):
     return out
 
 
-def _bytes_held(nodes):
-    """{id: (bytes a node holds, bytes charged to it, names of earlier holders it shares with)}.
+class _SavedMemory:
+    """What a drawing's nodes keep for backward, in bytes.
 
-    A storage held by several nodes is charged once, to the earliest-recorded, so the charges
-    sum to what the graph keeps alive (``AutogradGraph.saved_bytes``).
+    ``by_node[id(node)]`` is ``(holds, charged, shared_bytes, shared_with)``: the node's saved
+    tensors at their own sizes; the part charged to it (a tensor saved by several nodes is
+    charged to the earliest-recorded one, and a storage never beyond its size), so charges sum
+    to ``total``; the part first held by the nodes named in ``shared_with``.
+    ``beyond_views`` is what the storages of saved views hold besides those views, in
+    ``view_storages`` storages.
     """
-    out, first = {}, {}
+
+    def __init__(self):
+        self.by_node: dict[int, tuple[int, int, int, list[str]]] = {}
+        self.total = 0
+        self.beyond_views = 0
+        self.view_storages = 0
+
+
+def _saved_memory(nodes) -> _SavedMemory:
+    memory = _SavedMemory()
+    holder_of: dict[tuple, Node] = {}  # region -> the node charged for it
+    used: dict[tuple, int] = {}        # storage -> bytes charged so far
+    size: dict[tuple, int] = {}        # storage -> its bytes
     with torch._C.DisableTorchFunctionSubclass():
         for n in sorted(nodes, key=lambda n: n.sequence_nr):
-            held = {}
-            try:
-                for t in _saved_tensors(n):
-                    try:
-                        storage = t.untyped_storage()
-                    except (RuntimeError, NotImplementedError):
-                        continue
-                    held[(t.device, storage.data_ptr())] = storage.nbytes()
-            except Exception:  # a custom node with an unusual saved layout: draw it anyway
-                pass
-            charged, shared_with = 0, []
-            for key, nbytes in held.items():
-                holder = first.setdefault(key, n)
+            regions = {}
+            for storage, nbytes, region, own in _saved_regions(n):
+                size[storage] = nbytes
+                regions[(storage, region)] = own
+            holds = charged = shared = 0
+            shared_with: list[str] = []
+            for key, own in regions.items():
+                holds += own
+                holder = holder_of.setdefault(key, n)
                 if holder is n:
-                    charged += nbytes
-                elif holder.name() not in shared_with:
-                    shared_with.append(holder.name())
-            out[id(n)] = (sum(held.values()), charged, shared_with)
-    return out
+                    storage = key[0]
+                    part = min(own, size[storage] - used.get(storage, 0))
+                    used[storage] = used.get(storage, 0) + part
+                    charged += part
+                else:
+                    shared += own
+                    if holder.name() not in shared_with:
+                        shared_with.append(holder.name())
+            memory.by_node[id(n)] = (holds, charged, shared, shared_with)
+    memory.total = sum(used.values())
+    rest = [size[key] - used[key] for key in used if size[key] > used[key]]
+    memory.beyond_views, memory.view_storages = sum(rest), len(rest)
+    return memory
+
+
+def _saved_regions(node):
+    """(storage key, storage bytes, region key, own bytes) for each tensor a node keeps."""
+    try:
+        for t in _saved_tensors(node):
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            nbytes = storage.nbytes()
+            own = min(t.numel() * t.element_size(), nbytes)  # an expanded tensor: its storage
+            region = (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            yield (t.device, storage.data_ptr()), nbytes, region, own
+    except Exception:  # a custom node with an unusual saved layout: draw it anyway
+        return
+
+
+def _view_note(value) -> str:
+    """", view of a 449.0 KiB storage" for a saved tensor that is part of a larger storage."""
+    if not isinstance(value, torch.Tensor):
+        return ""
+    with torch._C.DisableTorchFunctionSubclass():
+        try:
+            nbytes = value.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            return ""
+        own = value.numel() * value.element_size()
+    return f", view of a {_bytes(nbytes)} storage" if own < nbytes else ""
 
 
 def _heaviest_path(nodes, inputs, weight):
@@ -264,7 +327,7 @@ class _Html(str):
     """A label already written as Graphviz HTML-like text."""
 
 
-def _op_label(node, names, nbytes, charged, shared_with) -> _Html:
+def _op_label(node, names, nbytes, charged, shared, shared_with) -> _Html:
     rows = [f"<B>{_esc(node.name())}</B>"]
     if id(node) in names:
         rows.append(f'<I>→ {_esc(names[id(node)])}</I>')
@@ -275,14 +338,14 @@ def _op_label(node, names, nbytes, charged, shared_with) -> _Html:
             text, shape_only = _value_text(value)
             if text is None:
                 continue
-            body = f"{_esc(key)}: {_esc(text)}"
+            body = f"{_esc(key)}: {_esc(text + _view_note(value))}"
             if shape_only:
                 body = f'<FONT COLOR="{_GREY}">{body} (shape only)</FONT>'
             rows.append(f'<FONT POINT-SIZE="9">{body}</FONT>')
         if nbytes:
             held = f"holds {_bytes(nbytes)}"
-            if charged < nbytes:
-                held += f" ({_bytes(nbytes - charged)} also held by {', '.join(shared_with)})"
+            if shared:
+                held += f" ({_bytes(shared)} also held by {', '.join(shared_with)})"
             rows.append(f'<FONT POINT-SIZE="9" COLOR="{_HOT}">{_esc(held)}</FONT>')
     return _Html("<BR/>".join(rows))
 

@@ -1,6 +1,6 @@
-"""Activation functions: relu, relu6, leaky_relu, elu, selu, celu, gelu, silu (the seeds'
-Swish), mish, softplus, hardtanh, hardsigmoid, hardswish, logsigmoid, softsign, glu,
-threshold, hardshrink, softshrink, tanhshrink, prelu.
+"""Activation functions: relu, relu6, leaky_relu, elu, selu, celu, gelu, silu (Swish), mish,
+softplus, hardtanh, hardsigmoid, hardswish, logsigmoid, softsign, glu, threshold, hardshrink,
+softshrink, tanhshrink, prelu.
 
 Most ``torch.nn.functional`` activations are Python wrappers that reach graphgrad as
 themselves; each is a decomposition that calls the ``torch._C._nn`` (or ``torch``) primitive,

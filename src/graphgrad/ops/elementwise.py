@@ -442,7 +442,7 @@ def where(grad, condition, input, other, *, needs_input_grad):
             torch.where(condition, 0.0, grad) if needs_input_grad[2] else None)
 
 
-@derivative(T.where)
+@derivative(T.where, name="WhereBackward")
 def where_method(grad, input, condition, other, *, needs_input_grad):
     """``input.where(condition, other)`` is ``torch.where(condition, input, other)``."""
     return (torch.where(condition, grad, 0.0) if needs_input_grad[0] else None,

@@ -307,7 +307,7 @@ def svd(grads, A, full_matrices=True, *, driver=None, result):
     return _svd_backward(gU, gS, gVh, U, S, Vh)
 
 
-@derivative(torch.svd, T.svd, multi_output=True)
+@derivative(torch.svd, T.svd, multi_output=True, name="SvdBackward")
 def svd_legacy(grads, input, some=True, compute_uv=True, *, result):
     """``torch.svd``: ``(U, S, V)`` with V (not V^H); ``some=False`` gives full U and V."""
     gU, gS, gV = grads

@@ -277,7 +277,7 @@ def binary_cross_entropy_with_logits(grad, input, target, weight=None, size_aver
     return g_input, g_target, g_weight, None, None, None, g_pos_weight
 
 
-@derivative(torch.binary_cross_entropy_with_logits)
+@derivative(torch.binary_cross_entropy_with_logits, name="BinaryCrossEntropyWithLogitsBackward")
 def binary_cross_entropy_with_logits_enum(
         grad, input, target, weight=None, pos_weight=None,
         reduction=_default_reduction(torch.binary_cross_entropy_with_logits, 2), *, needs_input_grad):
@@ -321,7 +321,7 @@ def kl_div(grad, input, target, size_average=None, reduce=None, reduction="mean"
     return _kl_div_grads(grad, input, target, reduction, log_target, count, needs_input_grad)
 
 
-@derivative(torch.kl_div, saved_for={"input": "target"})
+@derivative(torch.kl_div, name="KlDivBackward", saved_for={"input": "target"})
 def kl_div_enum(grad, input, target, reduction=_default_reduction(torch.kl_div, 2), *,
                 log_target=False, needs_input_grad):
     """``torch.kl_div``: the reduction is torch's enum."""
@@ -346,7 +346,7 @@ def margin_ranking_loss(grad, input1, input2, target, margin=0, size_average=Non
                                  _reduction(size_average, reduce, reduction))
 
 
-@derivative(torch.margin_ranking_loss)
+@derivative(torch.margin_ranking_loss, name="MarginRankingLossBackward")
 def margin_ranking_loss_enum(grad, input1, input2, target, margin=0.0,
                              reduction=_default_reduction(torch.margin_ranking_loss, 3)):
     """``torch.margin_ranking_loss``: the reduction is torch's enum."""
