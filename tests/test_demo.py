@@ -20,14 +20,26 @@ def run_demo_cli(*args, timeout=300):
                           text=True, timeout=timeout, env=env)
 
 
+def assert_parity(parity):
+    """graphgrad trains like torch.autograd: one float32 batch's gradients agree to float32
+    rounding, and a few float64 steps to float64 rounding as magnified by Adam (it divides by
+    sqrt(v) + eps = 1e-8 for a gradient that is exactly zero, as a bias before BatchNorm has:
+    1e-17 rounding becomes at most ~1e-8 of a weight). No float32 trajectory is compared."""
+    assert parity["max_relative_gradient_difference_one_batch"] < 1e-5
+    f64 = parity["float64"]
+    assert f64["steps"] >= 1
+    assert f64["max_relative_loss_difference"] < 1e-7
+    assert f64["max_relative_weight_difference"] < 1e-7
+    assert "float32_loss_curves_max_relative_difference" in parity  # reported, never asserted
+
+
 def check_outputs(out, proc, model, epochs):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == model and summary["epochs"] == epochs and summary["device"] == "cpu"
     assert 0.0 <= summary["test_accuracy"] <= 1.0
     parity = summary["parity"]
-    assert parity["max_relative_gradient_difference_one_batch"] < 1e-4
-    assert parity["max_relative_loss_difference_over_training"] < 1e-4  # float32 training
+    assert_parity(parity)
     check_timing(summary, proc.stdout, threads=1)
     assert (out / "loss_curve.png").read_bytes()[:8] == PNG_MAGIC
     graph = summary["files"]["graph"]

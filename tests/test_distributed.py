@@ -35,6 +35,7 @@ from distributed_worker import (
 )
 from graphgrad.bench_distributed import run_distributed_bench
 from graphgrad.distributed import assign_buckets
+from test_demo import assert_parity
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 SCENARIOS = ("steps", "no_sync", "unused", "unfinished", "misuse", "buffers", "mismatch")
@@ -265,7 +266,7 @@ def test_torchrun_demo_distributed(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 23  # each rank: half of every batch
-    assert summary["parity"]["max_relative_loss_difference_over_training"] < 1e-4  # vs torch DDP
+    assert_parity(summary["parity"])  # vs torch DDP: one batch in float32, 10 steps in float64
     assert summary["test_accuracy"] > 0.5
     assert "2 processes" in proc.stdout
 
