@@ -254,6 +254,7 @@ def leaf():
 NUMPY = "Can't call numpy\\(\\) on Tensor that requires grad. Use tensor.detach\\(\\).numpy\\(\\)"
 
 
+@pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword")  # torch's own
 @pytest.mark.parametrize("convert", [lambda t: t.numpy(), np.asarray, np.array, lambda t: t.__array__()])
 @pytest.mark.parametrize("which", ["leaf", "non_leaf"])
 def test_numpy_of_a_tensor_that_requires_grad_raises(convert, which):
