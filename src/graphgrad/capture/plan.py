@@ -28,6 +28,7 @@ from .loop import lower_to_loop
 from .memory import MemoryPlan, plan_memory
 from .program import Kernel, Kind, Program, Value
 from .recorder import OptimizerSpan, hyperparameters
+from .reuse import reuse_buffers
 from .script import Unlowerable, lower_to_script
 from .torchapi import executor_optimize, set_executor_optimize, set_grad
 
@@ -407,6 +408,16 @@ def build_plan(prog: Program, spans: Sequence[OptimizerSpan], *, arg_guard: Argu
         if v.kind is Kind.INTERMEDIATE and until > produced_in[v]:
             slots[v] = len(slots)
 
+    by_storage: dict[int, list[Value]] = {}
+    for v in prog.values:
+        by_storage.setdefault(v.storage, []).append(v)
+    persistent = {v.storage for v in prog.values if v.kind is not Kind.INTERMEDIATE}
+    reused = 0
+    for si, d in enumerate(drafts):
+        if d.kind != "eager":
+            later = {v.storage for v, until in needed_until.items() if until > si}
+            reused += reuse_buffers(d.kernels, persistent | later, by_storage)
+
     segments: list = []
     release_at: dict[int, list[int]] = {}
     for v, s in slots.items():
@@ -414,7 +425,7 @@ def build_plan(prog: Program, spans: Sequence[OptimizerSpan], *, arg_guard: Argu
             release_at.setdefault(needed_until[v], []).append(s)
     for si, d in enumerate(drafts):
         if d.kind == "eager":
-            effs = [Effect(p, _ref(v, slots, g)) for p, v, g in span_effects[d.span_index]]
+            effs = [Effect(_target(p, by_id), _ref(v, slots, g)) for p, v, g in span_effects[d.span_index]]
             seg = EagerSegment(d.span, effs, d.span.eager, tuple(release_at.get(si, ())))
             segments.append(seg)
             continue
@@ -424,10 +435,11 @@ def build_plan(prog: Program, spans: Sequence[OptimizerSpan], *, arg_guard: Argu
             seg.span = d.span
             seg.hyper = d.span.hyper
             if not seg.outputs:  # nothing later needs its values: it can run eagerly instead
-                effs = [Effect(p, _ref(v, slots, g)) for p, v, g in span_effects[d.span_index]]
+                effs = [Effect(_target(p, by_id), _ref(v, slots, g))
+                        for p, v, g in span_effects[d.span_index]]
                 seg.fallback = EagerSegment(d.span, effs, "hyperparameters changed")
         segments.append(seg)
-    effects = [Effect(leaf, _ref(v, slots, g)) for leaf, v, g in end_effects]
+    effects = [Effect(_target(leaf, by_id), _ref(v, slots, g)) for leaf, v, g in end_effects]
     result_refs = []
     for (r, cls), v in zip(results[1], result_values):
         if isinstance(r, torch.Tensor):
@@ -438,13 +450,19 @@ def build_plan(prog: Program, spans: Sequence[OptimizerSpan], *, arg_guard: Argu
     kept = [v for _, v, _ in end_effects if v is not None] + [v for v in result_values if v is not None]
     kernels = [k for d in drafts for k in d.kernels]
     written = {v.storage for v in prog.values if v.written}
-    stats = {"recorded": prog.recorded_calls, "dropped": prog.dropped,
+    stats = {"recorded": prog.recorded_calls, "dropped": prog.dropped, "reused": reused,
              "arguments": len(prog.arguments), "externals": len(prog.externals),
              "constants": sum(1 for v in prog.externals if v.pristine)}
     return Plan(arg_guard, state_guard, segments, effects, results[0], result_refs, len(slots),
                 stats, plan_memory(kernels, kept), autocast_off=autocast_off,
                 written=tuple(v.obj for v in prog.externals if v.storage in written and not v.pristine),
                 written_args=tuple(v.index for v in prog.arguments.values() if v.storage in written))
+
+
+def _target(leaf: torch.Tensor, by_id: dict) -> Any:
+    """A leaf that is an argument of the step is named by its position (a new one each call)."""
+    v = by_id.get(id(leaf))
+    return v.index if v is not None and v.kind is Kind.ARGUMENT else leaf
 
 
 def _check_eager_reads(prog: Program, span: OptimizerSpan, index: int, grads: set[int]) -> None:

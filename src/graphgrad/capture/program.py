@@ -50,6 +50,7 @@ class Value:
     written: bool = False  # some kernel writes into it
     pristine: bool = False  # an external made from Python data in the step (a constant)
     device: str = "cpu"  # the device type
+    meta: tuple = ()  # (shape, strides, dtype, dense and contiguous)
 
     def __repr__(self) -> str:
         return f"<{self.kind.value} {self.index}>"
@@ -118,7 +119,9 @@ class _Builder:
 
     def _new(self, kind: Kind, index: int, t: torch.Tensor, **kw) -> Value:
         with torch._C.DisableTorchFunctionSubclass():
-            v = Value(kind, index, nbytes=_nbytes(t), storage=_storage_key(t), device=t.device.type, **kw)
+            v = Value(kind, index, nbytes=_nbytes(t), storage=_storage_key(t), device=t.device.type,
+                      meta=(tuple(t.shape), t.stride(), t.dtype, t.is_contiguous()
+                            and t.numel() * t.element_size() == _nbytes(t)), **kw)
         self.prog.values.append(v)
         self.prog.by_id[id(t)] = v
         return v

@@ -110,6 +110,14 @@ def _where() -> str:
     return ""
 
 
+def _storage(t: torch.Tensor) -> int:
+    with torch._C.DisableTorchFunctionSubclass():
+        try:
+            return t.untyped_storage()._cdata
+        except Exception:
+            return id(t)
+
+
 def _refusal(func: Any, args: tuple) -> str:
     """Why a replay could not follow this ATen call ("" if it can)."""
     if func in _READS_VALUE or torch.Tag.data_dependent_output in func.tags:
@@ -120,6 +128,19 @@ def _refusal(func: Any, args: tuple) -> str:
             return ""
         return "the shape of its result depends on the values"
     return ""
+
+
+def _flat_tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, list | tuple):
+        return [t for o in obj for t in _flat_tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _flat_tensors(o)]
+    return []
+
+
+_SEEDING = ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all")
 
 
 class _Dispatch(TorchDispatchMode):
@@ -133,13 +154,14 @@ class _Dispatch(TorchDispatchMode):
             return func(*args, **kwargs)
         rec = self.recorder
         why = _refusal(func, args)
-        if why:
+        if why and not (func in _READS_VALUE and rec.is_constant(args[0])):
             rec.refuse(f"{func}", why)
         calls = rec.recording.calls
         if func is _LIFT_FRESH:  # a tensor made from Python data: keep its value as recorded
             rec.recording.pristine[len(calls)] = _aten.clone.default(args[0])
         out = func(*args, **kwargs)
         calls.append(OpCall(func, args, kwargs, out, rec.span_index))
+        rec.track_constants(func, args, kwargs, out)
         return out
 
 
@@ -150,7 +172,7 @@ class _PythonReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         what = _PYTHON_READS.get(func)
-        if what is not None:
+        if what is not None and not (args and self.recorder.is_constant(args[0])):
             self.recorder.refuse(what, "it reads a tensor's value into Python")
         return func(*args, **(kwargs or {}))
 
@@ -164,6 +186,28 @@ class Recorder:
         self.span: OptimizerSpan | None = None
         self.span_index = -1
         self._depth = 0
+        self._constant: set[int] = set()  # storages whose values follow from shapes alone
+
+    # -- values that depend on no data ----------------------------------------------------
+    def is_constant(self, t: Any) -> bool:
+        """Was ``t`` computed from factories alone (``arange``, ``full``...), with no argument,
+        external or random number in its history? Then reading it is reading shapes, which the
+        guards fix: graphgrad's own geometry checks do that."""
+        return isinstance(t, torch.Tensor) and _storage(t) in self._constant
+
+    def track_constants(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        inputs = [t for t in _flat_tensors((args, kwargs))]
+        clean = torch.Tag.nondeterministic_seeded not in func.tags and all(
+            _storage(t) in self._constant for t in inputs)
+        if clean:
+            for t in _flat_tensors(out):
+                self._constant.add(_storage(t))
+            return
+        for i, a in enumerate(func._schema.arguments):  # a write of data makes a storage data
+            if a.alias_info is not None and a.alias_info.is_write:
+                target = kwargs.get(a.name, args[i] if i < len(args) else None)
+                for t in _flat_tensors(target):
+                    self._constant.discard(_storage(t))
 
     def refuse(self, what: str, why: str) -> None:
         """Inside an optimizer step: that step runs eagerly in the replay. Elsewhere: raise."""
@@ -216,6 +260,33 @@ class Recorder:
         if threading.get_ident() == self.thread:
             self.recording.modules.setdefault(id(module), (module, module.training))
 
+    def _reseeding(self, name: str, original: Any) -> Any:
+        def refused(*args, **kwargs):
+            if threading.get_ident() == self.thread:
+                raise CaptureError(
+                    f"torch.{name}() inside the captured step{_where()}: a replay runs no Python, "
+                    "so it would not reseed, and its random numbers would differ from eager ones. "
+                    "Seed outside the captured function.")
+            return original(*args, **kwargs)
+        return refused
+
+    @contextlib.contextmanager
+    def _seeding_refused(self) -> Iterator[None]:
+        """The seeding functions, wrapped while recording (reseeding happens in Python, which
+        no dispatcher sees); restored afterwards."""
+        patched = []
+        for module in (torch, torch.random, torch.cuda):
+            for name in _SEEDING:
+                original = getattr(module, name, None)
+                if original is not None:
+                    patched.append((module, name, original))
+                    setattr(module, name, self._reseeding(name, original))
+        try:
+            yield
+        finally:
+            for module, name, original in patched:
+                setattr(module, name, original)
+
     @contextlib.contextmanager
     def active(self) -> Iterator[Recording]:
         handles = [register_optimizer_step_pre_hook(self._step_pre),
@@ -223,7 +294,7 @@ class Recorder:
                    register_module_forward_pre_hook(self._module_called)]
         previous = executor.observe_accumulation(self._accumulated)
         try:
-            with _PythonReads(self), _Dispatch(self):
+            with self._seeding_refused(), _PythonReads(self), _Dispatch(self):
                 yield self.recording
         finally:
             executor.observe_accumulation(previous)

@@ -74,7 +74,8 @@ class _Lowering:
             node.output().setType(t)
             return node.output()
         if isinstance(a, list | tuple) and any(isinstance(x, Value) for x in a):
-            optional = any(x is None for x in a)
+            optional = any(x is None for x in a) or (  # Tensor?[] (index)
+                isinstance(declared, ListType) and isinstance(declared.getElementType(), OptionalType))
             items = [self.g.insertConstant(None) if x is None else self.argument(x) for x in a]
             node = self.g.insertNode(self.g.create("prim::ListConstruct", items, 1))
             node.output().setType(ListType(OptionalType(_TENSOR) if optional else _TENSOR))

@@ -85,7 +85,8 @@ class CapturedStep:
             if plan.rerecord:
                 self._rerecord, plan.rerecord = True, ""
             return out
-        self.misses = (self.misses + [why])[-16:]
+        if self.plans:
+            self.misses = (self.misses + [why])[-16:]
         if len(self.plans) >= self.cache_size:
             if not self._warned:
                 self._warned = True
@@ -122,7 +123,8 @@ class CapturedStep:
             collector = LeafCollector()
             with collector.active():
                 out = self.fn(*args, **kwargs)
-            self._leaves.update(collector.leaves)
+            arguments = {id(a) for a in flatten(args, kwargs)[0]}
+            self._leaves.update((k, t) for k, t in collector.leaves.items() if k not in arguments)
         return pytree.tree_map(_detached, out)
 
     # -- recording -----------------------------------------------------------------------
@@ -147,7 +149,8 @@ class CapturedStep:
         for span in recording.spans:
             for p, _ in span.grads:
                 leaves.setdefault(id(p), p)
-        self._leaves.update(leaves)
+        arguments = {id(a) for a in flat}
+        self._leaves.update((k, t) for k, t in leaves.items() if k not in arguments)
         end_grads = [(leaf, get_grad(leaf)) for leaf in leaves.values()]
         for _, g in end_grads:
             if g is not None and getattr(g, "_gg_node", None) is not None:
@@ -289,14 +292,13 @@ def _intermediate_refs(prog: Program, recording: Recording, allowed: set[int]) -
 
 
 def _holder(t: torch.Tensor) -> str:
+    what = f"a {t.dtype} tensor of shape {tuple(t.shape)}"
     for ref in gc.get_referrers(t):
         if isinstance(ref, dict):
             for k, v in ref.items():
                 if v is t:
-                    return f"a {t.dtype} tensor of shape {tuple(t.shape)} under the key {k!r} of a dict"
-        if isinstance(ref, list):
-            return f"a {t.dtype} tensor of shape {tuple(t.shape)} in a list"
-    return f"a {t.dtype} tensor of shape {tuple(t.shape)}"
+                    return f"{what}, under the key {k!r} of a dict"
+    return what
 
 
 def capture(fn: Callable[..., Any] | None = None, *, warmup: int = 1, check: int = 0,
