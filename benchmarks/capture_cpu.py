@@ -4,11 +4,13 @@ Workloads (issue 16's CPU targets): W1, the 200-op chain on (8, 8) (forward + ba
 leaf's .grad reset each step); W2, the 784-256-256-10 tanh MLP at batch 64 with SGD+momentum;
 the demo's CNN on 8x8 digits-shaped inputs at batch 64 with Adam (as ``graphgrad demo``); a
 small GPT-2-shaped transformer (2 pre-LN blocks, d=128, 4 heads, seq 64, batch 8, vocab 512,
-causal attention, tied head) with AdamW. Each engine has its own copy of the model from the
-same initial weights. The engines run interleaved, round by round in rotating order, one torch
-thread; the figure is the median over rounds of the mean step time within a round. Peak
-memory: the allocator's bytes live at once during one step beyond those live before it
-(``torch.profiler`` memory events), for torch eager, eager graphgrad and the replay.
+causal attention, tied head) and a tiny one (d=64, seq 32, batch 4, vocab 256) with AdamW. The
+optimizers run with their CPU defaults and with ``fused=True``, on both sides. Each engine has
+its own copy of the model from the same initial weights. The engines run interleaved, round
+by round in rotating order, one torch thread; the figure is the median over rounds of the
+mean step time within a round. Peak memory: the allocator's bytes live at once during one
+step beyond those live before it (``torch.profiler`` memory events), for torch eager, eager
+graphgrad and the replay. ``--layers`` adds single layers (forward + backward, no optimizer).
 
     PYTHONPATH=src python benchmarks/capture_cpu.py [--rounds 15] [--json out.json]
 """
@@ -125,18 +127,28 @@ class GPT(nn.Module):
         return self.ln(x) @ self.tok.weight.t()
 
 
-def gpt(optimizer="adamw"):
+GPT_SIZES = {"small": dict(vocab=512, d=128, heads=4, layers=2, seq=64, batch=8),
+             "tiny": dict(vocab=256, d=64, heads=4, layers=2, seq=32, batch=4)}
+
+
+def gpt(size="small", optimizer="adamw"):
+    cfg = dict(GPT_SIZES[size])
+    batch = cfg.pop("batch")
     torch.manual_seed(1)
-    idx, tgt = torch.randint(0, 512, (8, 64)), torch.randint(0, 512, (8, 64))
+    idx = torch.randint(0, cfg["vocab"], (batch, cfg["seq"]))
+    tgt = torch.randint(0, cfg["vocab"], (batch, cfg["seq"]))
     factory = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
                "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)}[optimizer]
-    return _engines(GPT, factory, lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()),
-                    (idx, tgt))
+    return _engines(lambda: GPT(**cfg), factory,
+                    lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()), (idx, tgt))
 
 
 WORKLOADS = {"W1 chain step": w1, "W2 MLP step + SGD": w2, "demo CNN step + Adam": cnn,
              "demo CNN step + Adam(fused)": lambda: cnn("adam-fused"),
-             "GPT-2-shaped step + AdamW": gpt, "GPT-2-shaped step + AdamW(fused)": lambda: gpt("adamw-fused")}
+             "GPT-2 small step + AdamW": gpt,
+             "GPT-2 small step + AdamW(fused)": lambda: gpt("small", "adamw-fused"),
+             "GPT-2 tiny step + AdamW": lambda: gpt("tiny"),
+             "GPT-2 tiny step + AdamW(fused)": lambda: gpt("tiny", "adamw-fused")}
 
 
 # ------------------------------------------------------------------------------ measuring

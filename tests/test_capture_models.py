@@ -161,3 +161,27 @@ def test_captured_sgd_follows_the_scheduler(schedule):
         assert step.records == 5
     else:  # lr changes every step: the update runs eagerly
         assert step.records == 1 and sum(s.fell_back for s in optimizer_segments) >= 40
+
+
+def test_clip_grad_norm_and_fused_adam_are_captured():
+    """clip_grad_norm_ is kernels on the gradients; fused Adam reads nothing into Python."""
+    torch.manual_seed(0)
+    base = mlp().to(DT)
+    runs = []
+    for capture in (False, True):
+        model = gg.nn.adopt(copy.deepcopy(base))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+
+        def step(x, y, model=model, opt=opt):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            return loss
+        step = gg.capture(step) if capture else step
+        runs.append([step(*tabular(i)) for i in range(30)] + list(model.parameters()))
+    for a, b in zip(*runs):
+        assert torch.equal(a.detach(), b.detach())
+    kinds = [s["kind"] for s in step.plan.summary().segments]
+    assert kinds == ["kernels", "optimizer (captured)"]

@@ -177,6 +177,7 @@ class PlanSummary:
     effects: int
     guards: int
     memory: MemoryPlan
+    reused_in_place_bytes: int
 
     def __str__(self) -> str:
         mib = 1 / 2**20
@@ -185,9 +186,10 @@ class PlanSummary:
                  f"arguments {self.arguments}, externals {self.externals} (constants {self.constants}), "
                  f".grad effects {self.effects}, guards {self.guards}",
                  f"peak intermediate memory {self.memory.peak_bytes * mib:.3f} MiB; allocated "
-                 f"{self.memory.allocated_bytes * mib:.3f} MiB, of which reusable from freed blocks "
-                 f"{self.memory.reused_bytes * mib:.3f} MiB; kept after the step "
-                 f"{self.memory.kept_bytes * mib:.3f} MiB",
+                 f"{self.memory.allocated_bytes * mib:.3f} MiB after reusing "
+                 f"{self.reused_in_place_bytes * mib:.3f} MiB in place (kernels writing into "
+                 f"dying inputs); {self.memory.reused_bytes * mib:.3f} MiB more a caching allocator "
+                 f"serves from freed blocks; kept after the step {self.memory.kept_bytes * mib:.3f} MiB",
                  "segments:"]
         for s in self.segments:
             lines.append("  " + "  ".join(f"{k}={v}" for k, v in s.items()))
@@ -295,7 +297,8 @@ class Plan:
         return PlanSummary(st["recorded"], sum(len(s.kernels) for s in self.segments
                                                if isinstance(s, KernelSegment)),
                            st["dropped"], tuple(segs), st["arguments"], st["externals"],
-                           st["constants"], len(self.effects), len(self.state) + 1, self.memory)
+                           st["constants"], len(self.effects), len(self.state) + 1, self.memory,
+                           st["reused"])
 
 
 # ------------------------------------------------------------------------------- building
