@@ -151,6 +151,43 @@ WORKLOADS = {"W1 chain step": w1, "W2 MLP step + SGD": w2, "demo CNN step + Adam
              "GPT-2 tiny step + AdamW(fused)": lambda: gpt("tiny", "adamw-fused")}
 
 
+class _Attention(nn.Module):
+    def forward(self, qkv):
+        q, k, v = qkv.unbind(0)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+LAYERS = {  # name: (module factory, input shape); forward + backward into input and weights
+    "Conv2d 16->32 3x3, (64,16,8,8)": (lambda: nn.Conv2d(16, 32, 3, padding=1), (64, 16, 8, 8)),
+    "BatchNorm2d(32), (64,32,8,8)": (lambda: nn.BatchNorm2d(32), (64, 32, 8, 8)),
+    "MaxPool2d(2), (64,32,8,8)": (lambda: nn.MaxPool2d(2), (64, 32, 8, 8)),
+    "LayerNorm(128), (8,64,128)": (lambda: nn.LayerNorm(128), (8, 64, 128)),
+    "causal SDPA, 3x(8,4,64,32)": (_Attention, (3, 8, 4, 64, 32)),
+    "GELU, (8,64,512)": (nn.GELU, (8, 64, 512)),
+    "Linear 128->512, (8,64,128)": (lambda: nn.Linear(128, 512), (8, 64, 128)),
+}
+
+
+def layer(name):
+    build, shape = LAYERS[name]
+    torch.manual_seed(1)
+    base = build()
+    x0 = torch.randn(*shape)
+
+    def make(module, x):
+        def step():
+            x.grad = None
+            for p in module.parameters():
+                p.grad = None
+            out = module(x)
+            out.backward(torch.ones_like(out))
+        return step
+    return {"torch": make(copy.deepcopy(base), x0.clone().requires_grad_(True)),
+            "graphgrad": make(gg.nn.adopt(copy.deepcopy(base)), gg.as_tensor(x0.clone(), requires_grad=True)),
+            "captured": gg.capture(make(gg.nn.adopt(copy.deepcopy(base)),
+                                        gg.as_tensor(x0.clone(), requires_grad=True)))}, ()
+
+
 # ------------------------------------------------------------------------------ measuring
 def _peak_bytes(fn) -> int:
     """Most CPU-allocator bytes live at once during fn() beyond what was live at its start."""
@@ -167,7 +204,7 @@ def _peak_bytes(fn) -> int:
 
 
 def measure(name: str, rounds: int, steps_per_round: int) -> dict:
-    engines, inputs = WORKLOADS[name]()
+    engines, inputs = WORKLOADS[name]() if name in WORKLOADS else layer(name)
     for _ in range(3):  # warm-up: captured records on its 2nd call
         for step in engines.values():
             step(*inputs)
@@ -197,16 +234,18 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="steps per round (default: by workload)")
     ap.add_argument("--only", default="", help="substring of the workload names to run")
     ap.add_argument("--json", default="")
+    ap.add_argument("--layers", action="store_true", help="also single layers, forward + backward")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     results = []
     print(f"torch {torch.__version__}, graphgrad compiled engine: {gg.compiled}, threads 1")
     print(f"{'workload':34s} {'torch ms':>9s} {'gg ms':>9s} {'capt ms':>9s} {'capt/torch':>10s} "
           f"{'gg/torch':>9s} {'peak MiB torch/gg/capt':>24s}")
-    for name in WORKLOADS:
+    names = list(WORKLOADS) + (list(LAYERS) if args.layers else [])
+    for name in names:
         if args.only and args.only not in name:
             continue
-        steps = args.steps or (20 if name.startswith("W1") else 10)
+        steps = args.steps or (20 if name.startswith("W1") or name in LAYERS else 10)
         r = measure(name, args.rounds, steps)
         results.append(r)
         m, p = r["ms"], r["peak_bytes"]

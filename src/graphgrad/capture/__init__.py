@@ -7,9 +7,11 @@ inside a CUDA graph), with guards that say when the plan may stand in for the st
 docs/capture.md.
 
 Modules, in the order a step goes through them: ``recorder`` (the eager call under a dispatch
-mode), ``program`` (values and kernels), ``plan`` (segments, effects, results, replay),
-``script``/``loop`` (the compiled loop and its fallback), ``memory`` (liveness, peak),
-``guards``, ``cuda`` (CUDA graphs), ``check`` (check=N), ``step`` (the user-facing callable).
+mode), ``program`` (values and kernels), ``build`` (segments, slots, effects, results) with
+``reuse`` (kernels writing into dying inputs), ``script``/``loop`` (the compiled loop and its
+fallback) and ``memory`` (liveness, peak); ``segments`` and ``plan`` (the replay), ``guards``,
+``cuda`` (CUDA graphs), ``check`` (check=N), ``step`` (the user-facing callable); every
+private torch API in ``torchapi``.
 """
 
 from .errors import CaptureError, CaptureMismatch

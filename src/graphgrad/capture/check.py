@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from .errors import CaptureMismatch
-from .torchapi import get_grad, set_grad
+from .torchapi import NoTorchFunction, get_grad, pytree, set_grad
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -24,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["checked_replay"]
 
-_Disable = torch._C.DisableTorchFunctionSubclass
+_Disable = NoTorchFunction
 
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from .errors import CaptureError
-from .plan import KernelSegment, Plan
+from .plan import Plan
 from .program import Kind, Program, Value
+from .segments import KernelSegment
 
 __all__ = ["CudaGraphRunner", "graph_segments"]
 

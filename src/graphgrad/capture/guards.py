@@ -14,13 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
-from .torchapi import get_grad
+from .torchapi import NoTorchFunction, get_grad, pytree
 
 __all__ = ["flatten", "ArgumentGuard", "StateGuard", "modes"]
 
-_Disable = torch._C.DisableTorchFunctionSubclass
+_Disable = NoTorchFunction
 _PRIMITIVE = (int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.memory_format)
 _FLAT = (torch.Tensor,) + _PRIMITIVE
 

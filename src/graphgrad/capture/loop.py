@@ -1,7 +1,7 @@
 """A segment of kernels run by a Python loop: the fallback where TorchScript cannot express one.
 
 Each call reads its tensors from a list of slots and writes its results back; the bound C
-function of each overload is called directly (``OpOverload._op``, no Python wrapper), and each
+function of each overload is called directly (no Python wrapper), and each
 slot is cleared after its last use so intermediates are freed as early as in the script.
 """
 
@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .program import Kernel, Value
+from .torchapi import bound_function
 
 __all__ = ["lower_to_loop"]
 
@@ -45,7 +46,7 @@ def _has_slot(obj: Any) -> bool:
 
 
 def _compile_call(k: Kernel, slots: dict[Value, int]) -> Callable[[list], None]:
-    op = k.func._op
+    op = bound_function(k.func)
     args = _template(k.args, slots)
     kwargs = {n: _template(v, slots) for n, v in k.kwargs.items()}
     dynamic = [i for i, a in enumerate(args) if _has_slot(a)]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .recorder import OpCall, Recording
-from .torchapi import inplace_view_tag, is_write_argument
+from .torchapi import NoTorchFunction, inplace_view_tag, is_write_argument
 
 __all__ = ["Kind", "Value", "Kernel", "Program", "build_program"]
 
@@ -118,7 +118,7 @@ class _Builder:
                 self.metadata_written.add(id(call.args[0]))
 
     def _new(self, kind: Kind, index: int, t: torch.Tensor, **kw) -> Value:
-        with torch._C.DisableTorchFunctionSubclass():
+        with NoTorchFunction():
             v = Value(kind, index, nbytes=_nbytes(t), storage=_storage_key(t), device=t.device.type,
                       meta=(tuple(t.shape), t.stride(), t.dtype, t.is_contiguous()
                             and t.numel() * t.element_size() == _nbytes(t)), **kw)
@@ -180,7 +180,7 @@ class _Builder:
         value it had when made; copied afresh for each replay if the step writes into it."""
         const = self.rec.pristine[index]
         v = self._new(Kind.EXTERNAL, len(self.prog.externals), const, obj=const, pristine=True)
-        with torch._C.DisableTorchFunctionSubclass():
+        with NoTorchFunction():
             v.storage = _storage_key(call.out)  # views of the made tensor share this key
         self.prog.externals.append(v)
         self.prog.dropped += 1

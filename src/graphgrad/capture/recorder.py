@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import executor
 from .errors import CaptureError
-from .torchapi import TorchDispatchMode, get_grad
+from .torchapi import NoTorchFunction, TorchDispatchMode, get_grad
 
 __all__ = ["OpCall", "OptimizerSpan", "Recording", "Recorder", "LeafCollector",
            "optimizer_params", "hyperparameters"]
@@ -111,7 +111,7 @@ def _where() -> str:
 
 
 def _storage(t: torch.Tensor) -> int:
-    with torch._C.DisableTorchFunctionSubclass():
+    with NoTorchFunction():
         try:
             return t.untyped_storage()._cdata
         except Exception:

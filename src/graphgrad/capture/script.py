@@ -25,6 +25,7 @@ from .torchapi import (
     ScriptGraph,
     TensorType,
     TupleType,
+    parse_schema,
     script_function,
 )
 
@@ -97,7 +98,7 @@ class _Lowering:
             ins.append(self.argument(a, arg.type))
         node = self.g.insertNode(self.g.create(schema.name, ins, len(schema.returns)))
         try:
-            resolved = torch._C.parse_schema(node.schema())
+            resolved = parse_schema(node.schema())
         except Exception:
             raise Unlowerable(f"{k.func}: no TorchScript operator matches") from None
         if resolved.overload_name != schema.overload_name and not _same_kernel(schema, resolved, k):

@@ -18,14 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from .build import build_plan
 from .errors import CaptureError
 from .guards import ArgumentGuard, StateGuard, flatten, modes
-from .plan import Plan, build_plan
+from .plan import Plan
 from .program import Kind, Program, build_program
 from .recorder import LeafCollector, Recorder, Recording, hyperparameters, optimizer_params
-from .torchapi import get_grad
+from .torchapi import get_grad, pytree
 
 __all__ = ["CapturedStep", "capture"]
 
