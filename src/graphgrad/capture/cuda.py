@@ -32,18 +32,35 @@ class CudaGraphRunner:
     """A segment function of (*inputs) -> outputs, captured at its first call, then replayed."""
 
     def __init__(self, fn: Callable[..., tuple], fixed: tuple[bool, ...], written: tuple[int, ...],
-                 pool: Any):
+                 pool: Any, name: str = "", required: bool = False):
         self.fn = fn
+        self.name = name
+        self.required = required
+        self.failed = ""  # why capturing failed (the segment then runs without a graph)
+        self.inner = "torchscript"  # what runs inside the graph
         self.fixed = fixed  # inputs used in place (externals, a graphed segment's outputs)
-        self.written = written  # argument inputs the segment writes into: copied back
+        self.written = written  # copied inputs the step writes into: copied back after
         self.pool = pool
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_in: list = []
         self.static_out: tuple = ()
 
     def __call__(self, *ins: Any) -> tuple:
+        if self.failed:
+            return self.fn(*ins)
         if self.graph is None:
-            self._capture(ins)
+            try:
+                self._capture(ins)
+            except Exception as e:
+                if self.required:
+                    raise CaptureError(f"gg.capture(cuda_graph=True): capturing segment {self.name} "
+                                       f"into a CUDA graph failed: {e}") from e
+                self.failed = f"{type(e).__name__}: {e}"
+                self.graph = None
+                torch.cuda.synchronize()
+                warnings.warn(f"gg.capture: segment {self.name} runs without a CUDA graph (capturing "
+                              f"it failed: {self.failed})", stacklevel=4)
+                return self.fn(*ins)
         else:
             for i, (s, x) in enumerate(zip(self.static_in, ins)):
                 if not self.fixed[i] and s is not x:
@@ -64,13 +81,17 @@ class CudaGraphRunner:
 
 
 def _why_not(seg: KernelSegment) -> str:
-    devices = {v.device for k in seg.kernels for v in _values(k)} | {v.device for v in seg.inputs}
-    if devices != {"cuda"}:
-        return f"it touches tensors on {', '.join(sorted(devices - {'cuda'}))}"
+    """A graph replays only device work: a kernel reading a host tensor would see, at every
+    replay, the value it had at capture. Constants from Python data are fine (they do not
+    change); a result on the host that nothing reads (flash attention's philox seed) too."""
+    for k in seg.kernels:
+        for v in _inputs(k):
+            if v.device != "cuda" and not (v.kind is Kind.EXTERNAL and v.pristine and not v.written):
+                return f"{k.func} reads a tensor on {v.device}"
     return ""
 
 
-def _values(k) -> list[Value]:
+def _inputs(k) -> list[Value]:
     out = []
 
     def walk(o):
@@ -79,7 +100,7 @@ def _values(k) -> list[Value]:
         elif isinstance(o, list | tuple):
             for x in o:
                 walk(x)
-    walk((k.args, tuple(k.kwargs.values()), k.outs))
+    walk((k.args, tuple(k.kwargs.values())))
     return out
 
 
@@ -98,8 +119,9 @@ def graph_segments(plan: Plan, prog: Program, required: bool) -> None:
             warnings.warn(f"gg.capture: segment {seg.name} runs without a CUDA graph ({why})", stacklevel=4)
             continue
         fixed = tuple(v.kind is Kind.EXTERNAL or v in graphed_outputs for v in seg.inputs)
-        written = tuple(i for i, v in enumerate(seg.inputs) if v.kind is Kind.ARGUMENT and v.written)
-        seg.fn = CudaGraphRunner(seg.fn, fixed, written, pool)
+        written = tuple(i for i, v in enumerate(seg.inputs) if not fixed[i] and v.written)
+        seg.fn = CudaGraphRunner(seg.fn, fixed, written, pool, seg.name, required)
+        seg.fn.inner = seg.runner
         seg.runner = f"cuda graph ({seg.runner})"
         graphed_outputs.update(seg.outputs)
         plan.clone_results = True

@@ -149,6 +149,8 @@ class Plan:
                      "inputs": len(s.inputs), "outputs": len(s.outputs)}
                 if s.why_loop:
                     d["why_loop"] = s.why_loop
+                if getattr(s.fn, "failed", ""):
+                    d["runner"] = f"{s.fn.inner}; its CUDA graph capture failed ({s.fn.failed})"
                 if s.span is not None:
                     d["optimizer"] = type(s.span.optimizer).__name__
             else:
