@@ -41,10 +41,19 @@ import graphgrad as gg  # noqa: E402
 SIZES = {"B2xT128": (2, 128), "B8xT512": (8, 512)}
 
 
+DEVICE = "cuda"  # --smoke: "cpu", to check this script on a machine without a GPU
+WIDTH, HEADS = 768, 12
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def make_step(model: nn.Module, opt: torch.optim.Optimizer, autocast: bool):
     def step(x):
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
             out = model(x)
         loss = out.float().pow(2).mean()
         loss.backward()
@@ -55,15 +64,16 @@ def make_step(model: nn.Module, opt: torch.optim.Optimizer, autocast: bool):
 
 def engines(base: nn.Module, capturable: bool, autocast: bool, notes: dict) -> dict:
     def opt(m):
-        return torch.optim.AdamW(m.parameters(), lr=1e-4, capturable=capturable)
+        return torch.optim.AdamW(m.parameters(), lr=1e-4, capturable=capturable and DEVICE == "cuda")
     out = {}
     m = copy.deepcopy(base)
     out["torch"] = make_step(m, opt(m), autocast)
-    try:
-        m = copy.deepcopy(base)
-        out["torch.compile"] = make_step(torch.compile(m, mode="reduce-overhead"), opt(m), autocast)
-    except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
-        notes["torch.compile"] = f"{type(e).__name__}: {e}"
+    if DEVICE == "cuda":
+        try:
+            m = copy.deepcopy(base)
+            out["torch.compile"] = make_step(torch.compile(m, mode="reduce-overhead"), opt(m), autocast)
+        except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
+            notes["torch.compile"] = f"{type(e).__name__}: {e}"
     m = gg.nn.adopt(copy.deepcopy(base))
     out["graphgrad"] = make_step(m, opt(m), autocast)
     m = gg.nn.adopt(copy.deepcopy(base))
@@ -74,16 +84,16 @@ def engines(base: nn.Module, capturable: bool, autocast: bool, notes: dict) -> d
 def measure(size: str, capturable: bool, rounds: int, iters: int, autocast: bool = True) -> dict:
     B, T = SIZES[size]
     torch.manual_seed(0)
-    base = nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.0, batch_first=True).cuda()
-    x = torch.randn(B, T, 768, device="cuda")
+    base = nn.TransformerEncoderLayer(WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True).to(DEVICE)
+    x = torch.randn(B, T, WIDTH, device=DEVICE)
     notes: dict = {}
     steps = engines(base, capturable, autocast, notes)
     losses: dict = {}
     for name in list(steps):  # warm-up: compile, record, capture the graphs
         try:
             t0 = time.perf_counter()
-            losses[name] = [float(steps[name](x)) for _ in range(4)]
-            torch.cuda.synchronize()
+            losses[name] = [float(steps[name](x).detach()) for _ in range(4)]
+            _sync()
             notes[f"{name} warm-up s"] = round(time.perf_counter() - t0, 2)
         except Exception as e:  # noqa: BLE001
             notes[name] = f"{type(e).__name__}: {e}"
@@ -94,14 +104,16 @@ def measure(size: str, capturable: bool, rounds: int, iters: int, autocast: bool
     names = list(steps)
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            _sync()
+            if DEVICE == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             for _ in range(iters):
                 steps[n](x)
-            torch.cuda.synchronize()
+            _sync()
             times[n].append((time.perf_counter() - t0) / iters * 1e3)
-            peaks[n] = max(peaks.get(n, 0), torch.cuda.max_memory_allocated())
+            if DEVICE == "cuda":
+                peaks[n] = max(peaks.get(n, 0), torch.cuda.max_memory_allocated())
     ms = {n: statistics.median(t) for n, t in times.items()}
     result = {"size": size, "B": B, "T": T, "adamw_capturable": capturable, "bf16_autocast": autocast,
               "ms": ms, "samples_ms": times, "peak_bytes": peaks, "warmup_losses": losses,
@@ -120,11 +132,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default="capture-cuda.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure")
+    global DEVICE, WIDTH, HEADS
+    if args.smoke:
+        DEVICE, WIDTH, HEADS = "cpu", 32, 4
+        SIZES.update({"B2xT128": (2, 8), "B8xT512": (2, 16)})
+        args.rounds, args.iters = 1, 2
+    elif not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure (--smoke checks the script on the CPU)")
         return 1
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "none (--smoke, CPU)"
+    info = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
             "graphgrad_compiled": gg.compiled, "results": []}
     print(f"{info['gpu']}, torch {info['torch']}, graphgrad compiled engine: {gg.compiled}")
     t_start = time.perf_counter()
