@@ -335,6 +335,23 @@ def test_replaced_parameter_and_optimizer_state_are_guarded():
     assert captured.records == 2 and "weight" in captured.misses[-1]
 
 
+def test_pre_existing_grad_read_by_a_captured_optimizer_is_guarded():
+    """The step only applies gradients made outside it: the plan holds that .grad by
+    reference, so a new .grad object must not be ignored."""
+    w = leaf(3)
+    opt = torch.optim.SGD([w], lr=0.5)
+    captured = gg.capture(opt.step)
+    w.grad = torch.ones(3, dtype=DT)
+    before = w.detach().clone()
+    for _ in range(3):
+        captured()
+    assert torch.equal(w.detach(), before - 1.5)
+    w.grad = torch.full((3,), 2.0, dtype=DT)  # another tensor: the plan would read the old one
+    captured()
+    assert torch.equal(w.detach(), before - 2.5) and captured.records == 2
+    assert "grad" in captured.misses[-1]
+
+
 def test_non_tensor_arguments_and_objects():
     w = leaf(3)
 

@@ -164,7 +164,7 @@ class CapturedStep:
         else:
             result_flat, result_spec = pytree.tree_flatten(out)
         prog = build_program(recording, flat)
-        _state_guards(state, prog, recording, known_pre, flat)
+        _state_guards(state, prog, recording, known_pre, self._leaves)
         plan = build_plan(prog, recording.spans, arg_guard=ArgumentGuard(spec, flat), state_guard=state,
                           end_grads=end_grads, known_pre=known_pre, autocast_off=autocast_off,
                           results=(result_spec, [(r, type(r) if isinstance(r, torch.Tensor) else None)
@@ -216,7 +216,9 @@ def _check_python_state(recording: Recording, seed: int) -> None:
 
 
 def _state_guards(state: StateGuard, prog: Program, recording: Recording, known_pre: dict,
-                  flat: list) -> None:
+                  leaves: dict) -> None:
+    """What the plan relies on in Python state: ``.grad`` it read, module flags and slots,
+    optimizer state (``known_pre``: id(leaf) -> its .grad before the step; ``leaves``: id -> leaf)."""
     by_id = prog.by_id
 
     def target(leaf):
@@ -234,15 +236,12 @@ def _state_guards(state: StateGuard, prog: Program, recording: Recording, known_
             v = by_id.get(id(old))
             if v is None or v.kind is not Kind.INTERMEDIATE:
                 state.grads.append((target(leaf), old))
-    leaves = {id(g): k for k, g in known_pre.items() if g is not None}
-    pre_leaf = {k: leaf for k, leaf in ((id(p), p) for span in recording.spans for p, _ in span.grads)}
-    for v in prog.externals:
-        k = leaves.get(id(v.obj))
-        if k is not None and k not in guarded:
-            leaf = pre_leaf.get(k) or next((lf for _, lf, _ in recording.accumulations if id(lf) == k), None)
-            if leaf is not None:
-                guarded.add(k)
-                state.grads.append((target(leaf), v.obj))
+    holder = {id(g): k for k, g in known_pre.items() if g is not None}  # a .grad -> its leaf
+    for v in prog.externals:  # a pre-existing .grad the plan uses by reference
+        k = holder.get(id(v.obj))
+        if k is not None and k not in guarded and k in leaves:
+            guarded.add(k)
+            state.grads.append((target(leaves[k]), v.obj))
     for module, flag in recording.modules.values():
         state.training.append((module, flag))
         for slots, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
