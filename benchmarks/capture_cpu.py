@@ -8,7 +8,8 @@ causal attention, tied head) and a tiny one (d=64, seq 32, batch 4, vocab 256) w
 optimizers run with their CPU defaults and with ``fused=True``, on both sides. Each engine has
 its own copy of the model from the same initial weights. The engines run interleaved, round
 by round in rotating order, one torch thread; the figure is the median over rounds of the
-mean step time within a round. Peak memory: the allocator's bytes live at once during one
+mean step time within a round; ratios are the median over rounds of the ratio within a round
+(engines back to back), with quartiles in the JSON. Peak memory: the allocator's bytes live at once during one
 step beyond those live before it (``torch.profiler`` memory events), for torch eager, eager
 graphgrad and the replay. ``--layers`` adds single layers (forward + backward, no optimizer).
 
@@ -219,11 +220,15 @@ def measure(name: str, rounds: int, steps_per_round: int) -> dict:
                 step(*inputs)
             times[n].append((time.perf_counter() - t0) / steps_per_round * 1e3)
     med = {n: statistics.median(t) for n, t in times.items()}
+    # the ratio within each round (engines back to back) is steadier than a ratio of medians
+    # when other jobs load the machine; its median and quartiles are the reported figures
+    per_round = {n: sorted(a / b for a, b in zip(times[n], times["torch"])) for n in names}
     peaks = {n: _peak_bytes(lambda s=engines[n]: s(*inputs)) for n in names}
     plan = engines["captured"].plan
     return {"workload": name, "ms": med, "samples_ms": times,
-            "captured/torch": med["captured"] / med["torch"],
-            "graphgrad/torch": med["graphgrad"] / med["torch"],
+            "captured/torch": statistics.median(per_round["captured"]),
+            "graphgrad/torch": statistics.median(per_round["graphgrad"]),
+            "captured/torch quartiles": statistics.quantiles(per_round["captured"], n=4)[::2],
             "peak_bytes": peaks, "plan": plan.summary().as_dict() if plan else None,
             "replays": engines["captured"].replays, "records": engines["captured"].records}
 
@@ -240,7 +245,7 @@ def main(argv=None) -> int:
     results = []
     print(f"torch {torch.__version__}, graphgrad compiled engine: {gg.compiled}, threads 1")
     print(f"{'workload':34s} {'torch ms':>9s} {'gg ms':>9s} {'capt ms':>9s} {'capt/torch':>10s} "
-          f"{'gg/torch':>9s} {'peak MiB torch/gg/capt':>24s}")
+          f"{'(quartiles)':>13s} {'gg/torch':>9s} {'peak MiB torch/gg/capt':>24s}")
     names = list(WORKLOADS) + (list(LAYERS) if args.layers else [])
     for name in names:
         if args.only and args.only not in name:
@@ -248,9 +253,9 @@ def main(argv=None) -> int:
         steps = args.steps or (20 if name.startswith("W1") or name in LAYERS else 10)
         r = measure(name, args.rounds, steps)
         results.append(r)
-        m, p = r["ms"], r["peak_bytes"]
+        m, p, q = r["ms"], r["peak_bytes"], r["captured/torch quartiles"]
         print(f"{name:34s} {m['torch']:9.3f} {m['graphgrad']:9.3f} {m['captured']:9.3f} "
-              f"{r['captured/torch']:10.3f} {r['graphgrad/torch']:9.3f} "
+              f"{r['captured/torch']:10.3f} {q[0]:6.3f}-{q[1]:.3f} {r['graphgrad/torch']:9.3f} "
               f"{p['torch'] / 2**20:8.2f}/{p['graphgrad'] / 2**20:.2f}/{p['captured'] / 2**20:.2f}",
               flush=True)
     if args.json:

@@ -38,6 +38,7 @@ def assert_same(a, b, step):
             assert x is None and y is None, f"step {step}: {kind} set on one side only"
             continue
         assert torch.equal(x, y), f"step {step}: {kind} differs by {(x - y).abs().max().item():.3g}"
+        assert x._is_view() == y._is_view(), f"step {step}: {kind} is a view on one side only"
 
 
 def run_pair(build, make_opt, data, make_sched=None, steps=STEPS, zero="set_to_none"):

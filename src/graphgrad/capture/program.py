@@ -51,6 +51,7 @@ class Value:
     pristine: bool = False  # an external made from Python data in the step (a constant)
     device: str = "cpu"  # the device type
     meta: tuple = ()  # (shape, strides, dtype, dense and contiguous)
+    view: bool = False  # made by a view op (shares its base's storage)
 
     def __repr__(self) -> str:
         return f"<{self.kind.value} {self.index}>"
@@ -142,14 +143,15 @@ class _Builder:
             return tuple(self.lower(o) for o in obj)
         return obj
 
-    def output(self, o: Any, call: int, span: int) -> Any:
+    def output(self, o: Any, call: int, span: int, view: bool = False) -> Any:
         if isinstance(o, torch.Tensor):
             v = self.prog.by_id.get(id(o))
             if v is None:  # a new tensor
-                v = self._new(Kind.INTERMEDIATE, len(self.prog.values), o, producer=call, span=span)
+                v = self._new(Kind.INTERMEDIATE, len(self.prog.values), o, producer=call, span=span,
+                              view=view)
             return v
         if isinstance(o, (list, tuple)):
-            return type(o)(self.output(x, call, span) for x in o)
+            return type(o)(self.output(x, call, span, view) for x in o)
         return None
 
     def add(self, index: int, call: OpCall) -> None:
@@ -172,7 +174,8 @@ class _Builder:
                 for v in target if isinstance(target, (list, tuple)) else (target,):
                     if isinstance(v, Value):
                         v.written = True
-        outs = self.output(call.out, index, call.span)
+        view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        outs = self.output(call.out, index, call.span, view)
         self.prog.kernels.append(Kernel(func, args, kwargs, outs, index, call.span))
 
     def _lift_fresh(self, index: int, call: OpCall) -> None:

@@ -58,10 +58,14 @@ _SELF_UPDATE_PACKETS = frozenset({torch.ops.aten.scatter_add, torch.ops.aten.sca
                                   torch.ops.aten.index_copy, torch.ops.aten.masked_scatter})
 
 
+_COPIES = frozenset({torch.ops.aten.clone, torch.ops.aten._to_copy, torch.ops.aten.lift_fresh_copy})
+
+
 def _candidates(k: Kernel) -> tuple:
     """The inputs that may serve as this kernel's output buffer (none if it cannot be rewritten)."""
     f = k.func
     if (torch.Tag.nondeterministic_seeded in f.tags or not isinstance(k.outs, Value)
+            or f.overloadpacket in _COPIES  # (a fresh copy is their point: .grad must not alias)
             or len(f._schema.returns) != 1 or any(is_write_argument(a) for a in f._schema.arguments)):
         return ()
     if torch.Tag.pointwise in f.tags:
@@ -90,8 +94,9 @@ def reuse_buffers(kernels: Sequence[Kernel], kept: set[int], by_storage: dict[in
         variant = out_variant(k.func) if candidates else None
         if variant is not None:
             for a in candidates:
-                if (a.kind is Kind.INTERMEDIATE and a.storage in produced and last[a.storage] == i
-                        and a.storage not in kept and a.meta == out.meta and a.meta[3]):
+                if (a.kind is Kind.INTERMEDIATE and not a.view and a.storage in produced
+                        and last[a.storage] == i and a.storage not in kept and a.meta == out.meta
+                        and a.meta[3]):
                     k.func, name = variant
                     k.kwargs = dict(k.kwargs, **{name: a})
                     a.written = True
