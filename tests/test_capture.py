@@ -372,6 +372,21 @@ def test_non_tensor_arguments_and_objects():
     assert captured.records == 4 and "argument 1" in captured.misses[-1]
 
 
+def test_keyword_arguments_and_returned_externals():
+    w = leaf(3)
+
+    def step(x, *, scale=1.0):
+        w.grad = None
+        (x * w * scale).sum().backward()
+        return w, w.grad
+    captured = gg.capture(step)
+    x = torch.ones(3, dtype=DT)
+    for scale in (1.0, 1.0, 1.0, 2.0, 2.0):
+        out, g = captured(x, scale=scale)
+        assert out is w and torch.equal(g, torch.full((3,), scale, dtype=DT)) and g is w.grad
+    assert captured.records == 2 and captured.replays == 2
+
+
 def test_same_tensor_twice_is_guarded():
     w = leaf(3)
 

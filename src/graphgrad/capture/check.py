@@ -117,5 +117,6 @@ def checked_replay(step: CapturedStep, plan: Plan, args: tuple, kwargs: dict, fl
             + "\nThe step depends on something the guards do not see (Python control flow on "
               "values, Python state it changes, constants from Python data): keep it out of the "
               "captured function, or pass it as an argument.")
-    return pytree.tree_map(lambda r: r.detach() if isinstance(r, torch.Tensor) and r.requires_grad else r,
-                           eager)
+    return pytree.tree_map(
+        lambda r: r.detach() if isinstance(r, torch.Tensor) and r.requires_grad and not r.is_leaf else r,
+        eager)

@@ -31,7 +31,9 @@ __all__ = ["CapturedStep", "capture"]
 
 
 def _detached(r: Any) -> Any:
-    if isinstance(r, torch.Tensor) and r.requires_grad:
+    """A result with a graph (the step's backward consumed it) comes back detached; leaves
+    (parameters) come back as themselves."""
+    if isinstance(r, torch.Tensor) and r.requires_grad and not r.is_leaf:
         return r.detach()
     return r
 
