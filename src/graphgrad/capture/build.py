@@ -53,12 +53,11 @@ class _Draft:
 def _timeline(prog: Program, spans: Sequence[OptimizerSpan]) -> list[_Draft]:
     """Kernels grouped into segments in recorded order; eager optimizer steps between them."""
     drafts: list[_Draft] = []
-    eager_at = {s.start: (i, s) for i, s in enumerate(spans) if s.eager}
-    pending = sorted(eager_at)
+    pending = [(s.start, i) for i, s in enumerate(spans) if s.eager]  # (in recorded order)
     for k in prog.kernels:
-        while pending and pending[0] <= k.call:
-            i, s = eager_at[pending.pop(0)]
-            drafts.append(_Draft("eager", span=s, span_index=i))
+        while pending and pending[0][0] <= k.call:
+            _, i = pending.pop(0)
+            drafts.append(_Draft("eager", span=spans[i], span_index=i))
         if k.span >= 0 and spans[k.span].eager:
             continue
         kind = "captured" if k.span >= 0 else "kernels"
@@ -67,9 +66,8 @@ def _timeline(prog: Program, spans: Sequence[OptimizerSpan]) -> list[_Draft]:
             last = _Draft(kind, span=spans[k.span] if k.span >= 0 else None, span_index=k.span)
             drafts.append(last)
         last.kernels.append(k)
-    for start in pending:
-        i, s = eager_at[start]
-        drafts.append(_Draft("eager", span=s, span_index=i))
+    for _, i in pending:
+        drafts.append(_Draft("eager", span=spans[i], span_index=i))
     return drafts
 
 
