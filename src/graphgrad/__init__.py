@@ -30,6 +30,7 @@ from .autograd import (  # noqa: E402
     set_detect_anomaly,
     set_grad_enabled,
 )
+from .capture import CapturedStep, CaptureError, CaptureMismatch, capture  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
 from .checks import gradcheck, gradgradcheck  # noqa: E402
 from .function import Function, FunctionCtx  # noqa: E402
@@ -57,5 +58,6 @@ __all__ = [
     "Function", "FunctionCtx", "checkpoint", "saved_tensors_hooks", "save_on_cpu",
     "detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
     "functional", "nn", "viz",
+    "capture", "CapturedStep", "CaptureError", "CaptureMismatch",
     "compiled", "__version__",
 ]

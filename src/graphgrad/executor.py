@@ -22,11 +22,24 @@ import torch
 from .dispatch import current_node
 from .node import TORCH_BRIDGE, TORCH_LEAF, AccumulateGrad
 
-__all__ = ["run_backward"]
+__all__ = ["run_backward", "observe_accumulation"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _PlainTensor = torch.Tensor
 _ACCUMULATE_LOCK = threading.Lock()
+_accumulation_observer = None  # see observe_accumulation
+
+
+def observe_accumulation(fn):
+    """Call ``fn(leaf, old_grad)`` before each accumulation into a leaf's ``.grad`` (None to stop).
+
+    For gg.capture, which must replay the Python-level ``.grad`` assignments the dispatcher
+    does not see; returns the previous observer so callers can restore it.
+    """
+    global _accumulation_observer
+    previous = _accumulation_observer
+    _accumulation_observer = fn
+    return previous
 
 
 def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
@@ -408,6 +421,8 @@ def _accumulate_into(t, g, create_graph, handed):
 
 def _accumulate_locked(t, g, create_graph, handed):
     old = t.grad
+    if _accumulation_observer is not None:
+        _accumulation_observer(t, old)
     if old is None:
         if id(g) in handed or g._is_view():
             g = g.clone()
