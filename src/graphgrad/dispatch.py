@@ -23,7 +23,8 @@ from .references import SavedResult, save_arguments
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 
 __all__ = ["torch_function", "call", "wrap_output", "set_tensor_class", "is_inplace", "observe_calls",
-           "install_fast_paths", "current_node"]
+           "install_fast_paths", "current_node", "check_inplace", "view_target", "rebase_history",
+           "note_reshaped"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch._C.is_grad_enabled
@@ -55,6 +56,9 @@ _observer = None  # see observe_calls
 NO_GRAD_VIEW = 1  # values of a view's _gg_view_tag (see _tag_views)
 MULTI_OUTPUT_VIEW = 2
 PLAIN_VIEW = 3
+CUSTOM_FUNCTION_VIEW = 4  # a view a gg.Function returned (or an input it returned as is)
+CUSTOM_MULTI_VIEW = 5  # the same, from a Function with several differentiable outputs
+CUSTOM_OUTPUTS = -1  # view_version of a Function's node that returned views: checked at use
 _REBUILT_VIEW = [None, None]  # the Rules AsStridedBackward and CopySlices, made at first use
 
 
@@ -176,10 +180,9 @@ def call(func, args, kwargs):
         kwargs = _NO_KWARGS
     with _Disable():
         if not _grad_enabled():
-            out = func(*args, **kwargs)
             if rule is not None and rule.may_view:
-                _tag_views(out, args, kwargs, NO_GRAD_VIEW)
-            return _wrap_plain(out, args, kwargs)
+                return _no_grad_view_op(func, rule, args, kwargs)
+            return _wrap_plain(func(*args, **kwargs), args, kwargs)
         if not _needs_grad(args, kwargs):
             if (rule is not None and rule.may_view) or (
                     args and type(args[0]) is _TENSOR_CLS and args[0]._gg_view_tag):
@@ -201,6 +204,30 @@ def call(func, args, kwargs):
             return _record(func, rule, args, kwargs)
     # a composite: run it with recording on, so its primitives are recorded
     return rule.fn(*args, **kwargs)
+
+
+def _no_grad_view_op(func, rule, args, kwargs):
+    """A view op under no_grad: its views are marked (``NO_GRAD_VIEW``); an in-place shape
+    change (``unsqueeze_``) of a tensor with a grad_fn is remembered on that node, whose
+    gradient backward then sums down to the recorded shape, as torch's engine does."""
+    self = args[0] if args else None
+    node = _node_of(self) if rule.inplace_of is not None and isinstance(self, _PlainTensor) else None
+    if node is None or type(node) is AccumulateGrad:
+        out = func(*args, **kwargs)
+        _tag_views(out, args, kwargs, NO_GRAD_VIEW)
+        return _wrap_plain(out, args, kwargs)
+    shape = _shape(self)
+    out = func(*args, **kwargs)
+    if _shape(self) != shape:
+        note_reshaped(node, self._gg_nr, shape)
+    return out
+
+
+def note_reshaped(node, nr, shape) -> None:
+    """Output ``nr`` of ``node`` was recorded with ``shape`` and changed shape since, unrecorded."""
+    if node.out_shapes is None:
+        node.out_shapes = {}
+    node.out_shapes.setdefault(nr, shape)
 
 
 def observe_calls(fn):
@@ -446,26 +473,7 @@ def _record_inplace(func, rule, args, kwargs):
     On a view, the view's base changes too: it gets a CopySlices node (see ``_copy_slices``).
     """
     self = args[0]
-    tag = getattr(self, "_gg_view_tag", 0)
-    if tag and tag != PLAIN_VIEW:  # (checked first, as torch does)
-        raise RuntimeError(_view_tag_message(func, tag))
-    old = _node_of(self)
-    if old is not None and old.graph is None:
-        raise RuntimeError(
-            f"a leaf Variable that requires grad is being used in an in-place operation "
-            f"({qualified_name(func)}). Do it under gg.no_grad() (as optimizers do), or "
-            "apply it to a clone() of the tensor.")
-    # a view of one of its inputs (its grad_fn was stamped by a view op); an op output that
-    # is a view of a temporary of the op's own (max_pool2d's) is not one for autograd
-    is_view = self._is_view() and (old is None or old.view_version != 0)
-    if is_view:
-        base_node = _node_of(torch.Tensor._base.__get__(self))
-        # torch: a view that requires grad, of a leaf (one that requires grad or not)
-        if type(base_node) is AccumulateGrad or (old is not None and base_node is None):
-            raise RuntimeError(
-                f"a view of a leaf Variable that requires grad is being used in an in-place "
-                f"operation ({qualified_name(func)}). Do it under gg.no_grad(), or apply it to "
-                "a clone() of the leaf.")
+    is_view = check_inplace(qualified_name(func), self)
     base_rule = rule.inplace_of or rule
     values = _bind(func, base_rule, args, kwargs)
     graph = current_graph()
@@ -473,7 +481,7 @@ def _record_inplace(func, rule, args, kwargs):
     if slots is None:
         return func(*args, **kwargs)
     old = _node_of(self)
-    target = _view_target(func, base_rule, self) if is_view else None
+    target = view_target(qualified_name(func), base_rule.family, self) if is_view else None
     nexts, slot_pos, metas = slots
     keep = _keep(base_rule, nexts, slot_pos)
     if keep and keep[0] == 1:  # the rule reads the value before the op
@@ -488,30 +496,64 @@ def _record_inplace(func, rule, args, kwargs):
         node.result = SavedResult(self.detach())
     if type(self) is _PlainTensor:
         self.__class__ = _TENSOR_CLS
-    _move_retained(old, getattr(self, "_gg_nr", 0), node)
-    self._gg_node = node
-    if getattr(self, "_gg_nr", 0):
-        self._gg_nr = 0
     graph.record(node)
-    if target is not None:
-        _copy_slices(target, node, graph)
-        # as in torch, the view's own grad_fn becomes AsStridedBackward of the base's new
-        # CopySlices (so hooks and retain_grad on the base see gradients of the view's uses):
-        # built at its next use (a version never matched)
-        node.view_version = -1
+    rebase_history(self, old, node, 0, target, graph)
     return out
 
 
-def _view_target(func, rule, view):
+def check_inplace(name, self):
+    """torch's checks before an in-place change of ``self`` is recorded, in torch's order;
+    they raise before anything changes. Returns whether ``self`` is a view for autograd."""
+    tag = getattr(self, "_gg_view_tag", 0)
+    if tag and tag != PLAIN_VIEW:
+        raise RuntimeError(_view_tag_message(name, tag))
+    old = _node_of(self)
+    if old is not None and old.graph is None:
+        raise RuntimeError(
+            f"a leaf Variable that requires grad is being used in an in-place operation "
+            f"({name}). Do it under gg.no_grad() (as optimizers do), or apply it to a clone() "
+            "of the tensor.")
+    # a view of one of its inputs (its grad_fn was stamped by a view op); an op output that
+    # is a view of a temporary of the op's own (max_pool2d's) is not one for autograd
+    is_view = self._is_view() and (old is None or old.view_version != 0)
+    if is_view:
+        base_node = _node_of(torch.Tensor._base.__get__(self))
+        # torch: a view that requires grad, of a leaf (one that requires grad or not)
+        if type(base_node) is AccumulateGrad or (old is not None and base_node is None):
+            raise RuntimeError(
+                f"a view of a leaf Variable that requires grad is being used in an in-place "
+                f"operation ({name}). Do it under gg.no_grad(), or apply it to a clone() of the "
+                "leaf.")
+    return is_view
+
+
+def rebase_history(self, old, node, nr, target, graph):
+    """``self`` (whose grad_fn was ``old``) is now output ``nr`` of ``node``, which changed it
+    in place; on a view (``target`` from ``view_target``), its base gets CopySlices."""
+    _move_retained(old, getattr(self, "_gg_nr", 0), node, nr)
+    self._gg_node = node
+    if nr:
+        self._gg_nr = nr
+    elif getattr(self, "_gg_nr", 0):
+        self._gg_nr = 0
+    if target is not None:
+        _copy_slices(target, node, graph)
+        # as in torch, the view's own grad_fn becomes AsStridedBackward of the base's new
+        # CopySlices at once (so hooks and retain_grad on the base see gradients of the
+        # view's uses), and the view's retain_grad moves there: the op's node runs inside
+        # CopySlices' share, not as the view's grad_fn
+        _rebuild_view_node(self, graph)
+
+
+def view_target(name, family, view):
     """Check an in-place op on a view that will record, before anything changes; returns
     (base, its node, its output number, the view's geometry in it) for ``_copy_slices``."""
-    name = qualified_name(func)
     if torch._debug_has_internal_overlap(view) == 1:  # (1: yes; 2: cannot tell cheaply)
         raise RuntimeError(
             f"{name}: unsupported operation: more than one element of the written-to tensor "
             "refers to a single memory location (an expand()ed view?), so this in-place op "
             "has no gradient. Please clone() the tensor before performing the operation.")
-    if rule.family == "shape":
+    if family == "shape":
         raise NotImplementedError(
             f"{name}: an in-place shape change of a view of a tensor that requires grad, or "
             "with an argument that does, is not supported by graphgrad; use the out-of-place "
@@ -583,8 +625,16 @@ def _rebuild_view_node(t, graph):
     position (from the two tensors' geometry), so any view geometry works, overlapping ones
     included. A view with no grad_fn (a ``PLAIN_VIEW``) gets one if its base now has one.
     """
-    base = torch.Tensor._base.__get__(t)
     old = t._gg_node
+    tag = getattr(t, "_gg_view_tag", 0)
+    if tag >= CUSTOM_FUNCTION_VIEW:  # a Function's view: never rebuilt (it would bypass the
+        if old is not None and old.view_version == CUSTOM_OUTPUTS and \
+                _version(t) + 1 == t._gg_view_version:  # Function's backward): unchanged?
+            return old
+        raise _custom_view_changed(tag)
+    if old is not None and old.view_version == CUSTOM_OUTPUTS:  # another output of such a node
+        return old
+    base = torch.Tensor._base.__get__(t)
     if base is None:  # no longer a view (t.set_()): its grad_fn stays
         if old is not None:
             old.view_version = 0
@@ -622,12 +672,15 @@ def _revived(t):
     return _rebuild_view_node(t, current_graph()) is not None
 
 
-def _move_retained(old, nr, node):
-    """retain_grad() follows the tensor to its new grad_fn (output 0 of ``node``), as in torch."""
+def _move_retained(old, nr, node, new_nr=0):
+    """retain_grad() follows the tensor to its new grad_fn (output ``new_nr`` of ``node``),
+    as in torch."""
     if old is not None and old.retained is not None:
         ref = old.retained.pop(nr, None)
         if ref is not None:
-            node.retained = {0: ref}
+            if node.retained is None:
+                node.retained = {}
+            node.retained[new_nr] = ref
 
 
 def _view_rule(i):
@@ -677,7 +730,7 @@ def _unrecorded_view_op(func, rule, args, kwargs):
     requiring grad: nothing is recorded, but views are marked as torch marks them."""
     tag = getattr(args[0], "_gg_view_tag", 0) if args else 0
     if tag and tag != PLAIN_VIEW and is_inplace(func) and _base_requires_grad(args[0]):
-        raise RuntimeError(_view_tag_message(func, tag))
+        raise RuntimeError(_view_tag_message(qualified_name(func), tag))
     out = func(*args, **kwargs)
     if rule is not None and rule.may_view:
         if not tag or tag == PLAIN_VIEW:  # (torch: outputs of an unrecorded split count as
@@ -686,19 +739,35 @@ def _unrecorded_view_op(func, rule, args, kwargs):
     return _wrap_plain(out, args, kwargs)
 
 
-def _view_tag_message(func, tag):
-    name = qualified_name(func)
-    if tag == MULTI_OUTPUT_VIEW:
+def _view_tag_message(name, tag):
+    if tag == MULTI_OUTPUT_VIEW or tag == CUSTOM_MULTI_VIEW:
         return (
             f"{name}: this tensor is a view (or a view of one) of the outputs of a function that "
-            "returns multiple views (split, chunk, unbind) and is being modified inplace. "
-            "Such outputs may not be modified in place (as in torch): use the out-of-place op, "
-            "or clone() the output first.")
+            "returns multiple views (split, chunk, unbind, or a custom Function) and is being "
+            "modified inplace. Such outputs may not be modified in place (as in torch): use the "
+            "out-of-place op, or clone() the output first.")
+    if tag == CUSTOM_FUNCTION_VIEW:
+        return (
+            f"{name}: this tensor is a view (or a view of one) created inside a custom Function "
+            "(or an input the Function returned as is) and is being modified inplace: the "
+            "view+inplace logic would override the Function's custom backward, giving wrong "
+            "gradients, so this is forbidden (as in torch). clone() the output of the Function "
+            "first.")
     return (
         f"{name}: a view was created in no_grad mode and is being modified in place with grad "
         "mode enabled. This case is ambiguous, so it is forbidden (as in torch): make the view "
         "and the in-place op both inside the no_grad block (if the change should not be "
         "tracked) or both outside it (if it should).")
+
+
+def _custom_view_changed(tag):
+    what = "of a function that returns multiple views" if tag == CUSTOM_MULTI_VIEW else \
+        "created inside a custom Function (or an input the Function returned as is)"
+    return RuntimeError(
+        f"this tensor is a view {what} (or a view of one), and its base or another view of "
+        "its base has been modified inplace since: its gradient would bypass the Function's "
+        "custom backward, so it may not be used any more (as in torch). clone() the output of "
+        "the Function before changing its base in place.")
 
 
 def _base_requires_grad(view):
@@ -765,6 +834,10 @@ def _get_data(self):
 
 
 def _set_data(self, value):
+    node = _node_of(self)
+    if node is not None and type(node) is not AccumulateGrad and isinstance(value, _PlainTensor) \
+            and _shape(value) != _shape(self):
+        note_reshaped(node, self._gg_nr, _shape(self))
     torch.Tensor.data.__set__(self, value)
 
 

@@ -119,8 +119,11 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
          allow_unused):
     deps, needed, order = _walk(root_nodes, targets)
     for node in order:  # everything that can fail, before anything changes
-        if node.released == 2 or needed is None or (needed[node] and _runs(node, needed)):
+        if node.released == 2 or needed is None or (
+                needed[node] and _runs(node, needed, targets, accumulate)):
             node.check_saved()
+            if type(node) is AccumulateGrad:
+                _check_still_a_leaf(node)
     buffers = {}
     for (node, nr), g in zip(root_nodes, root_grads):
         _add_to_buffer(buffers, node, nr, g)
@@ -133,30 +136,36 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
     while ready:
         node = ready.pop()
         grads = buffers.pop(node, None)
+        if needed is not None and not needed[node]:  # a root that leads to no input
+            continue
         if grads is None:
             grads = [None] * node.num_outputs
+        if node.out_shapes is not None:  # an output changed shape in place, unrecorded
+            _fit_to_outputs(node, grads)
+        is_target = targets is not None and node in targets
+        # as in torch: a node runs if it leads on to what is wanted; backward(inputs=) also
+        # runs the inputs' own nodes, grad() only reads their gradients
+        runs = needed is None or (accumulate and is_target) or (
+            type(node) is not AccumulateGrad and _leads_on(node, needed))
+        if is_target and not accumulate and runs:  # read before its tensor hooks (torch)
+            _capture(targets[node], grads, captured)
         if node.tensor_hooks is not None:
             _run_tensor_hooks(node, grads, handed)
         if node.retained is not None:
             _retain(node, grads)
+        if not runs:
+            if is_target and not accumulate:  # read after its tensor hooks (torch)
+                _capture(targets[node], grads, captured)
+            continue
         if node.prehooks is not None:
             grads = _run_prehooks(node, grads, handed)
-        is_target = targets is not None and node in targets
-        if is_target:
-            for nr, k, _t in targets[node]:
-                g = grads[nr]
-                if g is not None:
-                    captured[k] = g if captured[k] is None else captured[k] + g
         if type(node) is AccumulateGrad:
-            if accumulate and (targets is None or is_target):
+            if accumulate:
                 _accumulate(node, grads[0], create_graph, handed)
             if node.hooks is not None:
                 _run_hooks(node, (), grads, handed)
             continue
         nexts = node.next_functions
-        if needed is not None and not any(
-                p is not None and needed[p] for p, _ in nexts):
-            continue
         if _all_none(grads):
             outs = ()
         elif anomaly:
@@ -199,12 +208,58 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
     return tuple(captured)
 
 
-def _runs(node, needed):
-    """Will backward call this node's rule (a target's rule runs only if it leads further)?"""
+def _leads_on(node, needed):
+    """Does a gradient flow from this node to a node that is wanted?"""
     for parent, _ in node.next_functions:
         if parent is not None and needed[parent]:
             return True
     return False
+
+
+def _runs(node, needed, targets, accumulate):
+    """Will backward call this wanted node? An input's own node runs in backward(inputs=),
+    in grad() only if it leads on (as in torch)."""
+    if accumulate and node in targets:
+        return True
+    return type(node) is not AccumulateGrad and _leads_on(node, needed)
+
+
+def _capture(wanted, grads, captured):
+    """grad(): keep the gradients of the wanted outputs of a node."""
+    for nr, k, _t in wanted:
+        g = grads[nr]
+        if g is not None:
+            captured[k] = g if captured[k] is None else captured[k] + g
+
+
+def _check_still_a_leaf(node):
+    """A leaf that got a grad_fn since the graph was recorded (``requires_grad_(False)``, then
+    an in-place op with gradients): torch refuses to accumulate into it."""
+    leaf = node.leaf_ref()
+    if leaf is not None:
+        now = leaf._gg_node
+        if now is not None and type(now) is not AccumulateGrad:
+            raise RuntimeError(
+                "leaf variable has been moved into the graph interior: a tensor that was a "
+                "leaf when this graph was recorded was changed in place by a recorded op since. "
+                "Differentiate before changing it, or change a clone().")
+
+
+def _fit_to_outputs(node, grads):
+    """Reduce gradients to the shapes the node's outputs had when it was recorded: one
+    changed shape in place without being recorded since (``unsqueeze_`` under no_grad).
+    Like torch: a gradient that broadcasts to the recorded shape is summed down to it."""
+    for nr, shape in node.out_shapes.items():
+        g = grads[nr]
+        if g is not None and g.shape != shape:
+            try:
+                grads[nr] = g.sum_to_size(shape)
+            except RuntimeError:
+                raise RuntimeError(
+                    f"Function {node.name()} got a gradient of shape {list(g.shape)} for its "
+                    f"output {nr}, which was recorded with shape {list(shape)}: the output was "
+                    "reshaped in place under no_grad to a shape whose gradient does not reduce "
+                    "to it. Reshape out of place instead.") from None
 
 
 def _all_none(grads):
@@ -307,13 +362,19 @@ def unbroadcast(g, shape, name="rule"):
 
 
 def _accumulate(node, g, create_graph, handed):
+    """AccumulateGrad's own work, as torch does it: nothing for a leaf that no longer requires
+    grad (``detach_()`` since), then the post-accumulate-grad hooks (also with no gradient)."""
     leaf = node.leaf_ref()
-    if leaf is None or g is None:
+    if leaf is None:
         return
-    _accumulate_into(leaf, g, create_graph, handed)
+    if g is not None and leaf._gg_node is not None:
+        _accumulate_into(leaf, g, create_graph, handed)
     if node.post_hooks is not None:
         for hook in list(node.post_hooks):
-            hook(leaf)
+            if hook(leaf) is not None:
+                raise RuntimeError("Tensor post accumulate grad hooks should return None; "
+                                   f"'{getattr(hook, '__name__', hook)}' returned a value. "
+                                   "Read or change the tensor's .grad inside the hook instead.")
 
 
 def _accumulate_into(t, g, create_graph, handed):
@@ -329,7 +390,9 @@ def _accumulate_into(t, g, create_graph, handed):
 def _accumulate_locked(t, g, create_graph, handed):
     old = t.grad
     if old is None:
-        if id(g) in handed or g._is_view():
+        if g._is_zerotensor():  # a known zero (sgn's gradient): stored as a plain, mutable zero
+            g = torch.zeros(g.shape, dtype=g.dtype, device=g.device)
+        elif id(g) in handed or g._is_view():
             g = g.clone()
         handed.add(id(g))
         t.grad = g
@@ -340,14 +403,19 @@ def _accumulate_locked(t, g, create_graph, handed):
 
 
 def _run_tensor_hooks(node, grads, handed):
+    """Tensor hooks, also for an output that got no gradient: they see None (as in torch)."""
     for nr, hooks in node.tensor_hooks.items():
         g = grads[nr]
-        if g is None:
-            continue
         for hook in list(hooks):
-            handed.add(id(g))  # the hook may keep it: never accumulate into it in place
+            if g is not None:
+                handed.add(id(g))  # the hook may keep it: never accumulate into it in place
             r = hook(g)
             if r is not None:
+                if g is None:
+                    raise RuntimeError(
+                        f"hook '{getattr(hook, '__name__', repr(hook))}' returned a tensor for "
+                        "an output that got no gradient (None): can't replace a None gradient "
+                        "with a non-None value. Return None when the hook's argument is None.")
                 _check_hook_result(hook, g, r)
                 g = r
         grads[nr] = g

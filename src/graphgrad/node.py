@@ -182,6 +182,7 @@ def _setup(node, rule, next_functions, slot_pos, input_meta, saved, versions, gr
     node.trace = _user_stack() if _anomaly_enabled() else None
     node.sequence_nr = _next_sequence_nr()
     node.view_version = 0  # a view's version + 1 when this node became its grad_fn
+    node.out_shapes = None  # {output_nr: shape} of outputs reshaped in place, unrecorded
 
 
 def _next_sequence_nr():

@@ -30,6 +30,7 @@ class Tensor(torch.Tensor):
     _gg_nr = 0
     _gg_view_tag = 0  # how torch would mark this view (see dispatch._tag_views)
     _gg_view_version = 0
+    _gg_retains_grad = False  # retain_grad() was called (torch's retains_grad flag)
 
     __torch_function__ = classmethod(dispatch.torch_function)
 
@@ -86,11 +87,9 @@ class Tensor(torch.Tensor):
 
     @property
     def retains_grad(self) -> bool:
-        node = self._gg_node
-        if node is None or type(node) is AccumulateGrad or node.retained is None:
-            return False
-        ref = node.retained.get(self._gg_nr)
-        return ref is not None and ref() is self
+        """Was ``retain_grad()`` called on this non-leaf (still True after ``detach_()``, as
+        in torch: the gradient keeps arriving from the graph it was computed in)."""
+        return self._gg_retains_grad
 
     # -- backward and hooks -------------------------------------------------------------
     def backward(self, gradient: torch.Tensor | None = None, retain_graph: bool | None = None,
@@ -109,7 +108,13 @@ class Tensor(torch.Tensor):
         return out
 
     def detach_(self) -> Tensor:
-        """Take this tensor out of the graph, in place."""
+        """Take this tensor out of the graph, in place (not a view: its base would still
+        lead into the graph, so torch refuses, and so do we)."""
+        with _Disable():
+            if torch.Tensor._is_view(self):
+                raise RuntimeError(
+                    "Can't detach views in-place. Use detach() instead: it returns a new "
+                    "tensor outside the graph that shares this view's data.")
         self._gg_node = None
         if self._gg_nr:
             self._gg_nr = 0
@@ -122,6 +127,7 @@ class Tensor(torch.Tensor):
             raise RuntimeError("can't retain_grad on Tensor that has requires_grad=False")
         if type(node) is not AccumulateGrad:
             node.retain(self._gg_nr, self)
+            self._gg_retains_grad = True
 
     def register_hook(self, hook: Callable[[torch.Tensor], torch.Tensor | None]) -> RemovableHandle:
         """``hook(grad)`` runs when this tensor's gradient is computed; it may return a new one."""
