@@ -437,8 +437,16 @@ def _as_autocast_ran(values, keep, dtype):
 
 def _attach(out, node, rule, parts):
     """Wrap the op's outputs and make ``node`` their grad_fn; save them if the rule reads them
-    (of a multi-output op, only the outputs listed in ``parts``, or all when None)."""
+    (of a multi-output op, only the outputs listed in ``parts``, or all when None).
+
+    An output of an op that makes no views may still be a view of a temporary of the
+    kernel's own (``einsum``, ``avg_pool1d``, ``instance_norm`` permute or squeeze one): for
+    autograd it is not a view, so it is replaced by a plain alias of the same data (in torch
+    the temporary is in the graph; here it is not, so its views would have no history).
+    """
     if type(out) is _PlainTensor:
+        if not rule.may_view and not rule.elementwise and _is_view(out):
+            out = _not_a_view(out)
         if rule.saves_result:
             node.result = SavedResult(out.detach())
         dtype = out.dtype
@@ -459,12 +467,20 @@ def _attach(out, node, rule, parts):
                 o.detach() if parts is None or i in parts else None for i, o in enumerate(items)))
         for i, o in enumerate(items):
             if type(o) is _PlainTensor:
+                if not rule.may_view and _is_view(o):
+                    o = _not_a_view(o)
                 if o.is_floating_point() or o.is_complex():
                     items[i] = wrap_output(o, node, i)
                 else:
                     o.__class__ = _TENSOR_CLS
+                    items[i] = o
         return type(out)(items)
     return out
+
+
+def _not_a_view(t):
+    """The same data and version counter, not a view (``detach`` makes no autograd view)."""
+    return t.detach()
 
 
 def _record_inplace(func, rule, args, kwargs):

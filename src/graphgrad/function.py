@@ -43,6 +43,7 @@ from .node import Node
 from .references import (
     PackedSaved,
     SavedResult,
+    check_packed,
     check_saved_versions,
     save_arguments,
     unpack_saved,
@@ -147,6 +148,8 @@ class FunctionNode(Node):
         if self.versions:
             check_saved_versions(self.rule.name, [f"saved_tensors[{i}]" for i in range(len(self.saved))],
                                  self.saved, self.versions)
+        if type(self.saved) is PackedSaved:
+            check_packed(self.rule.name, self.saved)
         for kind, value in zip(self.saved_kinds, self.saved):
             if kind >= 0:
                 value.check(self.rule.name)

@@ -18,6 +18,7 @@ from .references import (
     PackedSaved,
     PackedTensor,
     SavedResult,
+    check_packed,
     check_saved_versions,
     unpack_result,
     unpack_saved,
@@ -90,6 +91,8 @@ class Node:
             )
         if self.versions:
             check_saved_versions(self.rule.name, self.rule.params, self.saved, self.versions)
+        if type(self.saved) is PackedSaved:
+            check_packed(self.rule.name, self.saved)
         if self.result is not None:
             self.result.check(self.rule.name)
 
