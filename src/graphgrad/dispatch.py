@@ -375,6 +375,16 @@ def _keep(rule, nexts, slot_pos):
     return keep
 
 
+def _needs(rule, nexts, slot_pos):
+    """One bool per rule parameter: does it need a gradient (for ``rule.saves``)?"""
+    needs = [False] * len(rule.params)
+    for j in range(len(nexts)):
+        if nexts[j][0] is not None:
+            pos = slot_pos[j]
+            needs[pos[0] if type(pos) is tuple else pos] = True
+    return tuple(needs)
+
+
 def _check_same_graph(node, graph):
     g = node.graph
     # another thread's default graph is never released: building on it is safe
@@ -405,7 +415,7 @@ def _record(func, rule, args, kwargs):
         values = _as_autocast_ran(values, keep, out.dtype)
     parts = None
     if rule.saves is not None:
-        keep, parts = rule.saves(values, keep)
+        keep, parts = rule.saves(values, keep, _needs(rule, nexts, slot_pos))
     saved, versions = save_arguments(keep, values)
     node = new_node(rule, nexts, slot_pos, metas, saved, versions, graph)
     out = _attach(out, node, rule, parts)
@@ -447,7 +457,7 @@ def _attach(out, node, rule, parts):
     if type(out) is _PlainTensor:
         if not rule.may_view and not rule.elementwise and _is_view(out):
             out = _not_a_view(out)
-        if rule.saves_result:
+        if rule.saves_result and parts != ():
             node.result = SavedResult(out.detach())
         dtype = out.dtype
         out.__class__ = _TENSOR_CLS
@@ -462,7 +472,7 @@ def _attach(out, node, rule, parts):
                 items[n - 1].is_floating_point() or items[n - 1].is_complex()):
             n -= 1
         node.num_outputs = n
-        if rule.saves_result:
+        if rule.saves_result and parts != ():
             node.result = SavedResult(tuple(
                 o.detach() if parts is None or i in parts else None for i, o in enumerate(items)))
         for i, o in enumerate(items):
@@ -500,6 +510,9 @@ def _record_inplace(func, rule, args, kwargs):
     target = view_target(qualified_name(func), base_rule.family, self) if is_view else None
     nexts, slot_pos, metas = slots
     keep = _keep(base_rule, nexts, slot_pos)
+    parts = None
+    if base_rule.saves is not None:
+        keep, parts = base_rule.saves(values, keep, _needs(base_rule, nexts, slot_pos))
     if keep and keep[0] == 1:  # the rule reads the value before the op
         copy = self.clone()
         if old is not None and _grad_enabled():
@@ -508,7 +521,7 @@ def _record_inplace(func, rule, args, kwargs):
     saved, versions = save_arguments(keep, values)
     out = func(*args, **kwargs)
     node = new_node(base_rule, nexts, slot_pos, metas, saved, versions, graph)
-    if base_rule.saves_result:
+    if base_rule.saves_result and parts != ():
         node.result = SavedResult(self.detach())
     if type(self) is _PlainTensor:
         self.__class__ = _TENSOR_CLS

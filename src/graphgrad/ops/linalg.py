@@ -105,8 +105,9 @@ def inner(input, other):
     """Sums over the last dimension of both: a reshaped matrix product (or a plain product)."""
     if input.dim() == 0 or other.dim() == 0:
         return input * other
-    k = input.shape[-1]
-    out = input.reshape(-1, k) @ other.reshape(-1, other.shape[-1]).mT
+    k = input.shape[-1]  # (explicit row counts: -1 is ambiguous when k == 0)
+    out = input.reshape(math.prod(input.shape[:-1]), k) @ \
+        other.reshape(math.prod(other.shape[:-1]), other.shape[-1]).mT
     return out.reshape(input.shape[:-1] + other.shape[:-1])
 
 

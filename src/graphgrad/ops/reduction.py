@@ -146,23 +146,26 @@ def _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, is_max
     return grad.new_zeros(input.shape).scatter(dim, index, grad)
 
 
-def _max_min_saves(values, keep):
+def _max_min_saves(values, keep, needs):
     """``max(x, dim)`` needs only the indices and x's shape; torch allows changing the values
-    or x in place afterwards. ``max(x)`` needs x and the value, ``max(x, other)`` both inputs."""
+    or x in place afterwards. ``max(x)`` needs x and the value, ``max(x, other)`` both inputs
+    and not the result (as torch's maximum)."""
     dim, other = values[1], values[3]
-    if dim is None or isinstance(dim, torch.Tensor) or other is not None:
+    if isinstance(dim, torch.Tensor) or other is not None:
+        return keep, ()
+    if dim is None:
         return keep, None
     return (2,) + tuple(keep[1:]), (1,)
 
 
 @derivative(torch.max, T.max, multi_output=True, name="MaxBackward", saves=_max_min_saves)
-def max_rule(grads, input, dim=None, keepdim=False, *, other=None, result, needs_input_grad):
+def max_rule(grads, input, dim=None, keepdim=False, *, other=None, result=None, needs_input_grad):
     """``max(x)``, ``max(x, dim, keepdim)`` -> (values, indices), and ``max(x, other)``."""
     return _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, True)
 
 
 @derivative(torch.min, T.min, multi_output=True, name="MinBackward", saves=_max_min_saves)
-def min_rule(grads, input, dim=None, keepdim=False, *, other=None, result, needs_input_grad):
+def min_rule(grads, input, dim=None, keepdim=False, *, other=None, result=None, needs_input_grad):
     """``min(x)``, ``min(x, dim, keepdim)`` -> (values, indices), and ``min(x, other)``."""
     return _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, False)
 
@@ -239,7 +242,7 @@ def var_mean(grads, input, *args, **kwargs):
     return _var_mean_grad(grads, input, args, kwargs)
 
 
-def _std_only(values, keep):
+def _std_only(values, keep, needs):
     """std_mean's backward reads the std, never the mean."""
     return keep, (0,)
 
