@@ -509,6 +509,8 @@ def _record_inplace(func, rule, args, kwargs):
     old = _node_of(self)
     target = view_target(qualified_name(func), base_rule.family, self) if is_view else None
     nexts, slot_pos, metas = slots
+    if target is not None and nexts[0][0] is not None and target[1] is not None:
+        nexts = (_into_base(target, graph),) + nexts[1:]
     keep = _keep(base_rule, nexts, slot_pos)
     parts = None
     if base_rule.saves is not None:
@@ -528,6 +530,18 @@ def _record_inplace(func, rule, args, kwargs):
     graph.record(node)
     rebase_history(self, old, node, 0, target, graph)
     return out
+
+
+def _into_base(target, graph):
+    """The edge for the old value of a view changed in place: straight into its base's old
+    grad_fn (as torch's CopySlices does), not through the view's own grad_fn, which torch
+    never runs (so hooks on it do not fire)."""
+    base, base_node, base_nr, geometry = target
+    rule = _view_rule(0)
+    saved, versions = save_arguments(rule.keep, (base, geometry))
+    node = new_node(rule, ((base_node, base_nr),), (0,), (None,), saved, versions, graph)
+    graph.record(node)
+    return (node, 0)
 
 
 def check_inplace(name, self):
