@@ -68,6 +68,7 @@ import graphgrad as gg
 from fuzz_programs import (
     BINARY,
     DT,
+    HOOK_KINDS,
     INPLACE,
     REDUCE,
     STATS,
@@ -84,11 +85,15 @@ def _steps():
     idx = st.integers(0, 11)  # counted back from the newest tensor
     flags = st.booleans()
     how = st.sampled_from(["sum", "ones", "none"])
-    backward = st.tuples(st.just("backward"), idx, flags, flags, flags, how)
+    inputs = st.sampled_from([False, False, "leaf", "tensor"])
+    backward = st.tuples(st.just("backward"), idx, flags, flags, inputs, how, idx)
     unary = st.tuples(st.just("unary"), st.sampled_from(sorted(UNARY)), idx)
     binary = st.tuples(st.just("binary"), st.sampled_from(sorted(BINARY)), idx, idx)
+    hook = st.tuples(st.just("hook"), st.sampled_from(HOOK_KINDS), idx, flags)
     return st.one_of(  # (repeated entries are drawn more often)
-        unary, unary, binary, binary, backward, backward,
+        unary, unary, binary, binary, backward, backward, hook, hook,
+        st.tuples(st.just("saved_hooks"), st.sampled_from(["clone", "identity"]), st.one_of(unary, binary)),
+        st.tuples(st.just("detach_"), idx),
         st.tuples(st.just("reduce"), st.sampled_from(sorted(REDUCE)), idx),
         st.tuples(st.just("view"), st.sampled_from(sorted(VIEW)), idx),
         st.tuples(st.just("inplace"), st.sampled_from(sorted(INPLACE)), idx, idx),
@@ -97,7 +102,8 @@ def _steps():
         st.tuples(st.just("detach"), idx),
         st.tuples(st.just("retain_grad"), idx),
         st.tuples(st.just("requires_grad_"), idx, flags),
-        st.tuples(st.just("grad"), idx, idx, flags, flags, flags),
+        st.tuples(st.just("grad"), idx, idx, flags, flags, st.sampled_from([None, False, True]),
+                  st.sampled_from([False, False, True]), st.one_of(st.none(), idx)),
         st.tuples(st.just("leaf_grad"), idx),
         st.tuples(st.just("zero_grad"),),
     )
@@ -106,12 +112,14 @@ def _steps():
 @st.composite
 def programs(draw):
     base = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
-    leaves = draw(st.lists(st.tuples(st.integers(0, 4), st.sampled_from([True] * 5 + [False])),
+    shape = st.sampled_from([0, 0, 1, 1, 2, 3, 4, 4, 5, 6])  # 5, 6: no elements
+    leaves = draw(st.lists(st.tuples(shape, st.sampled_from([True] * 5 + [False])),
                            min_size=1, max_size=3))
     no_grad = st.sampled_from([False] * 7 + [True])
     steps = draw(st.lists(st.tuples(_steps(), no_grad), min_size=3, max_size=16))
     return {"base": base, "leaves": leaves, "seed": draw(st.integers(0, 2**16)),
-            "quantized": draw(st.booleans()), "steps": steps}
+            "quantized": draw(st.booleans()), "special": draw(st.sampled_from([False] * 3 + [True])),
+            "steps": steps}
 
 
 def _examples(config):

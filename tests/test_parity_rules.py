@@ -283,3 +283,21 @@ def test_documented_differences_in_what_rules_keep(table, torch_raises):
         got = (_outcome(program, "torch"), _outcome(program, "gg"))
         assert got == (("modified", "ok") if torch_raises else ("ok", "modified")), (name, got)
         same_as_torch(_changed_in_place(make, op, None))  # unchanged: the same gradients
+
+
+def test_fill_zero_and_xlogy_spellings_match_torch():
+    """Rules added with this comparison: fill_/zero_ (a zero gradient for the old values, the
+    sum for a tensor fill value) and every spelling of xlogy."""
+    def program(lib):
+        x, v = lib.leaf([0.5, 1.5, 2.0]), lib.leaf(0.25)
+        a, b, c = x * 1, x * 2, x * 3
+        a.fill_(v)
+        b.zero_()
+        c.fill_(2.0)
+        d = x * 1
+        d.xlogy_(lib.leaf([1.0, 2.0, 3.0]))
+        e = x.xlogy(x) + torch.special.xlogy(x, 2.0) + torch.xlogy(0.0, x)
+        (a * 2 + b + c * 3 + d + e).sum().backward()
+        return x.grad, v.grad, a, d, e
+
+    same_as_torch(program)

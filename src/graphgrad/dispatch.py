@@ -786,8 +786,8 @@ def _view_tag_message(name, tag):
     if tag == MULTI_OUTPUT_VIEW or tag == CUSTOM_MULTI_VIEW:
         return (
             f"{name}: this tensor is a view (or a view of one) of the outputs of a function that "
-            "returns multiple views (split, chunk, unbind, or a custom Function) and is being "
-            "modified inplace. Such outputs may not be modified in place (as in torch): use the "
+            "returns multiple views (split, chunk, unbind, or a Function with several view "
+            "outputs) and is being modified inplace. Such outputs may not be modified in place (as in torch): use the "
             "out-of-place op, or clone() the output first.")
     if tag == CUSTOM_FUNCTION_VIEW:
         return (

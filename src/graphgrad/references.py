@@ -282,6 +282,11 @@ def check_saved_versions(name, params, saved, versions):
             what = params[pos]
         if value._version != version:
             raise RuntimeError(modified_message(name, what, value, version))
+        if getattr(value, "_gg_detached", False) and value._gg_node is None:
+            raise RuntimeError(
+                f"Trying to use a saved tensor that has been detached in-place, i.e. with "
+                f".detach_(): {name} saved '{what}' while it had a grad_fn. This is not "
+                "supported (as in torch): use the out-of-place .detach() instead.")
 
 
 def modified_message(name, what, tensor, version) -> str:

@@ -31,6 +31,7 @@ class Tensor(torch.Tensor):
     _gg_view_tag = 0  # how torch would mark this view (see dispatch._tag_views)
     _gg_view_version = 0
     _gg_retains_grad = False  # retain_grad() was called (torch's retains_grad flag)
+    _gg_detached = False  # detach_() took it out of the graph while it had a grad_fn
 
     __torch_function__ = classmethod(dispatch.torch_function)
 
@@ -115,6 +116,9 @@ class Tensor(torch.Tensor):
                 raise RuntimeError(
                     "Can't detach views in-place. Use detach() instead: it returns a new "
                     "tensor outside the graph that shares this view's data.")
+        node = self._gg_node
+        if node is not None and type(node) is not AccumulateGrad:
+            self._gg_detached = True  # nodes that saved it may no longer use it (as torch)
         self._gg_node = None
         if self._gg_nr:
             self._gg_nr = 0

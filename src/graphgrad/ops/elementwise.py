@@ -367,8 +367,7 @@ def erfc(grad, input):
     return grad * (-_TWO_OVER_SQRT_PI * (-input * input).exp())
 
 
-@derivative(torch.xlogy, T.xlogy, _special.special_xlogy, inplace=(T.xlogy_,),
-            saved_for={"input": "other", "other": ("input", "other")})
+@derivative(torch.xlogy, T.xlogy, _special.special_xlogy, inplace=(T.xlogy_,))
 def xlogy(grad, input, other, *, needs_input_grad):
     """``input * log(other)``, 0 where input is 0: torch's formulas, NaN where they give it."""
     g_input = g_other = None
