@@ -56,7 +56,8 @@ BINARY = {
     "outer_t": lambda a, b: torch.einsum("i,j->ji", a.reshape(-1), b.reshape(-1)),
     "huber": lambda a, b: F.huber_loss(a, b, delta=0.5), "smooth_l1": F.smooth_l1_loss,
     "l1": F.l1_loss, "mse": F.mse_loss, "max2": torch.max, "pow": lambda a, b: a.abs() ** b,
-    "fn_pair": lambda a, b: fn("Pair", a).apply(a, b)[0], "fn_pair1": lambda a, b: fn("Pair", a).apply(a, b)[1],
+    "fn_pair": lambda a, b: fn("Pair", a).apply(a, b)[0],
+    "fn_pair1": lambda a, b: fn("Pair", a).apply(a, b)[1],
     "ckpt2": lambda a, b: checkpoint(lambda x, y: x * y.sin() + x, a, b),
 }
 REDUCE = {
@@ -106,7 +107,7 @@ SYNONYMS = {"requires_grad=False": "does not require grad",
 # graphgrad checks these misuses before the kernel validates its arguments; torch after.
 PRE_CHECKS = ("leaf Variable that requires grad", "returns multiple views", "no_grad mode", "custom Function")
 # a backward through a graph with several broken nodes: each library may name another first
-BROKEN_GRAPH = ("second time", "modified by an inplace operation")
+BROKEN_GRAPH = ("second time", "modified by an inplace operation", "detached in-place")
 
 
 
@@ -324,6 +325,8 @@ class Interpreter:
                 if self.root[m] in roots:  # the .grad itself and views of it
                     self.stale[m] = True
                     self.diverged.add(m)
+        assert_same_log(self.G.log, self.T.log, TOL)
+        logged = len(self.G.log)
         try:
             ok, got_g, got_t, _ = run_both(fn_g, fn_t, backward=True)
         except AssertionError as e:
@@ -347,6 +350,9 @@ class Interpreter:
                 raise StopProgram from e
             raise
         if not ok:
+            # (hooks too: graphgrad ran none of them; torch those before the broken node)
+            assert len(self.G.log) == logged, "a failed backward ran hooks"
+            del self.T.log[logged:]
             for (_, g, t), (g_obj, g_val, t_obj, t_val) in zip(holders, before):
                 assert g.grad is g_obj, "an error replaced a .grad"
                 if g_obj is not None:
@@ -395,6 +401,10 @@ class Interpreter:
         other = name in USES_OTHER and isinstance(go, torch.Tensor) and go.requires_grad
         if k in self.no_grad_views and torch.is_grad_enabled() and (
                 other or (base is not None and base.requires_grad)):
+            if name == "fn_dirty" and k in self.detached_on_torch:
+                # (the Function changes its input before refusing; torch's side is a copy)
+                STATS["dirty_no_grad_views_left_out"] += 1
+                return
             # torch forbids it ("A view was created in no_grad mode..."), and so does graphgrad,
             # before changing anything. (torch's side of a no_grad view of a tensor that
             # requires grad was detached in op(), see there: only graphgrad's is checked then.)
@@ -455,10 +465,14 @@ class Interpreter:
 
         STATS["backward_calls"] += 1
         STATS["backward_with_inputs"] += bool(use_inputs)
-        self.call_backward(lambda: call(g, self.G.leaves, gj), lambda: call(t, self.T.leaves, tj),
-                           create)
-        if use_inputs == "tensor" and tj.retains_grad:
-            self.retained.add(id(tj))
+        before = tj.grad if use_inputs == "tensor" else None
+        ok, _, _ = self.call_backward(lambda: call(g, self.G.leaves, gj),
+                                      lambda: call(t, self.T.leaves, tj), create)
+        if use_inputs == "tensor":
+            if not ok:  # torch's partial pass may have filled the input's .grad (see there)
+                tj.grad = before
+            if tj.retains_grad:
+                self.retained.add(id(tj))
 
     def grad(self, i, j, retain, create, allow_unused, materialize=False, k=None):
         """``gg.grad`` w.r.t. tensor ``j`` (and ``k``); ``allow_unused`` may be None (unset)."""
@@ -504,6 +518,9 @@ class Interpreter:
         if picked is None:
             return
         (k,), (g,), (t,) = picked
+        if k in self.detached_on_torch:  # torch's side is a detached copy (see op()): not a view
+            STATS["detach_in_place_of_no_grad_views_left_out"] += 1
+            return
         if t._is_view() and not g._is_view():
             # torch's output of avg_pool1d, instance_norm, einsum... is a view of the kernel's
             # own temporary, which torch refuses to detach in place; graphgrad's is no view
@@ -514,10 +531,16 @@ class Interpreter:
         STATS["detach_in_place"] += ok
         if ok:
             assert_same_tensor(g, t, "detached in place")
+            if any(m != k and self.root[m] == self.root[k] for m in range(len(self.root))):
+                # torch's views of it keep its old history (a view rebuilt after an in-place
+                # change still leads there); graphgrad rebuilds them from its current state
+                STATS["stopped_at_detach_of_a_base_with_views"] += 1
+                raise StopProgram
 
     def under_saved_hooks(self, mode, inner, no_grad):
         """Run a step with saved-tensor hooks on (``clone``: pack a copy; ``identity``)."""
-        g_hooks, t_hooks = saved_tensors_hooks(self.G.env[-1], mode), saved_tensors_hooks(self.T.env[-1], mode)
+        g_hooks = saved_tensors_hooks(self.G.env[-1], mode)
+        t_hooks = saved_tensors_hooks(self.T.env[-1], mode)
         STATS["steps_under_saved_tensor_hooks"] += 1
         with g_hooks, t_hooks:
             self.step(inner, no_grad, check=False)

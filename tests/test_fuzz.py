@@ -65,6 +65,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphgrad as gg
+from fuzz_autograd import assert_same_log
 from fuzz_programs import (
     BINARY,
     DT,
@@ -72,6 +73,7 @@ from fuzz_programs import (
     INPLACE,
     REDUCE,
     STATS,
+    TOL,
     UNARY,
     VIEW,
     assert_same_tensor,
@@ -166,3 +168,12 @@ def test_the_comparison_can_fail():
         assert_same_tensor(x * 2, torch.tensor([2.0, 4.0001], dtype=DT), "result")
     with pytest.raises(AssertionError, match="requires_grad"):
         assert_same_tensor(x * 2, torch.tensor([2.0, 4.0], dtype=DT), "result")
+    with pytest.raises(AssertionError):  # None where torch has zeros
+        assert_same_tensor(None, torch.zeros(2, dtype=DT), "grad")
+    g = torch.ones(2, dtype=DT)
+    with pytest.raises(AssertionError, match="hook calls"):  # a hook call torch did not make
+        assert_same_log([("tensor", 0, g)], [], TOL)
+    with pytest.raises(AssertionError, match="saw None"):  # a hook saw None, torch a gradient
+        assert_same_log([("tensor", 0, None)], [("tensor", 0, g)], TOL)
+    with pytest.raises(AssertionError, match="hook call 0"):  # another hook ran
+        assert_same_log([("pre", 1, [g])], [("pre", 0, [g])], TOL)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .references import CheckedPack, current_saved_hooks, modified_message
+from .references import CheckedPack, current_saved_hooks, detached_message, modified_message
 from .saved_hooks import saved_tensors_hooks
 from .tensor import as_tensor
 
@@ -33,16 +33,18 @@ _Disable = torch._C.DisableTorchFunctionSubclass
 class _Input:
     """One argument of a checkpointed call, kept for the recomputation."""
 
-    __slots__ = ("value", "version", "unpack", "requires_grad")
+    __slots__ = ("value", "version", "unpack", "requires_grad", "non_leaf")
 
     def __init__(self, value, hooks):
         self.unpack = None
         self.version = None
-        self.requires_grad = False
+        self.requires_grad = self.non_leaf = False
         if not isinstance(value, torch.Tensor):
             self.value = value
             return
-        self.requires_grad = getattr(value, "_gg_node", None) is not None
+        node = getattr(value, "_gg_node", None)
+        self.requires_grad = node is not None
+        self.non_leaf = node is not None and node.graph is not None
         if hooks is not None:  # inside another checkpoint or saved-tensor hooks: theirs to keep
             pack, self.unpack = hooks
             with torch._C._EnableTorchFunction():
@@ -110,6 +112,8 @@ class _Frame:
                 if version != a.version:
                     raise RuntimeError(modified_message(
                         name, f"checkpointed input {i}", a.value, a.version))
+                if a.non_leaf and a.value._gg_node is None:  # detach_()ed since (torch refuses)
+                    raise RuntimeError(detached_message(name, f"checkpointed input {i}"))
 
     def recompute(self):
         self.check("gg.checkpoint")

@@ -24,7 +24,7 @@ from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 
 __all__ = ["torch_function", "call", "wrap_output", "set_tensor_class", "is_inplace", "observe_calls",
            "install_fast_paths", "current_node", "check_inplace", "view_target", "rebase_history",
-           "note_reshaped"]
+           "note_reshaped", "view_tag_message", "base_requires_grad", "PLAIN_VIEW"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch._C.is_grad_enabled
@@ -549,7 +549,7 @@ def check_inplace(name, self):
     they raise before anything changes. Returns whether ``self`` is a view for autograd."""
     tag = getattr(self, "_gg_view_tag", 0)
     if tag and tag != PLAIN_VIEW:
-        raise RuntimeError(_view_tag_message(name, tag))
+        raise RuntimeError(view_tag_message(name, tag))
     old = _node_of(self)
     if old is not None and old.graph is None:
         raise RuntimeError(
@@ -772,8 +772,8 @@ def _unrecorded_view_op(func, rule, args, kwargs):
     """An op that may make a view, or that reads a marked one, with grad mode on and no input
     requiring grad: nothing is recorded, but views are marked as torch marks them."""
     tag = getattr(args[0], "_gg_view_tag", 0) if args else 0
-    if tag and tag != PLAIN_VIEW and is_inplace(func) and _base_requires_grad(args[0]):
-        raise RuntimeError(_view_tag_message(qualified_name(func), tag))
+    if tag and tag != PLAIN_VIEW and is_inplace(func) and base_requires_grad(args[0]):
+        raise RuntimeError(view_tag_message(qualified_name(func), tag))
     out = func(*args, **kwargs)
     if rule is not None and rule.may_view:
         if not tag or tag == PLAIN_VIEW:  # (torch: outputs of an unrecorded split count as
@@ -782,13 +782,13 @@ def _unrecorded_view_op(func, rule, args, kwargs):
     return _wrap_plain(out, args, kwargs)
 
 
-def _view_tag_message(name, tag):
+def view_tag_message(name, tag):
     if tag == MULTI_OUTPUT_VIEW or tag == CUSTOM_MULTI_VIEW:
         return (
             f"{name}: this tensor is a view (or a view of one) of the outputs of a function that "
             "returns multiple views (split, chunk, unbind, or a Function with several view "
-            "outputs) and is being modified inplace. Such outputs may not be modified in place (as in torch): use the "
-            "out-of-place op, or clone() the output first.")
+            "outputs) and is being modified inplace. Such outputs may not be modified in place "
+            "(as in torch): use the out-of-place op, or clone() the output first.")
     if tag == CUSTOM_FUNCTION_VIEW:
         return (
             f"{name}: this tensor is a view (or a view of one) created inside a custom Function "
@@ -813,7 +813,7 @@ def _custom_view_changed(tag):
         "the Function before changing its base in place.")
 
 
-def _base_requires_grad(view):
+def base_requires_grad(view):
     base = view._base
     return base is not None and _node_of(base) is not None
 

@@ -33,9 +33,12 @@ from .dispatch import (
     CUSTOM_FUNCTION_VIEW,
     CUSTOM_MULTI_VIEW,
     CUSTOM_OUTPUTS,
+    PLAIN_VIEW,
+    base_requires_grad,
     check_inplace,
     current_node,
     rebase_history,
+    view_tag_message,
     view_target,
 )
 from .graph import current_graph
@@ -147,7 +150,7 @@ class FunctionNode(Node):
     def _check_versions(self):
         if self.versions:
             check_saved_versions(self.rule.name, [f"saved_tensors[{i}]" for i in range(len(self.saved))],
-                                 self.saved, self.versions)
+                                 self.saved, self.versions, self.sequence_nr)
         if type(self.saved) is PackedSaved:
             check_packed(self.rule.name, self.saved)
         for kind, value in zip(self.saved_kinds, self.saved):
@@ -216,7 +219,7 @@ class Function:
                     slot_pos.append(i)
             node = FunctionNode(_FunctionRule(cls, len(args)), tuple(nexts), tuple(slot_pos),
                                 tuple(metas), graph, ctx)
-        targets = _check_dirty(node, ctx, outs)  # (raises before any output is changed)
+        targets = _check_dirty(cls, node, ctx, outs)  # (raises before any output is changed)
         if ctx.dirty:  # as torch: the version says "changed in place", whatever forward did
             with _Disable():
                 increment_version([t for t in ctx.dirty if isinstance(t, torch.Tensor)])
@@ -245,11 +248,19 @@ def _check_dirty_returned(ctx, outs):
             "return them, or do not mark them dirty.")
 
 
-def _check_dirty(node, ctx, outs):
+def _check_dirty(cls, node, ctx, outs):
     """torch's checks of the inputs marked dirty, before any output is changed; returns what
     ``rebase_history`` needs for those that are views (CopySlices on their base)."""
     targets = {}
-    if node is None or not ctx.dirty:
+    if not ctx.dirty:
+        return targets
+    if node is None:  # not recorded: a view made under no_grad of a tensor that requires grad
+        if torch.is_grad_enabled():  # may still not be changed (graphgrad's view does not
+            for t in ctx.dirty:      # require grad; torch's does, and refuses)
+                tag = getattr(t, "_gg_view_tag", 0)
+                if tag and tag != PLAIN_VIEW and base_requires_grad(t):
+                    raise RuntimeError(view_tag_message(f"{cls.__name__}.apply (an input marked "
+                                                        "dirty)", tag))
         return targets
     non_diff = {id(t) for t in ctx.non_differentiable}
     for out in outs:

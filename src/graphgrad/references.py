@@ -30,7 +30,7 @@ _NONES: list = []  # _NONES[n] is (None,) * n
 __all__ = ["SavedResult", "PackedTensor", "save_arguments", "check_saved_versions",
            "unpack_result", "unpack_saved", "saved_bytes", "describe", "push_saved_hooks",
            "pop_saved_hooks", "current_saved_hooks", "PackedSaved", "CheckedPack",
-           "check_packed", "modified_message"]
+           "check_packed", "modified_message", "detached_message"]
 
 class _SavedHooks(threading.local):
     """This thread's active (pack, unpack) pairs (a class default: no lookup miss per op)."""
@@ -267,8 +267,10 @@ def _pack_all(value, hooks):
     return type(value)([_pack(v, hooks) if isinstance(v, _PlainTensor) else v for v in value])
 
 
-def check_saved_versions(name, params, saved, versions):
-    """Raise the in-place-modification error if a saved tensor changed since it was saved.
+def check_saved_versions(name, params, saved, versions, sequence_nr=0):
+    """Raise the in-place-modification error if a saved tensor changed since it was saved,
+    or was taken out of the graph by ``detach_()`` after the node (number ``sequence_nr``)
+    saved it while it had a grad_fn.
 
     ``versions`` is flat: ``(position, version, position, version, ...)``.
     """
@@ -282,11 +284,16 @@ def check_saved_versions(name, params, saved, versions):
             what = params[pos]
         if value._version != version:
             raise RuntimeError(modified_message(name, what, value, version))
-        if getattr(value, "_gg_detached", False) and value._gg_node is None:
-            raise RuntimeError(
-                f"Trying to use a saved tensor that has been detached in-place, i.e. with "
-                f".detach_(): {name} saved '{what}' while it had a grad_fn. This is not "
-                "supported (as in torch): use the out-of-place .detach() instead.")
+        detached = getattr(value, "_gg_detached", 0)
+        if detached and detached >= sequence_nr and value._gg_node is None:
+            raise RuntimeError(detached_message(name, what))
+
+
+def detached_message(name, what) -> str:
+    """torch's error for a saved tensor that had a grad_fn and was detached in place since."""
+    return (f"Trying to use a saved tensor that has been detached in-place, i.e. with "
+            f".detach_(): {name} saved '{what}' while it had a grad_fn. This is not supported "
+            "(as in torch): use the out-of-place .detach() instead.")
 
 
 def modified_message(name, what, tensor, version) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import dispatch
-from .node import AccumulateGrad, Node, RemovableHandle
+from .node import AccumulateGrad, Node, RemovableHandle, current_sequence_nr
 
 __all__ = ["Tensor", "tensor", "as_tensor", "wrap_output"]
 
@@ -31,7 +31,7 @@ class Tensor(torch.Tensor):
     _gg_view_tag = 0  # how torch would mark this view (see dispatch._tag_views)
     _gg_view_version = 0
     _gg_retains_grad = False  # retain_grad() was called (torch's retains_grad flag)
-    _gg_detached = False  # detach_() took it out of the graph while it had a grad_fn
+    _gg_detached = 0  # newest Node number when detach_() took it out of the graph (0: never)
 
     __torch_function__ = classmethod(dispatch.torch_function)
 
@@ -118,7 +118,8 @@ class Tensor(torch.Tensor):
                     "tensor outside the graph that shares this view's data.")
         node = self._gg_node
         if node is not None and type(node) is not AccumulateGrad:
-            self._gg_detached = True  # nodes that saved it may no longer use it (as torch)
+            self._gg_detached = current_sequence_nr()  # nodes that saved it before may no
+            # longer use it (as torch)
         self._gg_node = None
         if self._gg_nr:
             self._gg_nr = 0
