@@ -313,3 +313,54 @@ def test_the_comparison_itself_can_fail():
     with pytest.raises(AssertionError):
         same_as_torch(error, RuntimeError, "x", "x")
     assert Lib("gg").is_gg
+
+
+# -- found by the extended fuzzer ----------------------------------------------------------
+def test_a_saved_tensor_detached_in_place_after_it_was_saved_is_refused():
+    def program(lib):
+        x = lib.leaf([0.5, -1.0])
+        y = x.abs()
+        z = y.abs()  # saves y, which has a grad_fn
+        y.detach_()
+        z.sum().backward()
+
+    same_as_torch(program, RuntimeError, "detached in-place", "use the out-of-place .detach()")
+
+    def saved_after(lib):  # saved once detached: a constant like any other
+        x = lib.leaf([0.5, -1.0])
+        y = x.abs()
+        y.detach_()
+        z = torch.addcmul(y, y, x, value=0.5)
+        z.sum().backward()
+        return x.grad, y.requires_grad
+
+    same_as_torch(saved_after)
+
+    def checkpointed(lib):
+        x = lib.leaf([0.5, -1.0])
+        y = x.abs()
+        z = lib.checkpoint(lambda a: a.sin() * a, y)
+        y.detach_()
+        z.sum().backward()
+
+    same_as_torch(checkpointed, RuntimeError, "detached in-place", "use the out-of-place .detach()")
+
+    def custom_function(lib):  # torch's custom Functions unpack it anyway
+        class Pair(lib.Function):
+            @staticmethod
+            def forward(ctx, a, b):
+                ctx.save_for_backward(a, b)
+                return a * b
+
+            @staticmethod
+            def backward(ctx, g):
+                a, b = ctx.saved_tensors
+                return g * b, g * a
+        x = lib.leaf([0.5, -1.0])
+        y = x.abs()
+        z = Pair.apply(y, y)
+        y.detach_()
+        z.sum().backward()
+        return x.grad
+
+    same_as_torch(custom_function)

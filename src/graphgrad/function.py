@@ -150,7 +150,7 @@ class FunctionNode(Node):
     def _check_versions(self):
         if self.versions:
             check_saved_versions(self.rule.name, [f"saved_tensors[{i}]" for i in range(len(self.saved))],
-                                 self.saved, self.versions, self.sequence_nr)
+                                 self.saved, self.versions)
         if type(self.saved) is PackedSaved:
             check_packed(self.rule.name, self.saved)
         for kind, value in zip(self.saved_kinds, self.saved):

@@ -267,10 +267,11 @@ def _pack_all(value, hooks):
     return type(value)([_pack(v, hooks) if isinstance(v, _PlainTensor) else v for v in value])
 
 
-def check_saved_versions(name, params, saved, versions, sequence_nr=0):
+def check_saved_versions(name, params, saved, versions, sequence_nr=None):
     """Raise the in-place-modification error if a saved tensor changed since it was saved,
-    or was taken out of the graph by ``detach_()`` after the node (number ``sequence_nr``)
-    saved it while it had a grad_fn.
+    or (given the node's ``sequence_nr``) was taken out of the graph by ``detach_()`` after
+    the node saved it while it had a grad_fn. (torch's custom Functions unpack such a tensor
+    anyway, so theirs pass no number.)
 
     ``versions`` is flat: ``(position, version, position, version, ...)``.
     """
@@ -285,7 +286,7 @@ def check_saved_versions(name, params, saved, versions, sequence_nr=0):
         if value._version != version:
             raise RuntimeError(modified_message(name, what, value, version))
         detached = getattr(value, "_gg_detached", 0)
-        if detached and detached >= sequence_nr and value._gg_node is None:
+        if detached and sequence_nr is not None and detached >= sequence_nr and value._gg_node is None:
             raise RuntimeError(detached_message(name, what))
 
 
