@@ -152,8 +152,9 @@ def register(kind, t, log, hid, modify):
 
     kinds: ``tensor`` (t.register_hook), ``post_acc`` (a leaf's post-accumulate-grad hook),
     ``pre`` and ``post`` (Node pre-hook and hook on t.grad_fn). With ``modify`` the hook
-    doubles the gradients it passes on. Node hooks log the gradients that are not None (the
-    libraries' nodes may list a number argument as an input or not)."""
+    doubles the gradients it passes on. A Node hook logs the gradients of the inputs that
+    require grad (for the others torch may compute one or not, graphgrad does not; and a
+    number argument may have an entry in next_functions)."""
     if kind == "tensor":
         def hook(g):
             log.append(("tensor", hid, snapshot(g)))
@@ -172,8 +173,10 @@ def register(kind, t, log, hid, modify):
             return tuple(_scaled(g) for g in grad_outputs) if modify else None
         return node.register_prehook(hook)
 
+    wanted = [parent is not None for parent, _ in node.next_functions]
+
     def hook(grad_inputs, grad_outputs):
-        log.append(("post", hid, [snapshot(g) for g in grad_inputs if g is not None],
+        log.append(("post", hid, [snapshot(g) for g, w in zip(grad_inputs, wanted) if w],
                     [snapshot(g) for g in grad_outputs]))
         return tuple(_scaled(g) for g in grad_inputs) if modify else None
     return node.register_hook(hook)

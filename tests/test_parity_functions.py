@@ -313,3 +313,13 @@ def test_checkpoint_and_saved_tensor_hooks_pack_as_torch(where):
         return x.grad, calls.count("pack")
 
     same_as_torch(program)
+
+
+def test_a_split_of_a_function_view_is_refused_as_a_split_output():
+    """Found by the fuzzer: the newer view kind wins (torch's creation_meta), so the message is
+    split's, not the custom Function's."""
+    def program(lib):
+        v = identity(lib).apply(lib.leaf([1.0, 2.0]) * 1)
+        v.chunk(2)[-1].add_(1)
+
+    same_as_torch(program, RuntimeError, "returns multiple views", "returns multiple views")

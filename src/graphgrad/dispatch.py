@@ -425,7 +425,7 @@ def _record(func, rule, args, kwargs):
         if tag == PLAIN_VIEW:
             tag = 0
         if tag or rule.multi_output:  # torch's view creation_meta, which views of views inherit
-            _tag_views(out, args, kwargs, tag or MULTI_OUTPUT_VIEW)
+            _tag_views(out, args, kwargs, MULTI_OUTPUT_VIEW if rule.multi_output else tag)
     pending = graph.pending  # graph.record(node), inlined
     pending.append(_weakref(node))
     if len(pending) >= graph._compact_at:
