@@ -107,7 +107,8 @@ SYNONYMS = {"requires_grad=False": "does not require grad",
 # graphgrad checks these misuses before the kernel validates its arguments; torch after.
 PRE_CHECKS = ("leaf Variable that requires grad", "returns multiple views", "no_grad mode", "custom Function")
 # a backward through a graph with several broken nodes: each library may name another first
-BROKEN_GRAPH = ("second time", "modified by an inplace operation", "detached in-place")
+BROKEN_GRAPH = ("second time", "modified by an inplace operation", "detached in-place",
+                "moved into the graph interior")
 
 
 
