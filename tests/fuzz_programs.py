@@ -329,7 +329,7 @@ class Interpreter:
         assert_same_log(self.G.log, self.T.log, TOL)
         logged = len(self.G.log)
         try:
-            ok, got_g, got_t, _ = run_both(fn_g, fn_t, backward=True)
+            ok, got_g, got_t, kind = run_both(fn_g, fn_t, backward=True)
         except AssertionError as e:
             text = str(e)
             if "did not raise where" not in text:
@@ -344,13 +344,22 @@ class Interpreter:
                 # tests/test_parity_rules.py) had that input changed in place
                 STATS["stopped_where_torch_kept_a_shape_only_input"] += 1
                 raise StopProgram from e
+            if "ZeroTensors are immutable" in text:
+                # torch stores sgn's efficient zero gradient in .grad as is, and then fails
+                # to add to it; graphgrad stores a plain zero tensor (documented)
+                STATS["stopped_where_torch_kept_an_immutable_zero_grad"] += 1
+                raise StopProgram from e
             if "CheckpointError" in text:
                 # torch's checkpoint reads requires_grad of its inputs again when it recomputes
                 # (a detach_() in between changes what it saves); graphgrad's kept it
                 STATS["stopped_where_torch_checkpoint_recomputed_differently"] += 1
                 raise StopProgram from e
             raise
-        if not ok:
+        if not ok and kind == "not have been used in the graph" and (
+                len(self.G.log) > logged or any(g.grad is not b[0] for (_, g, _), b in zip(holders, before))):
+            # an input reached that got no gradient: both libraries ran the pass, then refused
+            STATS["unused_inputs_refused_after_the_pass"] += 1
+        elif not ok:
             # (hooks too: graphgrad ran none of them; torch those before the broken node)
             assert len(self.G.log) == logged, "a failed backward ran hooks"
             del self.T.log[logged:]
@@ -360,7 +369,7 @@ class Interpreter:
                     torch.testing.assert_close(plain(g.grad), g_val, rtol=0, atol=0, equal_nan=True,
                                                msg="an error changed a .grad")
                 t.grad = t_obj
-                if t_obj is not None:
+                if t_obj is not None and not t_obj._is_zerotensor():  # (immutable: unchanged)
                     with torch.no_grad():
                         t_obj.copy_(t_val)
         return ok, got_g, got_t

@@ -364,3 +364,18 @@ def test_a_saved_tensor_detached_in_place_after_it_was_saved_is_refused():
         return x.grad
 
     same_as_torch(custom_function)
+
+
+@pytest.mark.parametrize("op", ["view_as", "reshape_as", "expand_as", "type_as"])
+def test_a_tensor_giving_only_a_shape_or_dtype_is_no_input_of_the_node(op):
+    """Found by the fuzzer: ``x.view_as(y)`` had an edge to y (which never got a gradient), so
+    Node hooks saw one more gradient than torch's and ``grad`` w.r.t. y ran the pass."""
+    def program(lib):
+        log = []
+        x, y = lib.leaf([[1.0, 2.0]]), lib.leaf([[3.0, 4.0]])
+        z = getattr(x * 1, op)(y)
+        z.grad_fn.register_hook(logged(log, "post"))
+        z.sum().backward(retain_graph=True)
+        return [p is not None for p, _ in z.grad_fn.next_functions], log, x.grad, y.grad
+
+    same_as_torch(program)

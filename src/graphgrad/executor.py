@@ -124,6 +124,12 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             node.check_saved()
             if type(node) is AccumulateGrad:
                 _check_still_a_leaf(node)
+    if targets is not None and not accumulate and not allow_unused:
+        # an input the pass cannot reach: refused before anything runs (torch runs the pass
+        # first; one that is reached but gets no gradient can only be told after it)
+        unreached = [k for node, wanted in targets.items() if node not in deps for _, k, _ in wanted]
+        if unreached:
+            _unused(min(unreached))
     buffers = {}
     for (node, nr), g in zip(root_nodes, root_grads):
         _add_to_buffer(buffers, node, nr, g)
@@ -202,10 +208,14 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         return None
     for k, g in enumerate(captured):
         if g is None and not allow_unused:
-            raise RuntimeError(
-                f"One of the differentiated Tensors (inputs[{k}]) appears to not have been "
-                "used in the graph. Set allow_unused=True if this is the desired behavior.")
+            _unused(k)
     return tuple(captured)
+
+
+def _unused(k):
+    raise RuntimeError(
+        f"One of the differentiated Tensors (inputs[{k}]) appears to not have been used in the "
+        "graph. Set allow_unused=True if this is the desired behavior.")
 
 
 def _leads_on(node, needed):

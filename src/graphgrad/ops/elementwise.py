@@ -489,11 +489,17 @@ def nan_to_num(grad, input, nan=0.0, posinf=None, neginf=None):
 
 
 # -- copies and casts ----------------------------------------------------------------------------
-@derivative(T.to, T.type_as, T.double, T.float, T.half, T.bfloat16, T.cpu, T.cuda,
+@derivative(T.to, T.double, T.float, T.half, T.bfloat16, T.cpu, T.cuda,
             T.clone, torch.clone, T.contiguous)
 def to(grad, input, *args, **kwargs):
     """Copies and casts: the engine casts the gradient back to the input's dtype and device."""
     return grad
+
+
+@decomposition(T.type_as)
+def type_as(input, other):
+    """``other`` gives only a dtype and device: as in torch's composite, no input of the node."""
+    return input.to(dtype=other.dtype, device=other.device)
 
 
 # -- piecewise constant: zero gradient (like torch) -----------------------------------------

@@ -93,10 +93,20 @@ def view(grad, input: Meta, *shape, **kwargs):
     return grad.reshape(input.shape)
 
 
-@derivative(T.view_as, T.reshape_as)
-def view_as(grad, input: Meta, other):
-    """``other`` gives only a shape: it is not saved."""
-    return grad.reshape(input.shape)
+@decomposition(T.view_as)
+def view_as(input, other):
+    """``other`` gives only a shape: as in torch's composite, it is no input of the node."""
+    return input.view(other.shape)
+
+
+@decomposition(T.reshape_as)
+def reshape_as(input, other):
+    return input.reshape(other.shape)
+
+
+@decomposition(T.expand_as)
+def expand_as(input, other):
+    return input.expand(other.shape)
 
 
 @derivative(torch.unsqueeze, T.unsqueeze, inplace=(T.unsqueeze_,))
@@ -139,7 +149,7 @@ def movedim(grad, input, source, destination):
 
 
 # -- broadcasting and tiling ----------------------------------------------------------------
-@derivative(T.expand, T.expand_as, torch.broadcast_to, T.broadcast_to)
+@derivative(T.expand, torch.broadcast_to, T.broadcast_to)
 def expand(grad, input, *args, **kwargs):
     """The engine sums the gradient back to the input's shape."""
     return grad
