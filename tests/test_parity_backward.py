@@ -379,3 +379,21 @@ def test_a_tensor_giving_only_a_shape_or_dtype_is_no_input_of_the_node(op):
         return [p is not None for p, _ in z.grad_fn.next_functions], log, x.grad, y.grad
 
     same_as_torch(program)
+
+
+def test_grad_w_r_t_an_unreachable_input_raises_like_torch_and_changes_nothing():
+    def program(lib):
+        x, w = lib.leaf([1.0]), lib.leaf([2.0])
+        lib.grad((x * 3).sum(), [x, w])
+
+    same_as_torch(program, RuntimeError, "not have been used in the graph", "allow_unused=True")
+    # graphgrad refuses before the pass (torch after it: its hooks ran, retained grads filled)
+    lib = Lib("gg")
+    x, w = lib.leaf([1.0]), lib.leaf([2.0])
+    y = x * 3
+    y.retain_grad()
+    log = []
+    y.register_hook(logged(log, "y"))
+    with pytest.raises(RuntimeError, match="not have been used"):
+        lib.grad(y.sum(), [x, w])
+    assert y.grad is None and log == []
