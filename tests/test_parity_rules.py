@@ -168,6 +168,7 @@ def _pos(lib):
 
 SAVED_LIKE_TORCH = {  # name: (inputs, op); each input and the output is changed in turn
     "pow_tensor": (lambda lib: [_pos(lib), lib.leaf([1.5, -0.5, 2.0])], torch.pow),
+    "pow_tensor_const": (lambda lib: [_pos(lib), lib.const([1.5, -0.5, 2.0])], torch.pow),
     "pow_number_exponent": (lambda lib: [_pos(lib)], lambda x: x ** 3),
     "pow_number_base": (lambda lib: [_pos(lib)], lambda x: torch.pow(2.0, x)),
     "rpow": (lambda lib: [_pos(lib)], lambda x: 2 ** x),

@@ -137,9 +137,9 @@ def _pow_exponent_grad(grad, base, exponent, result):
 
 
 def _pow_saves(values, keep, needs):
-    """torch keeps pow's result only for the exponent's gradient."""
-    exponent = values[1]
-    return keep, (None if _is_tensor(exponent) and needs[1] else ())
+    """torch keeps pow's result when the exponent is a tensor (whether or not it needs a
+    gradient: torch never narrows what it keeps of outputs), not for a number exponent."""
+    return keep, (None if _is_tensor(values[1]) else ())
 
 
 @derivative(torch.pow, T.pow, T.__pow__, inplace=(T.pow_, T.__ipow__), saves=_pow_saves)
