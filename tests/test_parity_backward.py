@@ -63,13 +63,20 @@ def test_grad_w_r_t_a_leaf_runs_its_tensor_hooks_not_its_accumulate_grad():
     same_as_torch(program)
 
 
-def test_a_root_that_leads_to_no_input_runs_no_hooks():
+def test_a_root_that_leads_to_no_input_runs_only_the_tensor_hooks_of_a_single_root():
+    """torch evaluates a single root's node (its tensor hooks run, nothing else); of several
+    roots, those that lead to no input are not evaluated at all."""
     def program(lib):
         log = []
         x, w = lib.leaf([1.0]), lib.leaf([2.0])
         z = w * 2
         z.register_hook(logged(log, "z"))
-        return lib.grad([(x * 3).sum(), z.sum()], [x]), log
+        z.grad_fn.register_prehook(logged(log, "z_pre"))
+        w.register_hook(logged(log, "w"))
+        several = lib.grad([(x * 3).sum(), z.sum()], [x], retain_graph=True)
+        single = lib.grad(z, [x], lib.const([1.0]), allow_unused=True, retain_graph=True)
+        w.backward(lib.const([1.0]), inputs=[x])  # a leaf root: its hooks, no accumulation
+        return several, single, log, w.grad
 
     same_as_torch(program)
 

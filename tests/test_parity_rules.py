@@ -85,6 +85,21 @@ def test_tensor_split_checks_its_arguments_as_torch():
 
 
 # -- items 8, 9, 15: zeros, NaN, empty tensors ----------------------------------------------
+@pytest.mark.parametrize("mode", ["clone", "identity"])
+def test_einsum_under_saved_tensor_hooks(mode):
+    """Found by the fuzzer: einsum read requires_grad off its saved operands, which a pack hook
+    may have replaced by copies: the gradient was silently dropped."""
+    def program(lib):
+        x, w = lib.leaf([0.3, 0.7]), lib.leaf([[1.0, 2.0], [3.0, 4.0]])
+        pack = (lambda t: t.detach().clone()) if mode == "clone" else (lambda t: t)
+        with lib.saved_tensors_hooks(pack, lambda t: t):
+            y = torch.einsum("i,j->ji", x, x) + torch.einsum("ij,j->i", w, x).sum()
+        y.sum().backward()
+        return x.grad, w.grad
+
+    same_as_torch(program)
+
+
 def test_copy_over_a_tensor_with_history_sends_zeros_back():
     """torch's copy_ gives its old value a zero gradient (0 * inf = NaN on the way)."""
     def program(lib):

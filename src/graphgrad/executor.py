@@ -142,7 +142,14 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
     while ready:
         node = ready.pop()
         grads = buffers.pop(node, None)
-        if needed is not None and not needed[node]:  # a root that leads to no input
+        if needed is not None and not needed[node]:  # a root that leads to no input: torch
+            if len(root_nodes) == 1:  # runs the tensor hooks of a single one, nothing else
+                if grads is None:
+                    grads = [None] * node.num_outputs
+                if node.tensor_hooks is not None:
+                    _run_tensor_hooks(node, grads, handed)
+                if node.retained is not None:
+                    _retain(node, grads)
             continue
         if grads is None:
             grads = [None] * node.num_outputs

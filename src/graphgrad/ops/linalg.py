@@ -223,7 +223,9 @@ def einsum(grad, equation, *operands, needs_input_grad):
     unused = [c for c in _LETTERS if c not in {c for term in labels for c in term} | set(out)]
     grads = []
     for k, op in enumerate(operands):
-        if not (isinstance(op, torch.Tensor) and op.requires_grad):
+        # (every floating operand: a saved operand's requires_grad says nothing once
+        # saved-tensor hooks unpacked it; the engine drops what no input needs)
+        if not (isinstance(op, torch.Tensor) and (op.is_floating_point() or op.is_complex())):
             grads.append(None)
             continue
         terms = [out] + [labels[j] for j in range(len(operands)) if j != k]
