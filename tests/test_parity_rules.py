@@ -273,6 +273,8 @@ KEPT_ONLY_BY_TORCH = {  # name: (inputs, op, which input torch keeps)
     "layer_norm_bias": (lambda lib: [lib.leaf([[0.5, 1.0, 2.0]]), lib.leaf([1.0, 2.0, 3.0]),
                                      lib.leaf([0.1, 0.2, 0.3])],
                         lambda x, w, b: F.layer_norm(x, (3,), w, b), 2),
+    "lerp_weight_alone": (lambda lib: [lib.const([1.0, 2.0]), lib.const([3.0, 4.0]), lib.leaf([0.3, 0.6])],
+                          torch.lerp, 2),
 }
 
 # Deliberate: torch's composite keeps intermediates (scaled or broadcast copies) where
