@@ -2,15 +2,24 @@
 
 A program (tests/fuzz_programs.py) is a list of steps, built once and interpreted twice: on
 graphgrad tensors and on plain torch tensors with requires_grad. Steps are registered ops over
-broadcasting shapes, views, in-place ops (on non-leaf tensors, leaves and tensors that do not
-require grad), ``detach``, ``no_grad`` regions, ``retain_grad``, ``requires_grad_``, and
-``backward`` / ``gg.grad`` with ``retain_graph``, ``create_graph`` (the gradients join the
-program, so later steps differentiate them again), explicit or implicit gradients and
-``inputs=``; every program ends with a backward. After every step the values,
-``requires_grad``/``is_leaf``/``grad_fn``-ness and every ``.grad`` must match, and graphgrad
-must raise exactly where torch raises, with the same exception type and kind of message
-(second backward, modified saved tensor, in-place on a leaf, non-scalar backward...). A step
-that raised on both sides is skipped and the program goes on: state must be intact.
+broadcasting shapes (leaves may have no elements, be 0-d, hold NaN or infinities), views,
+in-place ops (on non-leaf tensors, leaves and tensors that do not require grad; ``copy_`` and
+``zero_`` too), ``detach`` and ``detach_``, ``no_grad`` regions, ``retain_grad``,
+``requires_grad_``, custom Functions (tests/fuzz_autograd.py: saving inputs or outputs,
+``mark_dirty``, returning an input as is or a view of it, ``mark_non_differentiable``,
+``set_materialize_grads(False)``, two outputs), ``gg.checkpoint`` (nested too), ops whose
+output is a view of a temporary of the kernel's own (einsum, avg_pool1d, instance_norm),
+hooks of every kind (tensor hooks, Node pre-hooks and hooks, post-accumulate-grad hooks; some
+double the gradients they pass on), steps run under saved-tensor hooks, and ``backward`` /
+``gg.grad`` with ``retain_graph``, ``create_graph`` (the gradients join the program, so later
+steps differentiate them again), explicit or implicit gradients, ``inputs=`` (leaves or
+non-leaves), ``allow_unused`` and ``materialize_grads``; every program ends with a backward.
+After every step the values, ``requires_grad``/``is_leaf``/``grad_fn``-ness, every ``.grad``
+(None is not zero) and the log of hook calls (which hooks ran, in what order, and what each
+saw: a tensor or None) must match, and graphgrad must raise exactly where torch raises, with
+the same exception type and kind of message (second backward, modified saved tensor, in-place
+on a leaf, non-scalar backward...). A step that raised on both sides is skipped and the
+program goes on: state must be intact.
 
 Compared as graphgrad documents it:
 - graphgrad checks a whole backward pass before running any of it; torch runs until it meets
@@ -30,7 +39,17 @@ Compared as graphgrad documents it:
   library only (torch's prod over a dimension of size 1 has no graph, graphgrad's has; a
   zero from relu's double backward is None in graphgrad): compared by value;
 - gradients are plain torch tensors; to use one further the program wraps it in
-  ``gg.as_tensor``; ``requires_grad_(False)`` on leaves is not generated.
+  ``gg.as_tensor``; ``requires_grad_(False)`` on leaves is not generated;
+- after a failed backward torch may have run some hooks (and filled the ``.grad`` of a
+  non-leaf ``inputs=`` tensor): graphgrad must have run none, and torch's are undone; where
+  an input is reached but gets no gradient, both run the pass and then refuse it;
+- Node hooks log the gradients of the node's inputs that require grad (for the others
+  torch's formula may compute one, graphgrad's does not);
+- what rules keep for backward differs where documented (docs/reliability.md): a backward
+  torch refuses as a second one, or for an in-place change of an input torch keeps for its
+  shape only (``avg_pool``), or a checkpoint torch recomputes differently after
+  ``detach_()``, or a ``.grad`` holding torch's immutable zero tensor (``sgn``), ends the
+  program.
 
 Also compared: in-place ops on views (the base's grad_fn becomes CopySlices; a step kind makes
 a view and changes it at once, so that this is drawn often), reads of views and bases after
@@ -50,7 +69,12 @@ Left out:
 - ``requires_grad_()`` on a tensor that has views: torch's views then require grad without a
   grad_fn (a saved one may even raise when backward unpacks it): the program ends there;
 - an in-place op on the second output of ``std_mean`` while it retains its grad: a torch 2.13
-  bug ("out != nullptr INTERNAL ASSERT FAILED", or a crash).
+  bug ("out != nullptr INTERNAL ASSERT FAILED", or a crash);
+- ``detach_()`` of a tensor that has views (torch's views keep the old history): the
+  program ends there; ``detach_()`` of an output that is a view of a kernel temporary in
+  torch only; ``instance_norm`` over no elements;
+- the number of times saved-tensor hooks pack and unpack (each library keeps different
+  tensors): only values, gradients and errors are compared under them.
 
 CI runs 500 examples (derandomized: the same ones every run); ``--run-slow`` runs 5,000; the
 environment variable ``GRAPHGRAD_FUZZ_EXAMPLES=N`` runs N fresh random ones. Figures are

@@ -404,3 +404,22 @@ def test_grad_w_r_t_an_unreachable_input_raises_like_torch_and_changes_nothing()
     with pytest.raises(RuntimeError, match="not have been used"):
         lib.grad(y.sum(), [x, w])
     assert y.grad is None and log == []
+
+
+@pytest.mark.parametrize("off", ["detach_", "requires_grad_false"])
+def test_a_leaf_that_requires_grad_again_keeps_its_hooks(off):
+    """Found by the fuzzer: a leaf's hooks outlive ``detach_()`` / ``requires_grad_(False)``."""
+    def program(lib):
+        log = []
+        x = lib.leaf([1.0, 2.0])
+        x.register_hook(logged(log, "x", lambda g: g * 2))
+        y = x * 3
+        if off == "detach_":
+            x.detach_()
+        else:
+            x.requires_grad_(False)
+        x.requires_grad_()
+        (x.sum() + y.sum()).backward()
+        return x.grad, log
+
+    same_as_torch(program)

@@ -32,6 +32,7 @@ class Tensor(torch.Tensor):
     _gg_view_version = 0
     _gg_retains_grad = False  # retain_grad() was called (torch's retains_grad flag)
     _gg_detached = 0  # newest Node number when detach_() took it out of the graph (0: never)
+    _gg_acc = None  # a leaf's AccumulateGrad while it does not require grad (see requires_grad_)
 
     __torch_function__ = classmethod(dispatch.torch_function)
 
@@ -67,8 +68,10 @@ class Tensor(torch.Tensor):
                     raise RuntimeError(
                         "only Tensors of floating point and complex dtype can require "
                         f"gradients (this one is {dtype}); convert it first, e.g. x.float().")
-                self._gg_node = AccumulateGrad(self)
+                acc = self._gg_acc  # the one it had: its hooks and graphs still count (torch)
+                self._gg_node = acc if acc is not None else AccumulateGrad(self)
         elif node is not None:
+            self._gg_acc = node
             self._gg_node = None
         return self
 
@@ -117,7 +120,9 @@ class Tensor(torch.Tensor):
                     "Can't detach views in-place. Use detach() instead: it returns a new "
                     "tensor outside the graph that shares this view's data.")
         node = self._gg_node
-        if node is not None and type(node) is not AccumulateGrad:
+        if type(node) is AccumulateGrad:
+            self._gg_acc = node  # back with requires_grad_(): hooks and graphs still count
+        elif node is not None:
             self._gg_detached = current_sequence_nr()  # nodes that saved it before may no
             # longer use it (as torch)
         self._gg_node = None
