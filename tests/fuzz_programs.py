@@ -298,6 +298,9 @@ class Interpreter:
             self.broken.add(k)
             STATS["multi_output_views_changed"] += 1
             return True
+        # reading grad_fn rebuilds a view's grad_fn after its base changed, moving its
+        # retain_grad, in torch: so it must in graphgrad, read as often
+        _ = self.G.env[k].grad_fn
         return False
 
     def check_grads(self):
@@ -452,7 +455,12 @@ class Interpreter:
                     # compared from here on: a view's grad_fn is rebuilt by both libraries;
                     # torch refuses to rebuild those of split/chunk/unbind outputs and of views
                     # made under no_grad: those are left out
-                    if m in self.function_views:  # both refuse to use it: compared once
+                    if self.T.env[m]._is_view() and not self.G.env[m]._is_view():
+                        # a view of a kernel temporary in torch only: its history is the
+                        # temporary's there (documented), so it is compared by value only
+                        self.stale[m] = True
+                        STATS["views_of_temporaries_changed"] += 1
+                    elif m in self.function_views:  # both refuse to use it: compared once
                         self.broken_view(m)
                         self.stale[m] = True
                     elif m in self.multi_output_views or m in self.no_grad_views:
@@ -516,6 +524,11 @@ class Interpreter:
         if picked is None:
             return
         _, (g,), (t,) = picked
+        if t._is_view() and not g._is_view():
+            # a view of a kernel temporary in torch only (documented): hooks on it see the
+            # temporary's history, which graphgrad's graph does not have
+            STATS["hooks_on_views_of_temporaries_left_out"] += 1
+            return
         hid = self.hooks
         self.hooks += 1
         ok, handle_g, handle_t, _ = run_both(lambda: register(kind, g, self.G.log, hid, modify),

@@ -15,6 +15,7 @@ are recorded, so the gradients can be differentiated again. Compiled by Cython.
 
 from __future__ import annotations
 
+import heapq
 import threading
 
 import torch
@@ -27,6 +28,9 @@ __all__ = ["run_backward"]
 _Disable = torch._C.DisableTorchFunctionSubclass
 _PlainTensor = torch.Tensor
 _ACCUMULATE_LOCK = threading.Lock()
+_heappush = heapq.heappush
+_heappop = heapq.heappop
+_FIRST = -(1 << 62)
 
 
 def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
@@ -124,12 +128,6 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             node.check_saved()
             if type(node) is AccumulateGrad:
                 _check_still_a_leaf(node)
-    if targets is not None and not accumulate and not allow_unused:
-        # an input the pass cannot reach: refused before anything runs (torch runs the pass
-        # first; one that is reached but gets no gradient can only be told after it)
-        unreached = [k for node, wanted in targets.items() if node not in deps for _, k, _ in wanted]
-        if unreached:
-            _unused(min(unreached))
     buffers = {}
     for (node, nr), g in zip(root_nodes, root_grads):
         _add_to_buffer(buffers, node, nr, g)
@@ -138,9 +136,14 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
     handed = set()
     for g in root_grads:
         handed.add(id(g))
-    ready = [node for node in dict.fromkeys(n for n, _ in root_nodes) if deps[node] == 0]
+    # ready nodes run newest first (torch's order: so hooks are called in torch's order);
+    # AccumulateGrad first of all, as soon as its gradient is complete
+    ready = []
+    for node in dict.fromkeys(n for n, _ in root_nodes):
+        if deps[node] == 0:
+            _heappush(ready, (_order(node), node))
     while ready:
-        node = ready.pop()
+        node = _heappop(ready)[1]
         grads = buffers.pop(node, None)
         if needed is not None and not needed[node]:  # a root that leads to no input: torch
             if len(root_nodes) == 1:  # runs the tensor hooks of a single one, nothing else
@@ -210,7 +213,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                 _add_to_buffer(buffers, parent, nr, g)
             deps[parent] -= 1
             if deps[parent] == 0:
-                ready.append(parent)
+                _heappush(ready, (_order(parent), parent))
     if inputs is None or accumulate:
         return None
     for k, g in enumerate(captured):
@@ -223,6 +226,14 @@ def _unused(k):
     raise RuntimeError(
         f"One of the differentiated Tensors (inputs[{k}]) appears to not have been used in the "
         "graph. Set allow_unused=True if this is the desired behavior.")
+
+
+def _order(node):
+    """Heap key: newest node first; AccumulateGrad before any other (torch gives it the
+    largest sequence number)."""
+    if type(node) is AccumulateGrad:
+        return _FIRST - node.sequence_nr
+    return -node.sequence_nr
 
 
 def _leads_on(node, needed):
