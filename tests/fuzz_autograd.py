@@ -154,7 +154,8 @@ def register(kind, t, log, hid, modify):
     ``pre`` and ``post`` (Node pre-hook and hook on t.grad_fn). With ``modify`` the hook
     doubles the gradients it passes on. A Node hook logs the gradients of the inputs that
     require grad (for the others torch may compute one or not, graphgrad does not; and a
-    number argument may have an entry in next_functions)."""
+    number argument may have an entry in next_functions); on CopySlices only its
+    grad_outputs (graphgrad's lists the view's part of the gradient apart)."""
     if kind == "tensor":
         def hook(g):
             log.append(("tensor", hid, snapshot(g)))
@@ -174,9 +175,11 @@ def register(kind, t, log, hid, modify):
         return node.register_prehook(hook)
 
     wanted = [parent is not None for parent, _ in node.next_functions]
+    copy_slices = "CopySlices" in node.name()  # its grad_inputs are split otherwise (documented)
 
     def hook(grad_inputs, grad_outputs):
-        log.append(("post", hid, [snapshot(g) for g, w in zip(grad_inputs, wanted) if w],
+        log.append(("post", hid, None if copy_slices else
+                    [snapshot(g) for g, w in zip(grad_inputs, wanted) if w],
                     [snapshot(g) for g in grad_outputs]))
         return tuple(_scaled(g) for g in grad_inputs) if modify else None
     return node.register_hook(hook)

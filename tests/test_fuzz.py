@@ -76,7 +76,7 @@ Left out:
 - the number of times saved-tensor hooks pack and unpack (each library keeps different
   tensors): only values, gradients and errors are compared under them.
 
-CI runs 500 examples (derandomized: the same ones every run); ``--run-slow`` runs 5,000; the
+CI runs 2,000 examples (derandomized: the same ones every run); ``--run-slow`` runs 20,000; the
 environment variable ``GRAPHGRAD_FUZZ_EXAMPLES=N`` runs N fresh random ones. Figures are
 printed with ``-s`` (lines starting ``RELIABILITY``).
 """
@@ -152,7 +152,7 @@ def _examples(config):
     env = os.environ.get("GRAPHGRAD_FUZZ_EXAMPLES")
     if env:
         return int(env), False
-    return (5000 if config.getoption("--run-slow") else 500), True
+    return (20000 if config.getoption("--run-slow") else 2000), True
 
 
 def test_random_programs_match_torch_autograd(request, record_property):
