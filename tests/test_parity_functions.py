@@ -323,3 +323,16 @@ def test_a_split_of_a_function_view_is_refused_as_a_split_output():
         v.chunk(2)[-1].add_(1)
 
     same_as_torch(program, RuntimeError, "returns multiple views", "returns multiple views")
+
+
+def test_marking_a_view_made_under_no_grad_dirty_is_refused():
+    """Found by the fuzzer: graphgrad's view made under no_grad requires no grad, so the
+    Function was not recorded and the in-place change slipped through. (torch's such view is
+    a leaf that requires grad, so torch names that; documented.)"""
+    def program(lib):
+        y = lib.leaf([1.0, 2.0]) * 1
+        with torch.no_grad():
+            v = y[:1]
+        dirty(lib).apply(v)
+
+    same_as_torch(program, RuntimeError, "leaf Variable", "no_grad mode")
