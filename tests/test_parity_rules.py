@@ -319,3 +319,19 @@ def test_fill_zero_and_xlogy_spellings_match_torch():
         return x.grad, v.grad, a, d, e
 
     same_as_torch(program)
+
+
+@pytest.mark.parametrize("dim", [None, -1, 0])
+def test_prod_with_a_zero_and_a_nan_as_torch(dim):
+    """Found by the fuzzer: with a zero in the input, torch multiplies the other elements out
+    (a NaN among them gives NaN), where graphgrad gave 0 off the zero."""
+    def program(lib):
+        x = lib.leaf([[float("nan"), 0.5, 0.0], [2.0, 0.0, 0.0], [1.5, 2.0, 3.0]])
+        y = x.prod() if dim is None else x.prod(dim)
+        (g,) = lib.grad(y.sum(), [x], create_graph=True)
+        x.grad = None
+        y = x.prod() if dim is None else x.prod(dim)
+        y.sum().backward()
+        return g, x.grad
+
+    same_as_torch(program)

@@ -3,8 +3,12 @@
 From the root nodes, one iterative depth-first walk over ``next_functions`` finds the nodes
 that lead to the wanted inputs and counts, for each, the edges that will bring it a
 gradient. Nodes then run in reverse topological order (Kahn's algorithm: a node runs when
-its last gradient has arrived), each rule called once with the summed gradient; saved values
-are freed as soon as a node has run unless ``retain_graph``. Leaves accumulate into the
+its last gradient has arrived; of the nodes ready, the newest first and AccumulateGrad at
+once, which is torch's order, so hooks run in torch's order), each rule called once with the
+summed gradient; saved values are freed as soon as a node has run unless ``retain_graph``.
+Hooks run as torch runs them: tensor hooks (also with None for an output that got no
+gradient), then pre-hooks, the rule, and hooks; ``grad`` reads a wanted non-leaf's gradient
+before its tensor hooks if the pass goes on past it, after them otherwise. Leaves accumulate into the
 native ``.grad`` slot. Everything that can fail (freed graph, in-place-modified saved
 tensors) is checked for every node before the first rule runs, so an error changes nothing.
 

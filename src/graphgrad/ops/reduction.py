@@ -70,7 +70,9 @@ def sum_to_size(grad, input: Meta, *size):
 
 # -- prod --------------------------------------------------------------------------------
 def _prod_grad(grad, input, result, dim: int):
-    """d prod / d x_i = prod of the others; ``grad`` and ``result`` keep ``dim`` as size 1."""
+    """d prod / d x_i = prod of the others; ``grad`` and ``result`` keep ``dim`` as size 1.
+    As torch's prod_backward: ``result / input`` unless the input has a zero anywhere, then
+    the products of the others themselves (so a NaN elsewhere in the slice gives NaN)."""
     zero = input == 0
     if not zero.any():
         return grad * (result / input)
@@ -81,11 +83,14 @@ def _prod_grad(grad, input, result, dim: int):
         eye = torch.eye(x.shape[-1], dtype=torch.bool, device=x.device)
         others = torch.where(eye, 1.0, x.unsqueeze(-2)).prod(-1).transpose(dim, -1)
         return grad * others
-    # one zero in a slice: it gets the product of the others, the rest 0; two or more: all 0
-    count = zero.sum(dim, keepdim=True)
-    nonzero = torch.where(zero, 1.0, input).prod(dim, keepdim=True)
-    others = torch.where(count == 0, result / input, torch.where(zero & (count == 1), nonzero, 0.0))
-    return grad * others
+    # torch's prod_safe_zeros_backward: exclusive cumulative products from both ends
+    n = input.shape[dim]
+    if n == 1:
+        return grad.expand(input.shape)
+    ones = torch.ones_like(input.narrow(dim, 0, 1))
+    before = torch.cat([ones, input.narrow(dim, 0, n - 1)], dim).cumprod(dim)
+    after = torch.cat([ones, input.narrow(dim, 1, n - 1).flip(dim)], dim).cumprod(dim).flip(dim)
+    return grad * (before * after)
 
 
 @derivative(torch.prod, T.prod)
@@ -94,8 +99,10 @@ def prod(grad, input, dim=None, keepdim=False, *, dtype=None, result):
     if input.dim() == 0:
         return grad
     if dim is None:
-        flat = _prod_grad(grad.reshape(1), input.reshape(-1), result.reshape(1), 0)
-        return flat.reshape(input.shape)
+        flat = input.reshape(-1)
+        if not torch.is_grad_enabled() and int((flat == 0).sum()) > 1:
+            return torch.zeros_like(input)  # (torch: every product of the others has a zero)
+        return _prod_grad(grad.reshape(1), flat, result.reshape(1), 0).reshape(input.shape)
     if not keepdim:
         grad = grad.unsqueeze(dim)
         result = result.unsqueeze(dim)
