@@ -1,8 +1,9 @@
 """The fuzzer's programs and their interpreter (tests/test_fuzz.py says what it checks).
 
 A program is ``{"base": (a, b), "leaves": [(shape code, requires_grad)], "seed", "quantized",
-"steps": [(step, under_no_grad)]}``; tensor indices in steps count back from the newest
-tensor, modulo the number of tensors, so any list of steps is a valid program.
+"special", "steps": [(step, under_no_grad)]}``; tensor indices in steps count back from the
+newest tensor, modulo the number of tensors, so any list of steps is a valid program.
+Custom Functions, checkpoints and hooks are in tests/fuzz_autograd.py.
 """
 
 import collections
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
+from fuzz_autograd import assert_same_log, checkpoint, fn, register, saved_tensors_hooks
 
 DT = torch.float64
 TOL = {"rtol": 1e-7, "atol": 1e-7, "equal_nan": True}
@@ -32,6 +34,18 @@ UNARY = {
     "softmax": lambda t: t.softmax(-1), "log_softmax": lambda t: F.log_softmax(t, -1),
     "where": lambda t: torch.where(t > 0, t, t * 0.1), "erf": torch.erf, "atan": torch.atan,
     "flip": lambda t: t.flip(-1), "f32": lambda t: t.float().double(), "sign_mul": lambda t: t * t.sign(),
+    "sgn_sqrt": lambda t: (t.abs() ** 0.5).sgn(), "pow_half": lambda t: t.abs() ** 0.5,
+    "nan_to_num": lambda t: torch.nan_to_num(t.log(), nan=0.5, posinf=2.0),
+    "hardtanh": lambda t: F.hardtanh(t, -0.5, 0.5), "erfinv": lambda t: (t * 0.5).tanh().erfinv(),
+    # outputs that are views of a temporary of the kernel's own
+    "avg_pool": lambda t: F.avg_pool1d(t.reshape(1, 1, -1), 1),
+    # (not over no elements: torch's path then keeps nothing, graphgrad the input; documented)
+    "instance_norm": lambda t: F.instance_norm(t.reshape(1, 1, -1)) if t.numel() > 1 else t * 1,
+    # custom Functions (tests/fuzz_autograd.py): saving inputs or outputs, two outputs
+    "fn_square": lambda t: fn("Square", t).apply(t), "fn_exp": lambda t: fn("Exp", t).apply(t),
+    "fn_two": lambda t: fn("Two", t).apply(t)[0], "fn_two_nondiff": lambda t: fn("Two", t).apply(t)[1],
+    "ckpt": lambda t: checkpoint(lambda a: a.sin() * a, t),
+    "ckpt_nested": lambda t: checkpoint(lambda a: checkpoint(lambda b: b.tanh().exp(), a) * a, t),
 }
 BINARY = {
     "add": torch.add, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
@@ -40,6 +54,12 @@ BINARY = {
     "where": lambda a, b: torch.where(a > b, a, b), "cat": lambda a, b: torch.cat([a, b], -1),
     "stack": lambda a, b: torch.stack([a, b]), "addcmul": lambda a, b: torch.addcmul(a, a, b, value=0.5),
     "logaddexp": torch.logaddexp, "rsub": lambda a, b: 1 - a * b, "atan2": torch.atan2,
+    "outer_t": lambda a, b: torch.einsum("i,j->ji", a.reshape(-1), b.reshape(-1)),
+    "huber": lambda a, b: F.huber_loss(a, b, delta=0.5), "smooth_l1": F.smooth_l1_loss,
+    "l1": F.l1_loss, "mse": F.mse_loss, "max2": torch.max, "pow": lambda a, b: a.abs() ** b,
+    "fn_pair": lambda a, b: fn("Pair", a).apply(a, b)[0],
+    "fn_pair1": lambda a, b: fn("Pair", a).apply(a, b)[1],
+    "ckpt2": lambda a, b: checkpoint(lambda x, y: x * y.sin() + x, a, b),
 }
 REDUCE = {
     "sum": lambda t: t.sum(), "sum0": lambda t: t.sum(0), "sum_keep": lambda t: t.sum(-1, keepdim=True),
@@ -58,6 +78,8 @@ VIEW = {
     "squeeze": lambda t: t.squeeze(), "permute": lambda t: t.permute(*reversed(range(t.dim()))),
     "split": lambda t: t.split(1, -1)[0], "unbind": lambda t: t.unbind(0)[-1],
     "chunk": lambda t: t.chunk(2, -1)[-1], "mT": lambda t: t.mT, "as_is": lambda t: t.view_as(t),
+    "tensor_split": lambda t: t.tensor_split(2, -1)[0],
+    "fn_identity": lambda t: fn("Identity", t).apply(t), "fn_view": lambda t: fn("View", t).apply(t),
 }
 INPLACE = {
     "add_": lambda t, o: t.add_(o), "mul_": lambda t, o: t.mul_(o), "sub_": lambda t, o: t.sub_(o),
@@ -65,21 +87,29 @@ INPLACE = {
     "clamp_": lambda t, o: t.clamp_(-0.5, 0.5), "div_": lambda t, o: t.div_(2.0),
     "exp_": lambda t, o: t.clamp_(-3, 3).exp_(), "sigmoid_": lambda t, o: t.sigmoid_(),
     "setitem": _set0, "fill0": lambda t, o: t.masked_fill_(t > 0, 0.0), "iadd": lambda t, o: t.__iadd__(o),
+    "copy_": lambda t, o: t.copy_(o), "zero_": lambda t, o: t.zero_(),
+    "fn_dirty": lambda t, o: fn("Dirty", t).apply(t),
 }
-USES_OTHER = {"add_", "mul_", "sub_", "setitem", "iadd"}
+USES_OTHER = {"add_", "mul_", "sub_", "setitem", "iadd", "copy_"}
+HOOK_KINDS = ("tensor", "post_acc", "pre", "post")
 MULTI_OUTPUT_VIEWS = {"split", "unbind", "chunk"}
+FUNCTION_VIEWS = {"fn_identity", "fn_view"}  # views a custom Function returned
+KEPT_ONLY_BY_TORCH = {"avg_pool"}  # torch keeps the input, graphgrad its shape (documented)
 ERROR_KINDS = ("second time", "modified by an inplace operation", "leaf Variable that requires grad",
                "implicitly created only for scalar outputs", "does not require grad",
                "not have been used in the graph", "Mismatch in shape", "you can only change requires_grad",
-               "no_grad mode", "returns multiple views")
+               "custom Function", "no_grad mode", "returns multiple views",
+               "detached in-place", "Can't detach views in-place", "can't replace a None gradient",
+               "materialize_grads", "moved into the graph interior")
 # the same complaint in other words (torch's backward(inputs=[t]) on a t without grad: the first)
 SYNONYMS = {"requires_grad=False": "does not require grad",
             # torch's words for an output of split/chunk/unbind whose storage was changed
             "another view of its base has been modified inplace": "modified by an inplace operation"}
 # graphgrad checks these misuses before the kernel validates its arguments; torch after.
-PRE_CHECKS = ("leaf Variable that requires grad", "returns multiple views", "no_grad mode")
+PRE_CHECKS = ("leaf Variable that requires grad", "returns multiple views", "no_grad mode", "custom Function")
 # a backward through a graph with several broken nodes: each library may name another first
-BROKEN_GRAPH = ("second time", "modified by an inplace operation")
+BROKEN_GRAPH = ("second time", "modified by an inplace operation", "detached in-place",
+                "moved into the graph interior")
 
 
 
@@ -90,13 +120,16 @@ class Side:
     def __init__(self, program, is_gg):
         self.is_gg = is_gg
         self.env, self.leaves = [], []
+        self.log = []  # hook calls (tests/fuzz_autograd.py)
         a, b = program["base"]
-        shapes = [(a, b), (b,), (1, b), (a, 1), ()]
+        shapes = [(a, b), (b,), (1, b), (a, 1), (), (0,), (a, 0)]
         gen = torch.Generator().manual_seed(program["seed"])
         for code, requires_grad in program["leaves"]:
             data = torch.rand(shapes[code], dtype=DT, generator=gen) * 3 - 1.5
             if program["quantized"]:  # zeros and ties: the edges of max, abs, relu...
                 data = (data * 2).round() / 2
+            if program.get("special") and data.numel():  # NaN, infinities and zeros
+                data.view(-1)[0] = (float("nan"), float("inf"), -float("inf"), 0.0)[program["seed"] % 4]
             t = (gg.as_tensor(data, requires_grad=requires_grad) if is_gg
                  else data.requires_grad_(requires_grad))
             self.env.append(t)
@@ -195,7 +228,10 @@ class Interpreter:
         self.no_grad_views = set()  # views made under no_grad (and views of them)
         self.detached_on_torch = set()  # see op(): torch's side was detached (and views of it)
         self.multi_output_views = set()  # outputs of split/chunk/unbind (and views of them)
+        self.function_views = set()  # views returned by custom Functions (and views of them)
         self.stale_grad_graph = set()  # see grad_holders
+        self.hooks = 0  # hooks registered so far (their ids in the logs)
+        self.kept_only_by_torch = False  # see call_backward
 
     # -- bookkeeping -------------------------------------------------------------------------
     def args(self, *idx):
@@ -206,7 +242,7 @@ class Interpreter:
             return None
         return ks, [self.G.env[k] for k in ks], [self.T.env[k] for k in ks]
 
-    def push(self, g, t, parent=None, multi_output=False):
+    def push(self, g, t, parent=None, multi_output=False, function_view=False):
         assert_same_tensor(g, t, "result")
         assert isinstance(g, gg.Tensor) or not g.requires_grad
         if not isinstance(g, gg.Tensor):
@@ -228,6 +264,8 @@ class Interpreter:
             self.detached_on_torch.add(len(self.root) - 1)
         if alias and (multi_output or parent in self.multi_output_views):
             self.multi_output_views.add(len(self.root) - 1)
+        if alias and (function_view or parent in self.function_views):
+            self.function_views.add(len(self.root) - 1)
 
     def grad_holders(self, stale_too=False):
         """(k, graphgrad tensor, torch tensor) for each tensor whose .grad is filled in."""
@@ -247,14 +285,26 @@ class Interpreter:
         try:
             _ = self.T.env[k].grad_fn
         except RuntimeError as e:
-            assert "multiple views" in str(e) or "no_grad mode" in str(e), e
+            assert "multiple views" in str(e) or "no_grad mode" in str(e) or "custom Function" in str(e), e
+            if "custom Function" in str(e):  # graphgrad refuses it too (it would bypass the
+                with_error = False  # Function's backward): compared, then left out
+                try:
+                    _ = self.G.env[k].grad_fn
+                except RuntimeError as e2:
+                    with_error = "custom Function" in str(e2)
+                assert with_error, "graphgrad used a Function's view after its base changed"
+                STATS["function_views_refused_after_their_base_changed"] += 1
             self.stale[k] = True
             self.broken.add(k)
             STATS["multi_output_views_changed"] += 1
             return True
+        # reading grad_fn rebuilds a view's grad_fn after its base changed, moving its
+        # retain_grad, in torch: so it must in graphgrad, read as often
+        _ = self.G.env[k].grad_fn
         return False
 
     def check_grads(self):
+        assert_same_log(self.G.log, self.T.log, TOL)
         for k, g, t in self.grad_holders():
             # a plain backward that adds to a .grad made with create_graph=True: torch adds in
             # place and keeps the old grad_fn, graphgrad makes a new .grad: values compared
@@ -280,27 +330,50 @@ class Interpreter:
                 if self.root[m] in roots:  # the .grad itself and views of it
                     self.stale[m] = True
                     self.diverged.add(m)
+        assert_same_log(self.G.log, self.T.log, TOL)
+        logged = len(self.G.log)
         try:
-            ok, got_g, got_t, _ = run_both(fn_g, fn_t, backward=True)
+            ok, got_g, got_t, kind = run_both(fn_g, fn_t, backward=True)
         except AssertionError as e:
             text = str(e)
-            torch_refused = "did not raise where" in text and any(k in text for k in BROKEN_GRAPH)
-            if torch_refused:
-                # the libraries keep different things for backward. torch freed more in a failed
-                # backward; or torch keeps 0.5 in x * 0.5 as a tensor and frees it (graphgrad
-                # keeps the number); or torch saves 2 ** x's result, graphgrad its input (so an
-                # in-place change of the result is fine). The programs part here.
-                STATS["stopped_where_torch_refused_again"] += 1
+            if "did not raise where" not in text:
+                raise
+            if "second time" in text:
+                # torch freed more in a failed backward, or keeps 0.5 in x * 0.5 as a tensor
+                # and frees it (graphgrad keeps the number). The programs part here.
+                STATS["stopped_where_torch_refused_a_second_backward"] += 1
+                raise StopProgram from e
+            if "modified by an inplace operation" in text and self.kept_only_by_torch:
+                # an op whose input torch keeps for its shape only (KEPT_ONLY_BY_TORCH in
+                # tests/test_parity_rules.py) had that input changed in place
+                STATS["stopped_where_torch_kept_a_shape_only_input"] += 1
+                raise StopProgram from e
+            if "ZeroTensors are immutable" in text:
+                # torch stores sgn's efficient zero gradient in .grad as is, and then fails
+                # to add to it; graphgrad stores a plain zero tensor (documented)
+                STATS["stopped_where_torch_kept_an_immutable_zero_grad"] += 1
+                raise StopProgram from e
+            if "CheckpointError" in text:
+                # torch's checkpoint reads requires_grad of its inputs again when it recomputes
+                # (a detach_() in between changes what it saves); graphgrad's kept it
+                STATS["stopped_where_torch_checkpoint_recomputed_differently"] += 1
                 raise StopProgram from e
             raise
-        if not ok:
+        if not ok and kind == "not have been used in the graph" and (
+                len(self.G.log) > logged or any(g.grad is not b[0] for (_, g, _), b in zip(holders, before))):
+            # an input reached that got no gradient: both libraries ran the pass, then refused
+            STATS["unused_inputs_refused_after_the_pass"] += 1
+        elif not ok:
+            # (hooks too: graphgrad ran none of them; torch those before the broken node)
+            assert len(self.G.log) == logged, "a failed backward ran hooks"
+            del self.T.log[logged:]
             for (_, g, t), (g_obj, g_val, t_obj, t_val) in zip(holders, before):
                 assert g.grad is g_obj, "an error replaced a .grad"
                 if g_obj is not None:
                     torch.testing.assert_close(plain(g.grad), g_val, rtol=0, atol=0, equal_nan=True,
                                                msg="an error changed a .grad")
                 t.grad = t_obj
-                if t_obj is not None:
+                if t_obj is not None and not t_obj._is_zerotensor():  # (immutable: unchanged)
                     with torch.no_grad():
                         t_obj.copy_(t_val)
         return ok, got_g, got_t
@@ -312,6 +385,7 @@ class Interpreter:
             return
         ks, gs, ts = picked
         fn = table[name]
+        self.kept_only_by_torch |= name in KEPT_ONLY_BY_TORCH
         ok, out_g, out_t, _ = run_both(lambda: fn(*gs), lambda: fn(*ts))
         if ok:
             if out_t.requires_grad and not torch.is_grad_enabled() and not any(out_t is t for t in ts):
@@ -322,7 +396,8 @@ class Interpreter:
                 STATS["no_grad_views"] += 1
                 out_t = out_t.detach()
                 self.detached_on_torch.add(len(self.T.env))
-            self.push(out_g, out_t, ks[0] if table is VIEW else None, name in MULTI_OUTPUT_VIEWS)
+            self.push(out_g, out_t, ks[0] if table is VIEW else None, name in MULTI_OUTPUT_VIEWS,
+                      name in FUNCTION_VIEWS)
 
     def inplace(self, name, i, j):
         picked = self.args(i, j)
@@ -340,6 +415,10 @@ class Interpreter:
         other = name in USES_OTHER and isinstance(go, torch.Tensor) and go.requires_grad
         if k in self.no_grad_views and torch.is_grad_enabled() and (
                 other or (base is not None and base.requires_grad)):
+            if name == "fn_dirty" and k in self.detached_on_torch:
+                # (the Function changes its input before refusing; torch's side is a copy)
+                STATS["dirty_no_grad_views_left_out"] += 1
+                return
             # torch forbids it ("A view was created in no_grad mode..."), and so does graphgrad,
             # before changing anything. (torch's side of a no_grad view of a tensor that
             # requires grad was detached in op(), see there: only graphgrad's is checked then.)
@@ -349,10 +428,12 @@ class Interpreter:
                 try:
                     fn(side, o)
                 except RuntimeError as e:
-                    assert "no_grad mode" in str(e), e
+                    assert "no_grad mode" in str(e) or (
+                        k in self.function_views and "custom Function" in str(e)), e
                 else:
                     raise AssertionError("in-place op on a view made under no_grad did not raise")
-            torch.testing.assert_close(plain(g), before, rtol=0, atol=0, equal_nan=True)
+            if name != "fn_dirty":  # (a Function's forward changes its input before the check)
+                torch.testing.assert_close(plain(g), before, rtol=0, atol=0, equal_nan=True)
             STATS["inplace_on_no_grad_view_refused"] += 1
             return
         try:
@@ -374,46 +455,121 @@ class Interpreter:
                     # compared from here on: a view's grad_fn is rebuilt by both libraries;
                     # torch refuses to rebuild those of split/chunk/unbind outputs and of views
                     # made under no_grad: those are left out
-                    if m in self.multi_output_views or m in self.no_grad_views:
+                    if self.T.env[m]._is_view() and not self.G.env[m]._is_view():
+                        # a view of a kernel temporary in torch only: its history is the
+                        # temporary's there (documented), so it is compared by value only
+                        self.stale[m] = True
+                        STATS["views_of_temporaries_changed"] += 1
+                    elif m in self.function_views:  # both refuse to use it: compared once
+                        self.broken_view(m)
+                        self.stale[m] = True
+                    elif m in self.multi_output_views or m in self.no_grad_views:
                         self.stale[m] = True
                     else:
                         STATS["aliases_compared_after_inplace"] += 1
 
-    def backward(self, i, retain, create, use_inputs, how):
+    def backward(self, i, retain, create, use_inputs, how, j=0):
+        """``use_inputs``: False, "leaf" (the first leaf) or "tensor" (tensor ``j``: torch
+        retains the grad of a non-leaf input and runs its grad_fn)."""
+        picked = self.args(i, j)
+        if picked is None:
+            return
+        _, (g, gj), (t, tj) = picked
+
+        def call(x, leaves, other):
+            out = x.sum() if how == "sum" else x
+            grad = torch.ones_like(out) if how == "ones" else None
+            inputs = (leaves[:1] if use_inputs in (True, "leaf") else [other]) if use_inputs else None
+            out.backward(grad, retain_graph=retain, create_graph=create, inputs=inputs)
+
+        STATS["backward_calls"] += 1
+        STATS["backward_with_inputs"] += bool(use_inputs)
+        before = tj.grad if use_inputs == "tensor" else None
+        ok, _, _ = self.call_backward(lambda: call(g, self.G.leaves, gj),
+                                      lambda: call(t, self.T.leaves, tj), create)
+        if use_inputs == "tensor":
+            if not ok:  # torch's partial pass may have filled the input's .grad (see there)
+                tj.grad = before
+            if tj.retains_grad:
+                self.retained.add(id(tj))
+
+    def grad(self, i, j, retain, create, allow_unused, materialize=False, k=None):
+        """``gg.grad`` w.r.t. tensor ``j`` (and ``k``); ``allow_unused`` may be None (unset)."""
+        picked = self.args(i, j) if k is None else self.args(i, j, k)
+        if picked is None:
+            return
+        _, (g, *gi), (t, *ti) = picked
+        STATS["grad_calls"] += 1
+        STATS["grad_with_materialize_grads"] += bool(materialize)
+        options = {"retain_graph": retain, "create_graph": create, "materialize_grads": materialize}
+        if allow_unused is not None:
+            options["allow_unused"] = allow_unused
+        ok, got_g, got_t = self.call_backward(lambda: gg.grad(g.sum(), gi, **options),
+                                              lambda: torch.autograd.grad(t.sum(), ti, **options),
+                                              create)
+        if not ok:
+            return
+        for n, (have, want) in enumerate(zip(got_g, got_t)):
+            if told_apart(have, want, f"gg.grad result {n}"):
+                continue
+            assert_same_tensor(have, want, f"gg.grad result {n}")
+            if want is not None and n == 0:
+                # (torch's may be an expanded view made under no_grad, which it forbids to
+                # change in place later: the program goes on with copies)
+                self.push(have.clone(), want.clone())
+
+    def hook(self, kind, i, modify):
+        """Register a hook of ``kind`` on tensor i (tests/fuzz_autograd.py) on both sides."""
         picked = self.args(i)
         if picked is None:
             return
         _, (g,), (t,) = picked
+        if t._is_view() and not g._is_view():
+            # a view of a kernel temporary in torch only (documented): hooks on it see the
+            # temporary's history, which graphgrad's graph does not have
+            STATS["hooks_on_views_of_temporaries_left_out"] += 1
+            return
+        hid = self.hooks
+        self.hooks += 1
+        ok, handle_g, handle_t, _ = run_both(lambda: register(kind, g, self.G.log, hid, modify),
+                                             lambda: register(kind, t, self.T.log, hid, modify))
+        if ok:
+            assert (handle_g is None) == (handle_t is None), "grad_fn"
+            STATS[f"hooks_{kind}"] += handle_t is not None
 
-        def call(x, leaves):
-            out = x.sum() if how == "sum" else x
-            grad = torch.ones_like(out) if how == "ones" else None
-            inputs = leaves[:1] if use_inputs else None
-            out.backward(grad, retain_graph=retain, create_graph=create, inputs=inputs)
-
-        STATS["backward_calls"] += 1
-        self.call_backward(lambda: call(g, self.G.leaves), lambda: call(t, self.T.leaves), create)
-
-    def grad(self, i, j, retain, create, allow_unused):
-        picked = self.args(i, j)
+    def detach_(self, i):
+        picked = self.args(i)
         if picked is None:
             return
-        _, (g, gi), (t, ti) = picked
-        STATS["grad_calls"] += 1
-        ok, got_g, got_t = self.call_backward(
-            lambda: gg.grad(g.sum(), gi, retain_graph=retain, create_graph=create, allow_unused=allow_unused),
-            lambda: torch.autograd.grad(t.sum(), ti, retain_graph=retain, create_graph=create,
-                                        allow_unused=allow_unused), create)
+        (k,), (g,), (t,) = picked
+        if k in self.detached_on_torch:  # torch's side is a detached copy (see op()): not a view
+            STATS["detach_in_place_of_no_grad_views_left_out"] += 1
+            return
+        if t._is_view() and not g._is_view():
+            # torch's output of avg_pool1d, instance_norm, einsum... is a view of the kernel's
+            # own temporary, which torch refuses to detach in place; graphgrad's is no view
+            # (documented): left out
+            STATS["detach_in_place_of_views_of_temporaries_left_out"] += 1
+            return
+        ok, _, _, _ = run_both(g.detach_, t.detach_)
+        STATS["detach_in_place"] += ok
         if ok:
-            if told_apart(got_g[0], got_t[0], "gg.grad result"):
-                return
-            assert_same_tensor(got_g[0], got_t[0], "gg.grad result")
-            if got_t[0] is not None:
-                # (torch's may be an expanded view made under no_grad, which it forbids to
-                # change in place later: the program goes on with copies)
-                self.push(got_g[0].clone(), got_t[0].clone())
+            assert_same_tensor(g, t, "detached in place")
+            if any(m != k and self.root[m] == self.root[k] for m in range(len(self.root))):
+                # torch's views of it keep its old history (a view rebuilt after an in-place
+                # change still leads there); graphgrad rebuilds them from its current state
+                STATS["stopped_at_detach_of_a_base_with_views"] += 1
+                raise StopProgram
 
-    def step(self, step, no_grad):
+    def under_saved_hooks(self, mode, inner, no_grad):
+        """Run a step with saved-tensor hooks on (``clone``: pack a copy; ``identity``)."""
+        g_hooks = saved_tensors_hooks(self.G.env[-1], mode)
+        t_hooks = saved_tensors_hooks(self.T.env[-1], mode)
+        STATS["steps_under_saved_tensor_hooks"] += 1
+        with g_hooks, t_hooks:
+            self.step(inner, no_grad, check=False)
+
+    def step(self, step, no_grad, check=True):
         kind = step[0]
         STATS["steps"] += 1
         with torch.set_grad_enabled(not no_grad):
@@ -454,6 +610,12 @@ class Interpreter:
                         raise StopProgram
             elif kind == "backward":
                 self.backward(*step[1:])
+            elif kind == "hook":
+                self.hook(*step[1:])
+            elif kind == "detach_":
+                self.detach_(step[1])
+            elif kind == "saved_hooks":
+                self.under_saved_hooks(step[1], step[2], no_grad)
             elif kind == "grad":
                 self.grad(*step[1:])
             elif kind == "leaf_grad":
@@ -467,7 +629,8 @@ class Interpreter:
                 for g, t in zip(self.G.leaves, self.T.leaves):
                     g.grad = t.grad = None
                 self.stale_grad_graph.clear()
-        self.check_grads()
+        if check:
+            self.check_grads()
 
     def finish(self):
         self.backward(0, False, False, False, "sum")  # every program ends with a backward

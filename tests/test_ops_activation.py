@@ -180,16 +180,33 @@ def test_inplace_negative_slope_raises_at_backward_like_torch(fn):
             y.sum().backward()
 
 
-@pytest.mark.parametrize("fn", [lambda y: F.relu_(y), lambda y: F.relu6(y, inplace=True),
-                                lambda y: F.hardtanh(y, inplace=True), lambda y: F.leaky_relu_(y),
+@pytest.mark.parametrize("fn", [lambda y: F.relu_(y), lambda y: F.leaky_relu_(y),
                                 lambda y: F.elu(y, inplace=True), lambda y: F.selu_(y), lambda y: F.celu_(y)],
-                         ids=["relu", "relu6", "hardtanh", "leaky_relu", "elu", "selu", "celu"])
+                         ids=["relu", "leaky_relu", "elu", "selu", "celu"])
 def test_inplace_activations_keep_only_their_output(fn):
     """Like torch, the in-place relu family reads its gradient off the output: no input copy."""
     y = gg.as_tensor(r(4), requires_grad=True) * 1.0
     fn(y)
     saved = {k for k, v in y.grad_fn.saved_values.items() if isinstance(v, T)}
     assert saved == {"result"}
+
+
+@pytest.mark.parametrize("fn", [lambda y: F.relu6(y, inplace=True), lambda y: F.hardtanh(y, inplace=True)],
+                         ids=["relu6", "hardtanh"])
+def test_inplace_hardtanh_keeps_a_copy_of_its_input_like_torch(fn):
+    """torch's HardtanhBackward0 keeps ``self`` (a copy, in place): changing the output in place
+    afterwards is allowed in both libraries; graphgrad keeps the same copy."""
+    for lib in ("gg", "torch"):
+        x = r(4)
+        leaf = gg.as_tensor(x, requires_grad=True) if lib == "gg" else x.clone().requires_grad_()
+        y = leaf * 1.0
+        fn(y)
+        if lib == "gg":
+            saved = {k for k, v in y.grad_fn.saved_values.items() if isinstance(v, T)}
+            assert saved == {"input"}
+        with torch.no_grad():
+            y.mul_(2)
+        y.sum().backward()
 
 
 def test_inplace_silu_is_recorded_in_place():

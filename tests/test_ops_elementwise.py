@@ -25,7 +25,7 @@ REFERENCE = {
     "logaddexp": {}, "logit": {},
     "sin": {}, "cos": {}, "tan": {}, "asin": {}, "acos": {}, "atan": {}, "atan2": {},
     "sinh": {}, "cosh": {}, "tanh": {}, "asinh": {}, "acosh": {}, "atanh": {}, "sigmoid": {},
-    "erf": {}, "erfc": {}, "erfinv": {},
+    "erf": {}, "erfc": {}, "erfinv": {}, "xlogy": {},
     "clamp": {}, "clamp_min": {}, "clamp_max": {}, "maximum": {}, "minimum": {},
     "fmax": {}, "fmin": {}, "where": {}, "nan_to_num": {},
     "sign": {}, "sgn": {}, "floor": {}, "ceil": {}, "round": {}, "trunc": {}, "frac": {},

@@ -116,6 +116,10 @@ def grad(outputs: _TensorOrTensors, inputs: _TensorOrTensors,
     if not ins:
         raise RuntimeError("grad requires at least one input tensor")
     grads = _as_tuple(grad_outputs, "grad_outputs") if grad_outputs is not None else ()
+    if materialize_grads and allow_unused is False:
+        raise ValueError(
+            "Expected allow_unused to be True or not passed when materialize_grads=True, but "
+            "got: allow_unused=False. Leave allow_unused out: materialize_grads implies it.")
     if allow_unused is None:
         allow_unused = materialize_grads
     if retain_graph is None:

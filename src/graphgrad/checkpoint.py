@@ -5,7 +5,13 @@ saved-tensor hooks that keep nothing: each tensor a node would save becomes a ti
 backward first needs a ticket, ``fn`` is run again on the same inputs with the same RNG state,
 and the tensors its nodes save, in the same order, redeem the tickets. This is torch's
 non-reentrant scheme: it works with ``backward()`` and ``gg.grad``, with parameters that
-``fn`` reads from its closure, and under ``create_graph``.
+``fn`` reads from its closure, under ``create_graph``, and nested.
+
+The inputs are kept for the recomputation as torch keeps them: with their version counters
+(an in-place change of an input after the call is the usual "modified by an inplace
+operation" error, raised before backward runs anything), or, inside another checkpoint or
+saved-tensor hooks, packed by those (so a nested checkpoint's inputs are recomputed by the
+outer one).
 """
 
 from __future__ import annotations
@@ -15,10 +21,51 @@ from typing import Any
 
 import torch
 
-from .references import current_saved_hooks
+from .references import CheckedPack, current_saved_hooks, detached_message, modified_message
 from .saved_hooks import saved_tensors_hooks
+from .tensor import as_tensor
 
 __all__ = ["checkpoint"]
+
+_Disable = torch._C.DisableTorchFunctionSubclass
+
+
+class _Input:
+    """One argument of a checkpointed call, kept for the recomputation."""
+
+    __slots__ = ("value", "version", "unpack", "requires_grad", "non_leaf")
+
+    def __init__(self, value, hooks):
+        self.unpack = None
+        self.version = None
+        self.requires_grad = self.non_leaf = False
+        if not isinstance(value, torch.Tensor):
+            self.value = value
+            return
+        node = getattr(value, "_gg_node", None)
+        self.requires_grad = node is not None
+        self.non_leaf = node is not None and node.graph is not None
+        if hooks is not None:  # inside another checkpoint or saved-tensor hooks: theirs to keep
+            pack, self.unpack = hooks
+            with torch._C._EnableTorchFunction():
+                self.value = pack(value)
+            return
+        self.value = value
+        with _Disable():
+            self.version = value._version
+
+    def get(self):
+        """The argument for the recomputation: outside the graph, requiring grad as it did."""
+        value = self.value
+        if self.unpack is not None:
+            with torch._C._EnableTorchFunction():
+                value = self.unpack(value)
+        if not isinstance(value, torch.Tensor):
+            return value
+        detached = as_tensor(value).detach()
+        if self.requires_grad:
+            detached.requires_grad_(True)
+        return detached
 
 
 class _Frame:
@@ -26,7 +73,8 @@ class _Frame:
 
     def __init__(self, fn, args, kwargs, preserve_rng_state):
         self.fn = fn
-        self.args = args
+        hooks = current_saved_hooks()
+        self.args = [_Input(a, hooks) for a in args]
         self.kwargs = kwargs
         self.count = 0
         self.metadata = []
@@ -38,7 +86,7 @@ class _Frame:
     def pack(self, tensor):
         index = self.count
         self.count += 1
-        with torch._C.DisableTorchFunctionSubclass():
+        with _Disable():
             self.metadata.append((tensor.shape, tensor.dtype, tensor.device))
         return _Ticket(self, index)
 
@@ -51,11 +99,26 @@ class _Frame:
 
     def inputs(self):
         """The tensors this checkpoint keeps to recompute from (counted as saved bytes)."""
-        return [a for a in self.args if isinstance(a, torch.Tensor)]
+        return [a.value for a in self.args if isinstance(a.value, torch.Tensor)]
+
+    def check(self, name):
+        """Raise if an input was changed in place since the call (torch checks it too)."""
+        for i, a in enumerate(self.args):
+            if isinstance(a.value, CheckedPack):  # kept by an outer checkpoint
+                a.value.check(name)
+            elif a.version is not None:
+                with _Disable():
+                    version = a.value._version
+                if version != a.version:
+                    raise RuntimeError(modified_message(
+                        name, f"checkpointed input {i}", a.value, a.version))
+                if a.non_leaf and a.value._gg_node is None:  # detach_()ed since (torch refuses)
+                    raise RuntimeError(detached_message(name, f"checkpointed input {i}"))
 
     def recompute(self):
+        self.check("gg.checkpoint")
         saved = []
-        inputs = [_detached_like(a) for a in self.args]
+        inputs = [a.get() for a in self.args]
         with torch.random.fork_rng(devices=self.devices, enabled=self.cpu_state is not None):
             if self.cpu_state is not None:
                 torch.set_rng_state(self.cpu_state)
@@ -65,7 +128,7 @@ class _Frame:
                     saved_tensors_hooks(lambda t: saved.append(t) or len(saved) - 1,
                                         lambda i: i):
                 self.fn(*inputs, **self.kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
+        with _Disable():
             metadata = [(t.shape, t.dtype, t.device) for t in saved]
         if metadata != self.metadata:
             differ = next((i for i, (a, b) in enumerate(zip(metadata, self.metadata)) if a != b),
@@ -79,7 +142,7 @@ class _Frame:
         self.recomputed = saved
 
 
-class _Ticket:
+class _Ticket(CheckedPack):
     """What a node keeps instead of a tensor inside a checkpoint."""
 
     __slots__ = ("frame", "index")
@@ -90,6 +153,9 @@ class _Ticket:
 
     def saved_tensors(self):
         return self.frame.inputs()
+
+    def check(self, name):
+        self.frame.check(name)
 
 
 def _redeem(ticket):
@@ -103,21 +169,10 @@ def _describe(metadata, i):
     return f"{tuple(shape)} {dtype} on {device}"
 
 
-def _detached_like(value):
-    """The same tensor data, outside the graph, requiring grad as the original did."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    requires_grad = getattr(value, "_gg_node", None) is not None
-    detached = value.detach()
-    if requires_grad:
-        detached.requires_grad_(True)
-    return detached
-
-
 def _cuda_devices(args):
     if not torch.cuda.is_available():
         return []
-    with torch._C.DisableTorchFunctionSubclass():
+    with _Disable():
         return sorted({a.device.index or 0 for a in args
                        if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
 
@@ -128,8 +183,6 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     if use_reentrant:
         raise ValueError("graphgrad's checkpoint is the non-reentrant kind only; "
                          "call it with use_reentrant=False (the default)")
-    if current_saved_hooks() is not None:
-        raise RuntimeError("gg.checkpoint inside other saved-tensor hooks is not supported")
     frame = _Frame(fn, args, kwargs, preserve_rng_state)
     with saved_tensors_hooks(frame.pack, _redeem):
         return fn(*args, **kwargs)

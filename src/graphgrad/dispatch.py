@@ -23,7 +23,9 @@ from .references import SavedResult, save_arguments
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 
 __all__ = ["torch_function", "call", "wrap_output", "set_tensor_class", "is_inplace", "observe_calls",
-           "install_fast_paths", "current_node", "torch_node", "route"]
+           "install_fast_paths", "current_node", "torch_node", "route", "check_inplace",
+           "view_target", "rebase_history", "note_reshaped", "view_tag_message",
+           "base_requires_grad", "PLAIN_VIEW"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch._C.is_grad_enabled
@@ -59,6 +61,9 @@ TORCH_TRACKED = 2  # _needs_grad: an argument is tracked by torch's own autograd
 NO_GRAD_VIEW = 1  # values of a view's _gg_view_tag (see _tag_views)
 MULTI_OUTPUT_VIEW = 2
 PLAIN_VIEW = 3
+CUSTOM_FUNCTION_VIEW = 4  # a view a gg.Function returned (or an input it returned as is)
+CUSTOM_MULTI_VIEW = 5  # the same, from a Function with several differentiable outputs
+CUSTOM_OUTPUTS = -1  # view_version of a Function's node that returned views: checked at use
 _REBUILT_VIEW = [None, None]  # the Rules AsStridedBackward and CopySlices, made at first use
 
 
@@ -245,10 +250,9 @@ def call(func, args, kwargs):
         return _new_leaf(func, args, kwargs)
     with _Disable():
         if not _grad_enabled():
-            out = func(*args, **kwargs)
             if rule is not None and rule.may_view:
-                _tag_views(out, args, kwargs, NO_GRAD_VIEW)
-            return _wrap_plain(out, args, kwargs)
+                return _no_grad_view_op(func, rule, args, kwargs)
+            return _wrap_plain(func(*args, **kwargs), args, kwargs)
         needs = _needs_grad(args, kwargs)
         if not needs:
             if (rule is not None and rule.may_view) or (
@@ -295,6 +299,30 @@ def _new_leaf(func, args, kwargs):
     if not isinstance(out, _TENSOR_CLS):
         raise TypeError(f"{qualified_name(func)}(requires_grad=True) did not return a new tensor")
     return out.requires_grad_(True)
+
+
+def _no_grad_view_op(func, rule, args, kwargs):
+    """A view op under no_grad: its views are marked (``NO_GRAD_VIEW``); an in-place shape
+    change (``unsqueeze_``) of a tensor with a grad_fn is remembered on that node, whose
+    gradient backward then sums down to the recorded shape, as torch's engine does."""
+    self = args[0] if args else None
+    node = _node_of(self) if rule.inplace_of is not None and isinstance(self, _PlainTensor) else None
+    if node is None or type(node) is AccumulateGrad:
+        out = func(*args, **kwargs)
+        _tag_views(out, args, kwargs, NO_GRAD_VIEW)
+        return _wrap_plain(out, args, kwargs)
+    shape = _shape(self)
+    out = func(*args, **kwargs)
+    if _shape(self) != shape:
+        note_reshaped(node, self._gg_nr, shape)
+    return out
+
+
+def note_reshaped(node, nr, shape) -> None:
+    """Output ``nr`` of ``node`` was recorded with ``shape`` and changed shape since, unrecorded."""
+    if node.out_shapes is None:
+        node.out_shapes = {}
+    node.out_shapes.setdefault(nr, shape)
 
 
 def observe_calls(fn):
@@ -442,6 +470,16 @@ def _keep(rule, nexts, slot_pos):
     return keep
 
 
+def _needs(rule, nexts, slot_pos):
+    """One bool per rule parameter: does it need a gradient (for ``rule.saves``)?"""
+    needs = [False] * len(rule.params)
+    for j in range(len(nexts)):
+        if nexts[j][0] is not None:
+            pos = slot_pos[j]
+            needs[pos[0] if type(pos) is tuple else pos] = True
+    return tuple(needs)
+
+
 def _check_same_graph(node, graph):
     g = node.graph
     # another thread's default graph is never released: building on it is safe
@@ -472,7 +510,7 @@ def _record(func, rule, args, kwargs, silent):
         values = _as_autocast_ran(values, keep, out.dtype)
     parts = None
     if rule.saves is not None:
-        keep, parts = rule.saves(values, keep)
+        keep, parts = rule.saves(values, keep, _needs(rule, nexts, slot_pos))
     saved, versions = save_arguments(keep, values)
     node = new_node(rule, nexts, slot_pos, metas, saved, versions, graph)
     out = _attach(out, node, rule, parts)
@@ -482,7 +520,7 @@ def _record(func, rule, args, kwargs, silent):
         if tag == PLAIN_VIEW:
             tag = 0
         if tag or rule.multi_output:  # torch's view creation_meta, which views of views inherit
-            _tag_views(out, args, kwargs, tag or MULTI_OUTPUT_VIEW)
+            _tag_views(out, args, kwargs, MULTI_OUTPUT_VIEW if rule.multi_output else tag)
     pending = graph.pending  # graph.record(node), inlined
     pending.append(_weakref(node))
     if len(pending) >= graph._compact_at:
@@ -504,9 +542,17 @@ def _as_autocast_ran(values, keep, dtype):
 
 def _attach(out, node, rule, parts):
     """Wrap the op's outputs and make ``node`` their grad_fn; save them if the rule reads them
-    (of a multi-output op, only the outputs listed in ``parts``, or all when None)."""
+    (of a multi-output op, only the outputs listed in ``parts``, or all when None).
+
+    An output of an op that makes no views may still be a view of a temporary of the
+    kernel's own (``einsum``, ``avg_pool1d``, ``instance_norm`` permute or squeeze one): for
+    autograd it is not a view, so it is replaced by a plain alias of the same data (in torch
+    the temporary is in the graph; here it is not, so its views would have no history).
+    """
     if type(out) is _PlainTensor:
-        if rule.saves_result:
+        if not rule.may_view and not rule.elementwise and _is_view(out):
+            out = _not_a_view(out)
+        if rule.saves_result and parts != ():
             node.result = SavedResult(out.detach())
         dtype = out.dtype
         out.__class__ = _TENSOR_CLS
@@ -521,17 +567,25 @@ def _attach(out, node, rule, parts):
                 items[n - 1].is_floating_point() or items[n - 1].is_complex()):
             n -= 1
         node.num_outputs = n
-        if rule.saves_result:
+        if rule.saves_result and parts != ():
             node.result = SavedResult(tuple(
                 o.detach() if parts is None or i in parts else None for i, o in enumerate(items)))
         for i, o in enumerate(items):
             if type(o) is _PlainTensor:
+                if not rule.may_view and _is_view(o):
+                    o = _not_a_view(o)
                 if o.is_floating_point() or o.is_complex():
                     items[i] = wrap_output(o, node, i)
                 else:
                     o.__class__ = _TENSOR_CLS
+                    items[i] = o
         return type(out)(items)
     return out
+
+
+def _not_a_view(t):
+    """The same data and version counter, not a view (``detach`` makes no autograd view)."""
+    return t.detach()
 
 
 def _record_inplace(func, rule, args, kwargs, silent):
@@ -540,20 +594,68 @@ def _record_inplace(func, rule, args, kwargs, silent):
     On a view, the view's base changes too: it gets a CopySlices node (see ``_copy_slices``).
     """
     self = args[0]
+    is_view = check_inplace(qualified_name(func), self)
+    base_rule = rule.inplace_of or rule
+    values = _bind(func, base_rule, args, kwargs)
+    graph = current_graph()
+    slots = _slots(base_rule, values, graph, None)  # (rebuilds a stale view's grad_fn first)
+    if slots is None:
+        return _kernel(func, args, kwargs, silent)
+    old = _node_of(self)
+    target = view_target(qualified_name(func), base_rule.family, self) if is_view else None
+    nexts, slot_pos, metas = slots
+    if target is not None and nexts[0][0] is not None and target[1] is not None:
+        nexts = (_into_base(target, graph),) + nexts[1:]
+    keep = _keep(base_rule, nexts, slot_pos)
+    parts = None
+    if base_rule.saves is not None:
+        keep, parts = base_rule.saves(values, keep, _needs(base_rule, nexts, slot_pos))
+    if keep and keep[0] == 1:  # the rule reads the value before the op
+        copy = self.clone()
+        if old is not None and _grad_enabled():
+            copy = wrap_output(copy, old, getattr(self, "_gg_nr", 0))
+        values = (copy,) + tuple(values[1:])
+    saved, versions = save_arguments(keep, values)
+    out = _kernel(func, args, kwargs, silent)
+    node = new_node(base_rule, nexts, slot_pos, metas, saved, versions, graph)
+    if base_rule.saves_result and parts != ():
+        node.result = SavedResult(self.detach())
+    if type(self) is _PlainTensor:
+        self.__class__ = _TENSOR_CLS
+    graph.record(node)
+    rebase_history(self, old, node, 0, target, graph)
+    return out
+
+
+def _into_base(target, graph):
+    """The edge for the old value of a view changed in place: straight into its base's old
+    grad_fn (as torch's CopySlices does), not through the view's own grad_fn, which torch
+    never runs (so hooks on it do not fire)."""
+    base, base_node, base_nr, geometry = target
+    rule = _view_rule(0)
+    saved, versions = save_arguments(rule.keep, (base, geometry))
+    node = new_node(rule, ((base_node, base_nr),), (0,), (None,), saved, versions, graph)
+    graph.record(node)
+    return (node, 0)
+
+
+def check_inplace(name, self):
+    """torch's checks before an in-place change of ``self`` is recorded, in torch's order;
+    they raise before anything changes. Returns whether ``self`` is a view for autograd."""
     tag = getattr(self, "_gg_view_tag", 0)
-    if tag and tag != PLAIN_VIEW:  # (checked first, as torch does)
-        raise RuntimeError(_view_tag_message(func, tag))
+    if tag and tag != PLAIN_VIEW:
+        raise RuntimeError(view_tag_message(name, tag))
     old = _node_of(self)
     if old is not None and type(old) is AccumulateGrad and old.torch_kind == TORCH_BRIDGE:
         raise NotImplementedError(
-            f"{qualified_name(func)}: an in-place op on a tensor that torch's own autograd "
+            f"{name}: an in-place op on a tensor that torch's own autograd "
             "computed (it has a torch grad_fn), with graphgrad tensors among the arguments, "
             "is not supported; use the out-of-place op (y = y.op(...)).")
     if old is not None and old.graph is None:
         raise RuntimeError(
             f"a leaf Variable that requires grad is being used in an in-place operation "
-            f"({qualified_name(func)}). Do it under gg.no_grad() (as optimizers do), or "
-            "apply it to a clone() of the tensor.")
+            f"({name}). Do it under gg.no_grad() (as optimizers do), or apply it to a clone() "
+            "of the tensor.")
     # a view of one of its inputs (its grad_fn was stamped by a view op); an op output that
     # is a view of a temporary of the op's own (max_pool2d's) is not one for autograd
     is_view = self._is_view() and (old is None or old.view_version != 0)
@@ -563,54 +665,38 @@ def _record_inplace(func, rule, args, kwargs, silent):
         if type(base_node) is AccumulateGrad or (old is not None and base_node is None):
             raise RuntimeError(
                 f"a view of a leaf Variable that requires grad is being used in an in-place "
-                f"operation ({qualified_name(func)}). Do it under gg.no_grad(), or apply it to "
-                "a clone() of the leaf.")
-    base_rule = rule.inplace_of or rule
-    values = _bind(func, base_rule, args, kwargs)
-    graph = current_graph()
-    slots = _slots(base_rule, values, graph, None)  # (rebuilds a stale view's grad_fn first)
-    if slots is None:
-        return _kernel(func, args, kwargs, silent)
-    old = _node_of(self)
-    target = _view_target(func, base_rule, self) if is_view else None
-    nexts, slot_pos, metas = slots
-    keep = _keep(base_rule, nexts, slot_pos)
-    if keep and keep[0] == 1:  # the rule reads the value before the op
-        copy = self.clone()
-        if old is not None and _grad_enabled():
-            copy = wrap_output(copy, old, getattr(self, "_gg_nr", 0))
-        values = (copy,) + tuple(values[1:])
-    saved, versions = save_arguments(keep, values)
-    out = _kernel(func, args, kwargs, silent)
-    node = new_node(base_rule, nexts, slot_pos, metas, saved, versions, graph)
-    if base_rule.saves_result:
-        node.result = SavedResult(self.detach())
-    if type(self) is _PlainTensor:
-        self.__class__ = _TENSOR_CLS
-    _move_retained(old, getattr(self, "_gg_nr", 0), node)
+                f"operation ({name}). Do it under gg.no_grad(), or apply it to a clone() of the "
+                "leaf.")
+    return is_view
+
+
+def rebase_history(self, old, node, nr, target, graph):
+    """``self`` (whose grad_fn was ``old``) is now output ``nr`` of ``node``, which changed it
+    in place; on a view (``target`` from ``view_target``), its base gets CopySlices."""
+    _move_retained(old, getattr(self, "_gg_nr", 0), node, nr)
     self._gg_node = node
-    if getattr(self, "_gg_nr", 0):
+    if nr:
+        self._gg_nr = nr
+    elif getattr(self, "_gg_nr", 0):
         self._gg_nr = 0
-    graph.record(node)
     if target is not None:
         _copy_slices(target, node, graph)
         # as in torch, the view's own grad_fn becomes AsStridedBackward of the base's new
-        # CopySlices (so hooks and retain_grad on the base see gradients of the view's uses):
-        # built at its next use (a version never matched)
-        node.view_version = -1
-    return out
+        # CopySlices at once (so hooks and retain_grad on the base see gradients of the
+        # view's uses), and the view's retain_grad moves there: the op's node runs inside
+        # CopySlices' share, not as the view's grad_fn
+        _rebuild_view_node(self, graph)
 
 
-def _view_target(func, rule, view):
+def view_target(name, family, view):
     """Check an in-place op on a view that will record, before anything changes; returns
     (base, its node, its output number, the view's geometry in it) for ``_copy_slices``."""
-    name = qualified_name(func)
     if torch._debug_has_internal_overlap(view) == 1:  # (1: yes; 2: cannot tell cheaply)
         raise RuntimeError(
             f"{name}: unsupported operation: more than one element of the written-to tensor "
             "refers to a single memory location (an expand()ed view?), so this in-place op "
             "has no gradient. Please clone() the tensor before performing the operation.")
-    if rule.family == "shape":
+    if family == "shape":
         raise NotImplementedError(
             f"{name}: an in-place shape change of a view of a tensor that requires grad, or "
             "with an argument that does, is not supported by graphgrad; use the out-of-place "
@@ -682,8 +768,16 @@ def _rebuild_view_node(t, graph):
     position (from the two tensors' geometry), so any view geometry works, overlapping ones
     included. A view with no grad_fn (a ``PLAIN_VIEW``) gets one if its base now has one.
     """
-    base = torch.Tensor._base.__get__(t)
     old = t._gg_node
+    tag = getattr(t, "_gg_view_tag", 0)
+    if tag >= CUSTOM_FUNCTION_VIEW:  # a Function's view: never rebuilt (it would bypass the
+        if old is not None and old.view_version == CUSTOM_OUTPUTS and \
+                _version(t) + 1 == t._gg_view_version:  # Function's backward): unchanged?
+            return old
+        raise _custom_view_changed(tag)
+    if old is not None and old.view_version == CUSTOM_OUTPUTS:  # another output of such a node
+        return old
+    base = torch.Tensor._base.__get__(t)
     if base is None:  # no longer a view (t.set_()): its grad_fn stays
         if old is not None:
             old.view_version = 0
@@ -721,12 +815,15 @@ def _revived(t):
     return _rebuild_view_node(t, current_graph()) is not None
 
 
-def _move_retained(old, nr, node):
-    """retain_grad() follows the tensor to its new grad_fn (output 0 of ``node``), as in torch."""
+def _move_retained(old, nr, node, new_nr=0):
+    """retain_grad() follows the tensor to its new grad_fn (output ``new_nr`` of ``node``),
+    as in torch."""
     if old is not None and old.retained is not None:
         ref = old.retained.pop(nr, None)
         if ref is not None:
-            node.retained = {0: ref}
+            if node.retained is None:
+                node.retained = {}
+            node.retained[new_nr] = ref
 
 
 def _view_rule(i):
@@ -775,8 +872,8 @@ def _unrecorded_view_op(func, rule, args, kwargs):
     """An op that may make a view, or that reads a marked one, with grad mode on and no input
     requiring grad: nothing is recorded, but views are marked as torch marks them."""
     tag = getattr(args[0], "_gg_view_tag", 0) if args else 0
-    if tag and tag != PLAIN_VIEW and is_inplace(func) and _base_requires_grad(args[0]):
-        raise RuntimeError(_view_tag_message(func, tag))
+    if tag and tag != PLAIN_VIEW and is_inplace(func) and base_requires_grad(args[0]):
+        raise RuntimeError(view_tag_message(qualified_name(func), tag))
     out = func(*args, **kwargs)
     if rule is not None and rule.may_view:
         if not tag or tag == PLAIN_VIEW:  # (torch: outputs of an unrecorded split count as
@@ -785,14 +882,20 @@ def _unrecorded_view_op(func, rule, args, kwargs):
     return _wrap_plain(out, args, kwargs)
 
 
-def _view_tag_message(func, tag):
-    name = qualified_name(func)
-    if tag == MULTI_OUTPUT_VIEW:
+def view_tag_message(name, tag):
+    if tag == MULTI_OUTPUT_VIEW or tag == CUSTOM_MULTI_VIEW:
         return (
             f"{name}: this tensor is a view (or a view of one) of the outputs of a function that "
-            "returns multiple views (split, chunk, unbind) and is being modified inplace. "
-            "Such outputs may not be modified in place (as in torch): use the out-of-place op, "
-            "or clone() the output first.")
+            "returns multiple views (split, chunk, unbind, or a Function with several view "
+            "outputs) and is being modified inplace. Such outputs may not be modified in place "
+            "(as in torch): use the out-of-place op, or clone() the output first.")
+    if tag == CUSTOM_FUNCTION_VIEW:
+        return (
+            f"{name}: this tensor is a view (or a view of one) created inside a custom Function "
+            "(or an input the Function returned as is) and is being modified inplace: the "
+            "view+inplace logic would override the Function's custom backward, giving wrong "
+            "gradients, so this is forbidden (as in torch). clone() the output of the Function "
+            "first.")
     return (
         f"{name}: a view was created in no_grad mode and is being modified in place with grad "
         "mode enabled. This case is ambiguous, so it is forbidden (as in torch): make the view "
@@ -800,7 +903,17 @@ def _view_tag_message(func, tag):
         "tracked) or both outside it (if it should).")
 
 
-def _base_requires_grad(view):
+def _custom_view_changed(tag):
+    what = "of a function that returns multiple views" if tag == CUSTOM_MULTI_VIEW else \
+        "created inside a custom Function (or an input the Function returned as is)"
+    return RuntimeError(
+        f"this tensor is a view {what} (or a view of one), and its base or another view of "
+        "its base has been modified inplace since: its gradient would bypass the Function's "
+        "custom backward, so it may not be used any more (as in torch). clone() the output of "
+        "the Function before changing its base in place.")
+
+
+def base_requires_grad(view):
     base = view._base
     return base is not None and _node_of(base) is not None
 
@@ -878,6 +991,10 @@ def _get_data(self):
 
 
 def _set_data(self, value):
+    node = _node_of(self)
+    if node is not None and type(node) is not AccumulateGrad and isinstance(value, _PlainTensor) \
+            and _shape(value) != _shape(self):
+        note_reshaped(node, self._gg_nr, _shape(self))
     torch.Tensor.data.__set__(self, value)
 
 

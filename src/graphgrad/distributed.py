@@ -3,7 +3,8 @@
 torch's ``DistributedDataParallel`` hooks into torch's autograd, which never runs for graphgrad
 tensors, so graphgrad has its own wrapper built the same way on the same collectives (gloo on CPU,
 NCCL on GPU). Each process holds a replica; every rank starts from rank 0's parameters and
-buffers; during backward each parameter's post-accumulate-grad hook marks it ready, and a bucket
+buffers; during backward a hook on each parameter's AccumulateGrad node (it runs once the
+gradient is accumulated, and also when none arrived, as torch's) marks it ready, and a bucket
 of gradients (reverse parameter order, one flat buffer each) is all-reduced asynchronously as soon
 as all of its gradients are in, so communication overlaps the rest of the backward pass. The hook
 of the last parameter waits for every bucket and writes the averaged gradients back into
@@ -129,19 +130,11 @@ def _reachable_nodes(output: Any) -> set:
     return seen
 
 
-def _on_accumulated(ref: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:
-    def hook(param: torch.Tensor) -> None:
-        dp = ref()
-        if dp is not None:
-            dp._on_gradient(index, True)
-    return hook
-
-
 def _on_leaf_node(ref: weakref.ref, index: int) -> Callable[[tuple, tuple], None]:
     def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
         dp = ref()
         if dp is not None:  # the leaf's node ran; if no gradient reached it, it counts as zero
-            dp._on_gradient(index, False)
+            dp._on_gradient(index, grad_outputs[0] is not None)
     return hook
 
 
@@ -201,7 +194,6 @@ class DataParallel(torch.nn.Module):
         ref = weakref.ref(self)
         self._handles = []
         for i, p in enumerate(self._params):
-            self._handles.append(p.register_post_accumulate_grad_hook(_on_accumulated(ref, i)))
             self._handles.append(p._gg_node.register_hook(_on_leaf_node(ref, i)))
         self._require_sync = True
         self._overlap = True  # False: launch every bucket after the last gradient (benchmarks)
@@ -317,7 +309,7 @@ class DataParallel(torch.nn.Module):
                 self._mark_ready(i, used)
                 return
         if not used:
-            return  # the leaf-node hook after the post-accumulate hook: already counted
+            return  # no gradient arrived (another backward): nothing was added to reduce
         if i in self._unreached:
             why = ("it was not reachable from the outputs of forward, so it counted as unused; "
                    "compute everything that uses the parameters inside the wrapped module's forward")

@@ -4,7 +4,8 @@
 cimport cython
 from graphgrad.node cimport AccumulateGrad, Node
 
-cdef object _Disable, _PlainTensor
+cdef object _Disable, _PlainTensor, _heappush, _heappop
+cdef long long _FIRST
 
 @cython.locals(node=Node, parent=Node, i=Py_ssize_t, nexts=tuple)
 cdef tuple _walk(list root_nodes, object targets, bint into_torch)
@@ -15,6 +16,7 @@ cdef object _run(list root_nodes, object root_grads, object retain_graph, bint c
                  object targets, object inputs, object accumulate, object allow_unused,
                  bint into_torch)
 
+cdef long long _order(Node node) except? -1
 cdef bint _all_none(object grads) except -1
 cdef object _pick(object outs, object pos)
 cdef object _add_to_buffer(dict buffers, Node node, Py_ssize_t nr, object g)

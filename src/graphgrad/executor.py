@@ -3,8 +3,12 @@
 From the root nodes, one iterative depth-first walk over ``next_functions`` finds the nodes
 that lead to the wanted inputs and counts, for each, the edges that will bring it a
 gradient. Nodes then run in reverse topological order (Kahn's algorithm: a node runs when
-its last gradient has arrived), each rule called once with the summed gradient; saved values
-are freed as soon as a node has run unless ``retain_graph``. Leaves accumulate into the
+its last gradient has arrived; of the nodes ready, the newest first and AccumulateGrad at
+once, which is torch's order, so hooks run in torch's order), each rule called once with the
+summed gradient; saved values are freed as soon as a node has run unless ``retain_graph``.
+Hooks run as torch runs them: tensor hooks (also with None for an output that got no
+gradient), then pre-hooks, the rule, and hooks; ``grad`` reads a wanted non-leaf's gradient
+before its tensor hooks if the pass goes on past it, after them otherwise. Leaves accumulate into the
 native ``.grad`` slot. Everything that can fail (freed graph, in-place-modified saved
 tensors) is checked for every node before the first rule runs, so an error changes nothing.
 
@@ -15,6 +19,7 @@ are recorded, so the gradients can be differentiated again. Compiled by Cython.
 
 from __future__ import annotations
 
+import heapq
 import threading
 
 import torch
@@ -27,6 +32,9 @@ __all__ = ["run_backward", "observe_accumulation"]
 _Disable = torch._C.DisableTorchFunctionSubclass
 _PlainTensor = torch.Tensor
 _ACCUMULATE_LOCK = threading.Lock()
+_heappush = heapq.heappush
+_heappop = heapq.heappop
+_FIRST = -(1 << 62)
 _accumulation_observer = None  # see observe_accumulation
 
 
@@ -136,8 +144,11 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
          allow_unused, into_torch):
     deps, needed, order = _walk(root_nodes, targets, into_torch)
     for node in order:  # everything that can fail, before anything changes
-        if node.released == 2 or needed is None or (needed[node] and _runs(node, needed)):
+        if node.released == 2 or needed is None or (
+                needed[node] and _runs(node, needed, targets, accumulate)):
             node.check_saved()
+            if type(node) is AccumulateGrad and not node.torch_kind:
+                _check_still_a_leaf(node)
         if create_graph and _is_bridge(node) and (needed is None or needed[node]):
             raise NotImplementedError(
                 "create_graph=True through a tensor that torch's own autograd computed (a plain "
@@ -153,41 +164,60 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
     handed = set()
     for g in root_grads:
         handed.add(id(g))
-    ready = [node for node in dict.fromkeys(n for n, _ in root_nodes) if deps[node] == 0]
+    # ready nodes run newest first (torch's order: so hooks are called in torch's order);
+    # AccumulateGrad first of all, as soon as its gradient is complete
+    ready = []
+    for node in dict.fromkeys(n for n, _ in root_nodes):
+        if deps[node] == 0:
+            _heappush(ready, (_order(node), node))
     while ready:
-        node = ready.pop()
+        node = _heappop(ready)[1]
         grads = buffers.pop(node, None)
+        if needed is not None and not needed[node]:  # a root that leads to no input: torch
+            if len(root_nodes) == 1:  # runs the tensor hooks of a single one, nothing else
+                if grads is None:
+                    grads = [None] * node.num_outputs
+                if node.tensor_hooks is not None:
+                    _run_tensor_hooks(node, grads, handed)
+                if node.retained is not None:
+                    _retain(node, grads)
+            continue
         if grads is None:
             grads = [None] * node.num_outputs
+        if node.out_shapes is not None:  # an output changed shape in place, unrecorded
+            _fit_to_outputs(node, grads)
+        is_target = targets is not None and node in targets
+        # as in torch: a node runs if it leads on to what is wanted; backward(inputs=) also
+        # runs the inputs' own nodes, grad() only reads their gradients
+        runs = needed is None or (accumulate and is_target) or (
+            type(node) is not AccumulateGrad and _leads_on(node, needed)) or (
+            into_torch and _is_bridge(node))
+        if is_target and not accumulate and runs:  # read before its tensor hooks (torch)
+            _capture(targets[node], grads, captured)
         if node.tensor_hooks is not None:
             _run_tensor_hooks(node, grads, handed)
-        elif type(node) is AccumulateGrad and _is_torch_leaf(node):
+        elif type(node) is AccumulateGrad and node.torch_kind == TORCH_LEAF:
             _run_torch_hooks(node, grads, handed)
         if node.retained is not None:
             _retain(node, grads)
+        if not runs:
+            if is_target and not accumulate:  # read after its tensor hooks (torch)
+                _capture(targets[node], grads, captured)
+            continue
         if node.prehooks is not None:
             grads = _run_prehooks(node, grads, handed)
-        is_target = targets is not None and node in targets
-        if is_target:
-            for nr, k, _t in targets[node]:
-                g = grads[nr]
-                if g is not None:
-                    captured[k] = g if captured[k] is None else captured[k] + g
         if type(node) is AccumulateGrad:
-            if _is_bridge(node):
+            if node.torch_kind == TORCH_BRIDGE:
                 if grads[0] is not None and (targets is None or into_torch):
                     bridges.append((node, grads[0]))
                 if accumulate and is_target:
                     _accumulate(node, grads[0], create_graph, handed)
-            elif accumulate and (targets is None or is_target):
+            elif accumulate:
                 _accumulate(node, grads[0], create_graph, handed)
             if node.hooks is not None:
                 _run_hooks(node, (), grads, handed)
             continue
         nexts = node.next_functions
-        if needed is not None and not any(
-                p is not None and needed[p] for p, _ in nexts):
-            continue
         if _all_none(grads):
             outs = ()
         elif anomaly:
@@ -219,16 +249,14 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                 _add_to_buffer(buffers, parent, nr, g)
             deps[parent] -= 1
             if deps[parent] == 0:
-                ready.append(parent)
+                _heappush(ready, (_order(parent), parent))
     if bridges:
         _into_torch(bridges, inputs, deps, retain_graph, accumulate, captured)
     if inputs is None or accumulate:
         return None
     for k, g in enumerate(captured):
         if g is None and not allow_unused:
-            raise RuntimeError(
-                f"One of the differentiated Tensors (inputs[{k}]) appears to not have been "
-                "used in the graph. Set allow_unused=True if this is the desired behavior.")
+            _unused(k)
     return tuple(captured)
 
 
@@ -287,12 +315,72 @@ def _run_torch_hooks(node, grads, handed):
     grads[0] = g
 
 
-def _runs(node, needed):
-    """Will backward call this node's rule (a target's rule runs only if it leads further)?"""
+def _unused(k):
+    raise RuntimeError(
+        f"One of the differentiated Tensors (inputs[{k}]) appears to not have been used in the "
+        "graph. Set allow_unused=True if this is the desired behavior.")
+
+
+def _order(node):
+    """Heap key: newest node first; AccumulateGrad before any other (torch gives it the
+    largest sequence number)."""
+    if type(node) is AccumulateGrad:
+        return _FIRST - node.sequence_nr
+    return -node.sequence_nr
+
+
+def _leads_on(node, needed):
+    """Does a gradient flow from this node to a node that is wanted?"""
     for parent, _ in node.next_functions:
         if parent is not None and needed[parent]:
             return True
     return False
+
+
+def _runs(node, needed, targets, accumulate):
+    """Will backward call this wanted node? An input's own node runs in backward(inputs=),
+    in grad() only if it leads on (as in torch)."""
+    if accumulate and node in targets:
+        return True
+    return type(node) is not AccumulateGrad and _leads_on(node, needed)
+
+
+def _capture(wanted, grads, captured):
+    """grad(): keep the gradients of the wanted outputs of a node."""
+    for nr, k, _t in wanted:
+        g = grads[nr]
+        if g is not None:
+            captured[k] = g if captured[k] is None else captured[k] + g
+
+
+def _check_still_a_leaf(node):
+    """A leaf that got a grad_fn since the graph was recorded (``requires_grad_(False)``, then
+    an in-place op with gradients): torch refuses to accumulate into it."""
+    leaf = node.leaf_ref()
+    if leaf is not None:
+        now = leaf._gg_node
+        if now is not None and type(now) is not AccumulateGrad:
+            raise RuntimeError(
+                "leaf variable has been moved into the graph interior: a tensor that was a "
+                "leaf when this graph was recorded was changed in place by a recorded op since. "
+                "Differentiate before changing it, or change a clone().")
+
+
+def _fit_to_outputs(node, grads):
+    """Reduce gradients to the shapes the node's outputs had when it was recorded: one
+    changed shape in place without being recorded since (``unsqueeze_`` under no_grad).
+    Like torch: a gradient that broadcasts to the recorded shape is summed down to it."""
+    for nr, shape in node.out_shapes.items():
+        g = grads[nr]
+        if g is not None and g.shape != shape:
+            try:
+                grads[nr] = g.sum_to_size(shape)
+            except RuntimeError:
+                raise RuntimeError(
+                    f"Function {node.name()} got a gradient of shape {list(g.shape)} for its "
+                    f"output {nr}, which was recorded with shape {list(shape)}: the output was "
+                    "reshaped in place under no_grad to a shape whose gradient does not reduce "
+                    "to it. Reshape out of place instead.") from None
 
 
 def _all_none(grads):
@@ -395,18 +483,21 @@ def unbroadcast(g, shape, name="rule"):
 
 
 def _accumulate(node, g, create_graph, handed):
+    """AccumulateGrad's own work, as torch does it: nothing for a leaf that no longer requires
+    grad (``detach_()`` since), then the post-accumulate-grad hooks (also with no gradient)."""
     leaf = node.leaf_ref()
-    if leaf is None or g is None:
+    if leaf is None:
         return
-    _accumulate_into(leaf, g, create_graph, handed)
-    if node.post_hooks is not None:
-        for hook in list(node.post_hooks):
-            hook(leaf)
+    if g is not None and (leaf.requires_grad if node.torch_kind else leaf._gg_node is not None):
+        _accumulate_into(leaf, g, create_graph, handed)
+    hooks = list(node.post_hooks) if node.post_hooks is not None else []
     if node.torch_kind == TORCH_LEAF:  # registered with torch's own method
-        hooks = getattr(leaf, "_post_accumulate_grad_hooks", None)
-        if hooks:
-            for hook in list(hooks.values()):
-                hook(leaf)
+        hooks += list((getattr(leaf, "_post_accumulate_grad_hooks", None) or {}).values())
+    for hook in hooks:
+        if hook(leaf) is not None:
+            raise RuntimeError("Tensor post accumulate grad hooks should return None; "
+                               f"'{getattr(hook, '__name__', hook)}' returned a value. "
+                               "Read or change the tensor's .grad inside the hook instead.")
 
 
 def _accumulate_into(t, g, create_graph, handed):
@@ -424,7 +515,9 @@ def _accumulate_locked(t, g, create_graph, handed):
     if _accumulation_observer is not None:
         _accumulation_observer(t, old)
     if old is None:
-        if id(g) in handed or g._is_view():
+        if g._is_zerotensor():  # a known zero (sgn's gradient): stored as a plain, mutable zero
+            g = torch.zeros(g.shape, dtype=g.dtype, device=g.device)
+        elif id(g) in handed or g._is_view():
             g = g.clone()
         handed.add(id(g))
         t.grad = g
@@ -435,14 +528,19 @@ def _accumulate_locked(t, g, create_graph, handed):
 
 
 def _run_tensor_hooks(node, grads, handed):
+    """Tensor hooks, also for an output that got no gradient: they see None (as in torch)."""
     for nr, hooks in node.tensor_hooks.items():
         g = grads[nr]
-        if g is None:
-            continue
         for hook in list(hooks):
-            handed.add(id(g))  # the hook may keep it: never accumulate into it in place
+            if g is not None:
+                handed.add(id(g))  # the hook may keep it: never accumulate into it in place
             r = hook(g)
             if r is not None:
+                if g is None:
+                    raise RuntimeError(
+                        f"hook '{getattr(hook, '__name__', repr(hook))}' returned a tensor for "
+                        "an output that got no gradient (None): can't replace a None gradient "
+                        "with a non-None value. Return None when the hook's argument is None.")
                 _check_hook_result(hook, g, r)
                 g = r
         grads[nr] = g

@@ -27,13 +27,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
-from .dispatch import torch_node
+from .dispatch import (
+    CUSTOM_FUNCTION_VIEW,
+    CUSTOM_MULTI_VIEW,
+    CUSTOM_OUTPUTS,
+    PLAIN_VIEW,
+    base_requires_grad,
+    check_inplace,
+    current_node,
+    rebase_history,
+    torch_node,
+    view_tag_message,
+    view_target,
+)
 from .graph import current_graph
 from .node import Node
 from .references import (
     PackedSaved,
     SavedResult,
+    check_packed,
     check_saved_versions,
     save_arguments,
     unpack_saved,
@@ -140,6 +154,8 @@ class FunctionNode(Node):
         if self.versions:
             check_saved_versions(self.rule.name, [f"saved_tensors[{i}]" for i in range(len(self.saved))],
                                  self.saved, self.versions)
+        if type(self.saved) is PackedSaved:
+            check_packed(self.rule.name, self.saved)
         for kind, value in zip(self.saved_kinds, self.saved):
             if kind >= 0:
                 value.check(self.rule.name)
@@ -193,40 +209,102 @@ class Function:
             outputs = cls.forward(ctx, *args, **kwargs)
         single = not isinstance(outputs, tuple)
         outs = (outputs,) if single else outputs
-        if not recording:
-            return outputs
-        graph = current_graph()
-        nexts, slot_pos, metas = [], [], []
-        for i, (a, n) in enumerate(zip(args, nodes)):
-            if isinstance(a, torch.Tensor):
-                nexts.append((n, getattr(a, "_gg_nr", 0)) if n is not None else (None, 0))
-                with _Disable():
-                    metas.append((a.shape, a.dtype, a.device) if n is not None else None)
-                slot_pos.append(i)
-        node = FunctionNode(_FunctionRule(cls, len(args)), tuple(nexts), tuple(slot_pos),
-                            tuple(metas), graph, ctx)
-        outs = _attach_outputs(node, ctx, args, outs)
+        _check_dirty_returned(ctx, outs)
+        node = graph = None
+        if recording:
+            graph = current_graph()
+            nexts, slot_pos, metas = [], [], []
+            for i, (a, n) in enumerate(zip(args, nodes)):
+                if isinstance(a, torch.Tensor):
+                    nexts.append((n, getattr(a, "_gg_nr", 0)) if n is not None else (None, 0))
+                    with _Disable():
+                        metas.append((a.shape, a.dtype, a.device) if n is not None else None)
+                    slot_pos.append(i)
+            node = FunctionNode(_FunctionRule(cls, len(args)), tuple(nexts), tuple(slot_pos),
+                                tuple(metas), graph, ctx)
+        targets = _check_dirty(cls, node, ctx, outs)  # (raises before any output is changed)
+        if ctx.dirty:  # as torch: the version says "changed in place", whatever forward did
+            with _Disable():
+                increment_version([t for t in ctx.dirty if isinstance(t, torch.Tensor)])
+        outs = _attach_outputs(node, ctx, args, outs, targets, graph)
+        if node is None:
+            ctx.to_save = ()
+            return outs[0] if single else outs
         _save(node, ctx, outs)
         graph.record(node)
         return outs[0] if single else outs
 
 
 def _node_of(value):
-    """An argument's node: a graphgrad tensor's own, a torch-tracked plain tensor's leaf or
-    bridge (see ``dispatch.torch_node``), None for the rest."""
+    """The current node of an argument: a graphgrad tensor's own (a view's grad_fn rebuilt
+    if its base changed since), a torch-tracked plain tensor's leaf or bridge (see
+    ``dispatch.torch_node``), None for the rest."""
     if not isinstance(value, torch.Tensor):
         return None
     if _torch_requires_grad(value):
         return torch_node(value)
-    return getattr(value, "_gg_node", None)
+    if type(value) is torch.Tensor:
+        return None
+    return current_node(value)
 
 
-def _attach_outputs(node, ctx, args, outs):
-    """Make the outputs this node's: wrap, mark dirty inputs, skip non-differentiable ones."""
+def _check_dirty_returned(ctx, outs):
+    returned = {id(o) for o in outs if isinstance(o, torch.Tensor)}
+    if any(id(t) not in returned for t in ctx.dirty):
+        raise RuntimeError(
+            "Some elements marked as dirty during the forward method were not returned as "
+            "output. The inputs that are modified inplace must all be outputs of the Function: "
+            "return them, or do not mark them dirty.")
+
+
+def _check_dirty(cls, node, ctx, outs):
+    """torch's checks of the inputs marked dirty, before any output is changed; returns what
+    ``rebase_history`` needs for those that are views (CopySlices on their base)."""
+    targets = {}
+    if not ctx.dirty:
+        return targets
+    if node is None:  # not recorded: a view made under no_grad of a tensor that requires grad
+        if torch.is_grad_enabled():  # may still not be changed (graphgrad's view does not
+            for t in ctx.dirty:      # require grad; torch's does, and refuses)
+                tag = getattr(t, "_gg_view_tag", 0)
+                if tag and tag != PLAIN_VIEW and base_requires_grad(t):
+                    raise RuntimeError(view_tag_message(f"{cls.__name__}.apply (an input marked "
+                                                        "dirty)", tag))
+        return targets
+    non_diff = {id(t) for t in ctx.non_differentiable}
+    for out in outs:
+        if not isinstance(out, torch.Tensor) or id(out) not in {id(t) for t in ctx.dirty} or \
+                id(out) in non_diff or not _floating(out):
+            continue
+        name = f"{node.name()[:-len('Backward')]}.apply (an input marked dirty)"
+        with _Disable():
+            if check_inplace(name, out):
+                if len(outs) > 1:
+                    raise RuntimeError(
+                        "If your Function modifies inplace an input that is a view of another "
+                        "Tensor, your Function cannot return more than one Tensor (as in torch). "
+                        "clone() the input first, or split the Function in two: one that does "
+                        "the in-place change and returns one tensor, one for the rest.")
+                targets[id(out)] = view_target(name, "user", out)
+    return targets
+
+
+def _floating(t):
+    with _Disable():
+        return t.is_floating_point() or t.is_complex()
+
+
+def _attach_outputs(node, ctx, args, outs, targets, graph):
+    """Give each output its history, as torch's custom Functions do: dirty inputs are rebased
+    onto the node (their base gets CopySlices), an input returned as is becomes a view of it,
+    non-differentiable outputs require no grad, and outputs that are views are marked so
+    that in-place changes of them (or of their base) are refused."""
     result = []
     metas = []
     dirty = {id(t) for t in ctx.dirty}
     non_diff = {id(t) for t in ctx.non_differentiable}
+    views = []
+    n_diff = 0
     for nr, out in enumerate(outs):
         if not isinstance(out, torch.Tensor):
             result.append(out)
@@ -234,26 +312,64 @@ def _attach_outputs(node, ctx, args, outs):
             continue
         with _Disable():
             metas.append((out.shape, out.dtype, out.device))
-            floating = out.is_floating_point() or out.is_complex()
-        if id(out) in dirty:
-            if type(_node_of(out)).__name__ == "AccumulateGrad":
-                raise RuntimeError("a leaf Variable that requires grad is being used in an "
-                                   f"in-place operation ({node.name()} marked it dirty).")
-        elif any(out is a for a in args):  # an input returned as is: a new view of it
+        is_input = any(out is a for a in args)
+        is_dirty = id(out) in dirty
+        differentiable = node is not None and id(out) not in non_diff and _floating(out)
+        if not differentiable:
+            if _node_of(out) is None:
+                if is_input and not is_dirty:
+                    out = _view_of(out)
+            elif is_input:
+                out = out.detach()
+            elif not _is_view(out):
+                out.detach_()
+        elif is_dirty:
             with _Disable():
-                out = torch.Tensor.view_as(out, out)
-        if type(out) is torch.Tensor:
-            out.__class__ = Tensor
-        if id(out) in non_diff or not floating:
-            out._gg_node = None
+                grad = torch.Tensor.grad.__get__(out)
+                if grad is not None:
+                    torch.Tensor.grad.__set__(out, None)  # (torch resets it too)
+            if type(out) is torch.Tensor:
+                out.__class__ = Tensor
+            with _Disable():
+                rebase_history(out, _node_of(out), node, nr, targets.get(id(out)), graph)
         else:
+            if is_input:
+                out = _view_of(out)
+            elif type(out) is torch.Tensor:
+                out.__class__ = Tensor
             wrap_output(out, node, nr)
             if nr == 0 and getattr(out, "_gg_nr", 0):
                 out._gg_nr = 0
+        if type(out) is torch.Tensor:
+            out.__class__ = Tensor
+        if differentiable:
+            n_diff += 1
+        if not (is_input and is_dirty) and _is_view(out):
+            views.append(out)
         result.append(out)
-    node.num_outputs = len(outs)
-    node.output_meta = tuple(metas)
+    for v in views:  # torch's creation_meta IN_CUSTOM_FUNCTION (MULTI_OUTPUT_NODE)
+        v._gg_view_tag = CUSTOM_MULTI_VIEW if n_diff > 1 else CUSTOM_FUNCTION_VIEW
+        with _Disable():
+            v._gg_view_version = v._version + 1
+    if node is not None:
+        if views:
+            node.view_version = CUSTOM_OUTPUTS  # each use checks the view's own version
+        node.num_outputs = len(outs)
+        node.output_meta = tuple(metas)
     return tuple(result)
+
+
+def _view_of(t):
+    """``t.view_as(t)`` made without recording: what torch returns for an input returned as is."""
+    with _Disable():
+        out = torch.Tensor.view_as(t, t)
+    out.__class__ = Tensor
+    return out
+
+
+def _is_view(t):
+    with _Disable():
+        return torch.Tensor._is_view(t)
 
 
 def _save(node, ctx, outs):

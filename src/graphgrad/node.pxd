@@ -20,6 +20,7 @@ cdef class Node:
     cdef public object trace
     cdef public Py_ssize_t sequence_nr
     cdef public long long view_version
+    cdef public object out_shapes
     cdef object __weakref__
 
 

@@ -18,13 +18,14 @@ from .references import (
     PackedSaved,
     PackedTensor,
     SavedResult,
+    check_packed,
     check_saved_versions,
     unpack_result,
     unpack_saved,
 )
 
-__all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "GG_LEAF", "TORCH_LEAF",
-           "TORCH_BRIDGE"]
+__all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "current_sequence_nr",
+           "GG_LEAF", "TORCH_LEAF", "TORCH_BRIDGE"]
 
 _sequence_nr = 0  # Nodes are numbered in recording order
 _anomaly_enabled = torch.is_anomaly_enabled
@@ -90,7 +91,10 @@ class Node:
                 f"(node: {self.rule.name})"
             )
         if self.versions:
-            check_saved_versions(self.rule.name, self.rule.params, self.saved, self.versions)
+            check_saved_versions(self.rule.name, self.rule.params, self.saved, self.versions,
+                                 self.sequence_nr)
+        if type(self.saved) is PackedSaved:
+            check_packed(self.rule.name, self.saved)
         if self.result is not None:
             self.result.check(self.rule.name)
 
@@ -183,6 +187,12 @@ def _setup(node, rule, next_functions, slot_pos, input_meta, saved, versions, gr
     node.trace = _user_stack() if _anomaly_enabled() else None
     node.sequence_nr = _next_sequence_nr()
     node.view_version = 0  # a view's version + 1 when this node became its grad_fn
+    node.out_shapes = None  # {output_nr: shape} of outputs reshaped in place, unrecorded
+
+
+def current_sequence_nr() -> int:
+    """The number of the newest Node: Nodes recorded later have larger ones."""
+    return _sequence_nr
 
 
 def _next_sequence_nr():

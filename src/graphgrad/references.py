@@ -29,7 +29,8 @@ _NONES: list = []  # _NONES[n] is (None,) * n
 
 __all__ = ["SavedResult", "PackedTensor", "save_arguments", "check_saved_versions",
            "unpack_result", "unpack_saved", "saved_bytes", "describe", "push_saved_hooks",
-           "pop_saved_hooks", "current_saved_hooks", "PackedSaved"]
+           "pop_saved_hooks", "current_saved_hooks", "PackedSaved", "CheckedPack",
+           "check_packed", "modified_message", "detached_message"]
 
 class _SavedHooks(threading.local):
     """This thread's active (pack, unpack) pairs (a class default: no lookup miss per op)."""
@@ -63,6 +64,29 @@ def current_saved_hooks():
         return None
     stack = _hooks.stack
     return stack[-1] if stack else None
+
+
+class CheckedPack:
+    """What a pack hook may return when it can tell, before backward runs anything, that the
+    tensor it will unpack to can no longer be had (``gg.checkpoint``'s tickets: an input of
+    the checkpointed call was changed in place). The engine calls ``check(node_name)``."""
+
+    __slots__ = ()
+
+    def check(self, name: str) -> None:
+        raise NotImplementedError
+
+
+def check_packed(name, values) -> None:
+    """``check`` every CheckedPack among saved values (one level into lists and tuples)."""
+    for v in values:
+        if type(v) is PackedTensor:
+            if isinstance(v.packed, CheckedPack):
+                v.packed.check(name)
+        elif isinstance(v, CheckedPack):
+            v.check(name)
+        elif type(v) in (list, tuple):
+            check_packed(name, v)
 
 
 class PackedTensor:
@@ -141,15 +165,17 @@ class SavedResult:
 
     def check(self, name):
         if self.version is None:
+            if self.unpack is not None:
+                check_packed(name, self.data if self.multi else (self.data,))
             return
         data = self.data
         if isinstance(data, torch.Tensor):
             if data._version != self.version:
-                raise RuntimeError(_modified_message(name, "result", data, self.version))
+                raise RuntimeError(modified_message(name, "result", data, self.version))
         else:
             for t, v in zip(data, self.version):
                 if t is not None and t._version != v:
-                    raise RuntimeError(_modified_message(name, "result", t, v))
+                    raise RuntimeError(modified_message(name, "result", t, v))
 
 
 class PackedSaved(tuple):
@@ -241,8 +267,11 @@ def _pack_all(value, hooks):
     return type(value)([_pack(v, hooks) if isinstance(v, _PlainTensor) else v for v in value])
 
 
-def check_saved_versions(name, params, saved, versions):
-    """Raise the in-place-modification error if a saved tensor changed since it was saved.
+def check_saved_versions(name, params, saved, versions, sequence_nr=None):
+    """Raise the in-place-modification error if a saved tensor changed since it was saved,
+    or (given the node's ``sequence_nr``) was taken out of the graph by ``detach_()`` after
+    the node saved it while it had a grad_fn. (torch's custom Functions unpack such a tensor
+    anyway, so theirs pass no number.)
 
     ``versions`` is flat: ``(position, version, position, version, ...)``.
     """
@@ -255,10 +284,21 @@ def check_saved_versions(name, params, saved, versions):
             value = saved[pos]
             what = params[pos]
         if value._version != version:
-            raise RuntimeError(_modified_message(name, what, value, version))
+            raise RuntimeError(modified_message(name, what, value, version))
+        detached = getattr(value, "_gg_detached", 0)
+        if detached and sequence_nr is not None and detached >= sequence_nr and value._gg_node is None:
+            raise RuntimeError(detached_message(name, what))
 
 
-def _modified_message(name, what, tensor, version):
+def detached_message(name, what) -> str:
+    """torch's error for a saved tensor that had a grad_fn and was detached in place since."""
+    return (f"Trying to use a saved tensor that has been detached in-place, i.e. with "
+            f".detach_(): {name} saved '{what}' while it had a grad_fn. This is not supported "
+            "(as in torch): use the out-of-place .detach() instead.")
+
+
+def modified_message(name, what, tensor, version) -> str:
+    """torch's error for a saved tensor changed in place since it was saved (with a hint)."""
     return (
         "one of the variables needed for gradient computation has been modified by an "
         f"inplace operation: [{describe(tensor)}], saved by {name} as its '{what}', is at "

@@ -260,12 +260,14 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     values are saved only when one of those requires grad, otherwise only its ``Meta`` (so
     the rule must consult ``needs_input_grad`` before using its values).
 
-    ``saves(values, keep) -> (keep, result_parts)`` narrows what one call saves, for rules
-    whose overloads need different things (``max(x, dim)`` needs only its indices):
+    ``saves(values, keep, needs) -> (keep, result_parts)`` narrows what one call saves, for
+    rules whose overloads need different things (``max(x, dim)`` needs only its indices):
     ``values`` are the bound arguments, ``keep`` says per parameter 0 (nothing), 1 (the
-    value) or 2 (its ``Meta``), and ``result_parts`` lists the outputs of a multi-output op
-    that the rule reads (None: all). What is not saved is not version-checked either, so an
-    in-place change of it after the op is allowed, as in torch.
+    value) or 2 (its ``Meta``), ``needs`` per parameter whether it needs a gradient, and
+    ``result_parts`` lists the outputs of a multi-output op that the rule reads (None: all;
+    ``()``: none, for single-output ops too: the rule's ``result`` then defaults to None).
+    What is not saved is not version-checked either, so an in-place change of it after the
+    op is allowed, as in torch.
     """
 
     def register(fn: Callable) -> Callable:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import dispatch
-from .node import AccumulateGrad, Node, RemovableHandle
+from .node import AccumulateGrad, Node, RemovableHandle, current_sequence_nr
 
 __all__ = ["Tensor", "tensor", "as_tensor", "wrap_output"]
 
@@ -30,6 +30,9 @@ class Tensor(torch.Tensor):
     _gg_nr = 0
     _gg_view_tag = 0  # how torch would mark this view (see dispatch._tag_views)
     _gg_view_version = 0
+    _gg_retains_grad = False  # retain_grad() was called (torch's retains_grad flag)
+    _gg_detached = 0  # newest Node number when detach_() took it out of the graph (0: never)
+    _gg_acc = None  # a leaf's AccumulateGrad while it does not require grad (see requires_grad_)
 
     __torch_function__ = classmethod(dispatch.torch_function)
 
@@ -65,8 +68,10 @@ class Tensor(torch.Tensor):
                     raise RuntimeError(
                         "only Tensors of floating point and complex dtype can require "
                         f"gradients (this one is {dtype}); convert it first, e.g. x.float().")
-                self._gg_node = AccumulateGrad(self)
+                acc = self._gg_acc  # the one it had: its hooks and graphs still count (torch)
+                self._gg_node = acc if acc is not None else AccumulateGrad(self)
         elif node is not None:
+            self._gg_acc = node
             self._gg_node = None
         return self
 
@@ -86,11 +91,9 @@ class Tensor(torch.Tensor):
 
     @property
     def retains_grad(self) -> bool:
-        node = self._gg_node
-        if node is None or type(node) is AccumulateGrad or node.retained is None:
-            return False
-        ref = node.retained.get(self._gg_nr)
-        return ref is not None and ref() is self
+        """Was ``retain_grad()`` called on this non-leaf (still True after ``detach_()``, as
+        in torch: the gradient keeps arriving from the graph it was computed in)."""
+        return self._gg_retains_grad
 
     # -- backward and hooks -------------------------------------------------------------
     def backward(self, gradient: torch.Tensor | None = None, retain_graph: bool | None = None,
@@ -109,12 +112,20 @@ class Tensor(torch.Tensor):
         return out
 
     def detach_(self) -> Tensor:
-        """Take this tensor out of the graph, in place."""
+        """Take this tensor out of the graph, in place (not a view: its base would still
+        lead into the graph, so torch refuses, and so do we)."""
         with _Disable():
-            if self._is_view():
+            if torch.Tensor._is_view(self):
                 raise RuntimeError(
                     "Can't detach views in-place. Use detach() instead (as in torch): "
-                    "y = y.detach().")
+                    "y = y.detach() returns a new tensor outside the graph that shares this "
+                    "view's data.")
+        node = self._gg_node
+        if type(node) is AccumulateGrad:
+            self._gg_acc = node  # back with requires_grad_(): hooks and graphs still count
+        elif node is not None:
+            self._gg_detached = current_sequence_nr()  # nodes that saved it before may no
+            # longer use it (as torch)
         self._gg_node = None
         if self._gg_nr:
             self._gg_nr = 0
@@ -127,6 +138,7 @@ class Tensor(torch.Tensor):
             raise RuntimeError("can't retain_grad on Tensor that has requires_grad=False")
         if type(node) is not AccumulateGrad:
             node.retain(self._gg_nr, self)
+            self._gg_retains_grad = True
 
     def register_hook(self, hook: Callable[[torch.Tensor], torch.Tensor | None]) -> RemovableHandle:
         """``hook(grad)`` runs when this tensor's gradient is computed; it may return a new one."""

@@ -45,14 +45,15 @@ def relu_function(input, inplace=False):
     return torch.relu_(input) if inplace else torch.relu(input)
 
 
-def _hardtanh_grad(grad, result, min_val, max_val):
-    """torch's hardtanh_backward; the output is at a bound exactly when the input is."""
-    return torch.where((result <= min_val) | (result >= max_val), 0.0, grad)
+def _hardtanh_grad(grad, input, min_val, max_val):
+    """torch's hardtanh_backward: no gradient where the input is at or beyond a bound. It
+    reads the input (as torch's does), so an in-place change of the output is allowed."""
+    return torch.where((input <= min_val) | (input >= max_val), 0.0, grad)
 
 
 @derivative(_nn.hardtanh, inplace=(_nn.hardtanh_,))
-def hardtanh(grad, input, min_val=-1.0, max_val=1.0, *, result):
-    return _hardtanh_grad(grad, result, min_val, max_val)
+def hardtanh(grad, input, min_val=-1.0, max_val=1.0):
+    return _hardtanh_grad(grad, input, min_val, max_val)
 
 
 @decomposition(F.hardtanh)
@@ -63,8 +64,8 @@ def hardtanh_function(input, min_val=-1.0, max_val=1.0, inplace=False):
 
 
 @derivative(_nn.relu6, inplace=(_nn.relu6_,))
-def relu6(grad, input, *, result):
-    return _hardtanh_grad(grad, result, 0.0, 6.0)
+def relu6(grad, input):
+    return _hardtanh_grad(grad, input, 0.0, 6.0)
 
 
 @decomposition(F.relu6)

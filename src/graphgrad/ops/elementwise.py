@@ -64,10 +64,11 @@ def div(grad, input, other, *, rounding_mode=None, needs_input_grad):
             -grad * input / (other * other) if needs_input_grad[1] else None)
 
 
-@derivative(T.__rdiv__, T.__rtruediv__)
-def rdiv(grad, input, other):
-    """``other / input`` (``2 / x`` arrives as ``x.__rdiv__(2)``)."""
-    return -grad * other / (input * input), grad / input
+@decomposition(T.__rdiv__, T.__rtruediv__)
+def rdiv(input, other):
+    """``other / input`` (``2 / x`` arrives as ``x.__rdiv__(2)``): torch's is
+    ``input.reciprocal() * other``, which keeps the reciprocal, not the input."""
+    return input.reciprocal() * other
 
 
 @derivative(torch.addcmul, T.addcmul, inplace=(T.addcmul_,),
@@ -98,15 +99,18 @@ def lerp(grad, input, end, weight, *, needs_input_grad):
             grad * (end - input) if needs_input_grad[2] else None)
 
 
-@derivative(torch.fmod, T.fmod, inplace=(T.fmod_,))
+@derivative(torch.fmod, T.fmod, inplace=(T.fmod_,),
+            saved_for={"input": "other", "other": "other"})
 def fmod(grad, input, other, *, needs_input_grad):
-    """``input - trunc(input / other) * other``."""
+    """``input - trunc(input / other) * other``. Only other's gradient reads the values (so,
+    as torch, ``x % 2`` keeps no tensor and may run backward twice)."""
     if not _is_tensor(other) or not needs_input_grad[1]:
         return grad, None
     return grad, -grad * input.div(other, rounding_mode="trunc")
 
 
-@derivative(torch.remainder, T.remainder, inplace=(T.remainder_,))
+@derivative(torch.remainder, T.remainder, inplace=(T.remainder_,),
+            saved_for={"input": "other", "other": "other"})
 def remainder(grad, input, other, *, needs_input_grad):
     """``input - floor(input / other) * other``."""
     if not _is_tensor(other) or not needs_input_grad[1]:
@@ -121,36 +125,49 @@ def _log_of_number(x):
     return math.log(x) if x > 0 else (-math.inf if x == 0 else math.nan)
 
 
-def _pow_exponent_grad(grad, base, exponent):
-    """d(base ** exponent)/d exponent = base ** exponent * log(base); 0 where base == 0 and e >= 0."""
+def _pow_exponent_grad(grad, base, exponent, result):
+    """d(base ** exponent)/d exponent = result * log(base); 0 where base == 0 and e >= 0
+    (torch's pow_backward_exponent: it reads the result, which both keep)."""
     if _is_tensor(base):
         zero = (base == 0) & (exponent >= 0)
-        return grad * torch.where(zero, 0.0, torch.pow(base, exponent) * base.log())
+        return grad * torch.where(zero, 0.0, result * base.log())
     if base == 0:
-        return grad * torch.where(exponent >= 0, 0.0, torch.pow(base, exponent) * -math.inf)
-    return grad * (torch.pow(base, exponent) * _log_of_number(base))
+        return grad * torch.where(exponent >= 0, 0.0, result * -math.inf)
+    return grad * (result * _log_of_number(base))
 
 
-@derivative(torch.pow, T.pow, T.__pow__, inplace=(T.pow_, T.__ipow__))
-def pow(grad, input, exponent, *, needs_input_grad):
+def _pow_saves(values, keep, needs):
+    """torch keeps pow's result when the exponent is a tensor (whether or not it needs a
+    gradient: torch never narrows what it keeps of outputs), not for a number exponent."""
+    return keep, (None if _is_tensor(values[1]) else ())
+
+
+@derivative(torch.pow, T.pow, T.__pow__, inplace=(T.pow_, T.__ipow__), saves=_pow_saves)
+def pow(grad, input, exponent, *, result=None, needs_input_grad):
     if not _is_tensor(exponent):
         if exponent == 0:
             return torch.zeros_like(grad), None
         return grad * (exponent * input.pow(exponent - 1)), None
     if not _is_tensor(input):  # torch.pow(2.0, x)
-        return None, _pow_exponent_grad(grad, input, exponent)
+        return None, _pow_exponent_grad(grad, input, exponent, result)
     grad_input = grad_exponent = None
     if needs_input_grad[0]:
         grad_input = torch.where(exponent == 0, 0.0, grad * (exponent * input.pow(exponent - 1)))
     if needs_input_grad[1]:
-        grad_exponent = _pow_exponent_grad(grad, input, exponent)
+        grad_exponent = _pow_exponent_grad(grad, input, exponent, result)
     return grad_input, grad_exponent
 
 
-@derivative(T.__rpow__)
-def rpow(grad, input, other, *, needs_input_grad):
-    """``other ** input`` (``2 ** x`` arrives as ``x.__rpow__(2)``)."""
-    grad_other, grad_input = pow(grad, other, input, needs_input_grad=needs_input_grad[::-1])
+def _rpow_saves(values, keep, needs):
+    return keep, (None if needs[0] else ())
+
+
+@derivative(T.__rpow__, saves=_rpow_saves)
+def rpow(grad, input, other, *, result=None, needs_input_grad):
+    """``other ** input`` (``2 ** x`` arrives as ``x.__rpow__(2)``): torch's pow(number,
+    tensor) keeps the exponent and the result."""
+    grad_other, grad_input = pow(grad, other, input, result=result,
+                                 needs_input_grad=needs_input_grad[::-1])
     return grad_input, grad_other
 
 
@@ -350,9 +367,23 @@ def erfc(grad, input):
     return grad * (-_TWO_OVER_SQRT_PI * (-input * input).exp())
 
 
+@derivative(torch.xlogy, T.xlogy, _special.special_xlogy, inplace=(T.xlogy_,))
+def xlogy(grad, input, other, *, needs_input_grad):
+    """``input * log(other)``, 0 where input is 0: torch's formulas, NaN where they give it."""
+    g_input = g_other = None
+    if needs_input_grad[0]:
+        g_input = torch.xlogy(grad, other)
+        if _is_tensor(input) or input == 0:
+            g_input = g_input.masked_fill((input == 0) & (other <= 0), 0)
+    if needs_input_grad[1]:
+        g_other = grad * input / other
+    return g_input, g_other
+
+
 @derivative(torch.erfinv, T.erfinv, _special.special_erfinv, inplace=(T.erfinv_,))
-def erfinv(grad, input, *, result):
-    return grad * (_HALF_SQRT_PI * (result * result).exp())
+def erfinv(grad, input):
+    """torch's formula recomputes erfinv from the input (and keeps the input, not the result)."""
+    return grad * (_HALF_SQRT_PI * input.erfinv().pow(2).exp())
 
 
 # -- clamping and selection --------------------------------------------------------------------
@@ -452,23 +483,42 @@ def where_method(grad, input, condition, other, *, needs_input_grad):
 
 @derivative(torch.nan_to_num, T.nan_to_num, inplace=(torch.nan_to_num_, T.nan_to_num_))
 def nan_to_num(grad, input, nan=0.0, posinf=None, neginf=None):
-    """Replaced values are constants: zero gradient there."""
-    return torch.where(input.isfinite(), grad, 0.0)
+    """Replaced values are constants: zero gradient there (``grad * isfinite``, as torch: a
+    NaN gradient stays NaN)."""
+    return grad * input.isfinite()
 
 
 # -- copies and casts ----------------------------------------------------------------------------
-@derivative(T.to, T.type_as, T.double, T.float, T.half, T.bfloat16, T.cpu, T.cuda,
+@derivative(T.to, T.double, T.float, T.half, T.bfloat16, T.cpu, T.cuda,
             T.clone, torch.clone, T.contiguous)
 def to(grad, input, *args, **kwargs):
     """Copies and casts: the engine casts the gradient back to the input's dtype and device."""
     return grad
 
 
+@decomposition(T.type_as)
+def type_as(input, other):
+    """``other`` gives only a dtype and device: as in torch's composite, no input of the node."""
+    return input.to(dtype=other.dtype, device=other.device)
+
+
 # -- piecewise constant: zero gradient (like torch) -----------------------------------------
-@derivative(torch.sign, T.sign, torch.sgn, T.sgn, inplace=(T.sign_, T.sgn_))
+@derivative(torch.sign, T.sign, inplace=(T.sign_,))
 def sign(grad, input: Meta):
     """Piecewise constant: zero gradient (like torch)."""
     return torch.zeros_like(grad)
+
+
+@derivative(torch.sgn, T.sgn, inplace=(T.sgn_,))
+def sgn(grad, input, *, result):
+    """torch's sgn_backward: the derivative of z/|z| for complex tensors; for real ones a
+    known zero (torch's efficient zero tensor: it stays zero through the rules before, so
+    sgn(sqrt(x)) at 0 has gradient 0, where sign's plain zero gives 0 * inf = NaN). Keeps
+    the input and the result, as torch does."""
+    if not input.is_complex():
+        return torch._efficientzerotensor(grad.shape, dtype=grad.dtype, device=grad.device)
+    size = input.abs()
+    return ((grad - (result * result) * grad.conj()) / (2 * size)).masked_fill(size == 0, 0)
 
 
 def _zero_gradient(grad, input: Meta):

@@ -110,10 +110,19 @@ def setitem(grad, input: Meta, index, value: Meta, *, needs_input_grad):
 
 
 @derivative(T.copy_)
-def copy_(grad, input: Meta, src: Meta, non_blocking=False):
-    """``input.copy_(src)``: the old values get nothing; the engine sums src's share down to
-    its shape (src broadcasts) and casts it to src's dtype and device."""
-    return None, grad
+def copy_(grad, input: Meta, src: Meta, non_blocking=False, *, needs_input_grad):
+    """``input.copy_(src)``: the old values get a zero gradient (torch's ``zeros_like``: it
+    reaches the leaves, and makes 0 * inf = NaN on the way as torch's does); the engine sums
+    src's share down to its shape (src broadcasts) and casts it to src's dtype and device."""
+    return torch.zeros_like(grad) if needs_input_grad[0] else None, grad
+
+
+@derivative(T.fill_, T.zero_)
+def fill_(grad, input: Meta, value=None, *, needs_input_grad):
+    """``fill_`` / ``zero_``: a zero gradient for the old values (as torch), the sum for a
+    tensor ``value``."""
+    return (torch.zeros_like(grad) if needs_input_grad[0] else None,
+            grad.sum() if needs_input_grad[1] else None)
 
 
 @derivative(torch.index_put, T.index_put, inplace=(T.index_put_, torch.index_put_))
@@ -131,7 +140,7 @@ def index_select(grad, input: Meta, dim, index):
     return grad.new_zeros(input.shape).index_add(dim, index, grad)
 
 
-@derivative(torch.index_add, T.index_add, inplace=(T.index_add_,))
+@derivative(torch.index_add, T.index_add, inplace=(T.index_add_,), saved_for={"index": "source"})
 def index_add(grad, input, dim, index, source, *, alpha=1, needs_input_grad):
     if not needs_input_grad[3]:
         return grad

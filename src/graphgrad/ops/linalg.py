@@ -105,8 +105,9 @@ def inner(input, other):
     """Sums over the last dimension of both: a reshaped matrix product (or a plain product)."""
     if input.dim() == 0 or other.dim() == 0:
         return input * other
-    k = input.shape[-1]
-    out = input.reshape(-1, k) @ other.reshape(-1, other.shape[-1]).mT
+    k = input.shape[-1]  # (explicit row counts: -1 is ambiguous when k == 0)
+    out = input.reshape(math.prod(input.shape[:-1]), k) @ \
+        other.reshape(math.prod(other.shape[:-1]), other.shape[-1]).mT
     return out.reshape(input.shape[:-1] + other.shape[:-1])
 
 
@@ -222,7 +223,9 @@ def einsum(grad, equation, *operands, needs_input_grad):
     unused = [c for c in _LETTERS if c not in {c for term in labels for c in term} | set(out)]
     grads = []
     for k, op in enumerate(operands):
-        if not (isinstance(op, torch.Tensor) and op.requires_grad):
+        # (every floating operand: a saved operand's requires_grad says nothing once
+        # saved-tensor hooks unpacked it; the engine drops what no input needs)
+        if not (isinstance(op, torch.Tensor) and (op.is_floating_point() or op.is_complex())):
             grads.append(None)
             continue
         terms = [out] + [labels[j] for j in range(len(operands)) if j != k]

@@ -1,14 +1,18 @@
 """Losses: mse_loss, l1_loss, smooth_l1_loss, huber_loss, cross_entropy, nll_loss,
 binary_cross_entropy, binary_cross_entropy_with_logits, kl_div, margin_ranking_loss.
 
-Rules sit on the ``torch.nn.functional`` functions (they reach ``__torch_function__`` as
-themselves), so torch computes the loss and graphgrad only its gradient. Gradients follow
-torch's backward formulas, including the ones for ``target``; where torch raises instead
+l1_loss, kl_div and margin_ranking_loss are torch's composites, decomposed the same way, so
+they keep for backward what torch keeps (intermediates, not the inputs). The other rules sit
+on the ``torch.nn.functional`` functions (they reach ``__torch_function__`` as themselves), so
+torch computes the loss and graphgrad only its gradient. Gradients follow torch's backward
+formulas, including the ones for ``target``; where torch raises instead
 (``weight`` of nll_loss/cross_entropy with class indices, of binary_cross_entropy and
 binary_cross_entropy_with_logits, and that one's ``pos_weight``) graphgrad gives the gradient.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +44,17 @@ def _scaled(grad, reduction, count):
 
 # -- pointwise losses of input - target -----------------------------------------------------
 def _slope(kind, diff, param):
-    """d loss / d diff for one element, as torch's backward kernels compute it."""
+    """d loss / d diff for one element, as torch's backward kernels compute it (a NaN
+    difference gives a NaN slope, as the kernels' comparisons let it through)."""
     if kind == "mse":
         return 2 * diff
     if kind == "l1" or param == 0:  # smooth_l1_loss(beta=0) is l1_loss
         return diff.sgn()
     small = diff.abs() < param
+    outside = diff.sgn().masked_fill(diff.isnan(), math.nan)  # (sgn(NaN) is 0)
     if kind == "smooth_l1":  # diff / beta inside, sign(diff) outside (equal on the boundary)
-        return torch.where(small, diff / param, diff.sgn())
-    return torch.where(small, diff, diff.sgn() * param)  # huber
+        return torch.where(small, diff / param, outside)
+    return torch.where(small, diff, outside * param)  # huber
 
 
 def _pointwise_loss(kind, diff, param):
@@ -68,23 +74,28 @@ def _pointwise_grads(kind, grad, input, target, weight, reduction, param=None, w
     ``weight_mean``: "mean" divides by ``weight.sum()`` (mse_loss, l1_loss) instead of the
     element count (huber_loss).
     """
+    # the scale (1 / count for "mean") goes on the elementwise factor, not on ``grad``: over
+    # no elements at all the gradient of ``grad`` is then 0 (as torch's), not 0 * inf
     diff = input - target
     if weight is None:
-        g = _scaled(grad, reduction, diff.numel()) * _slope(kind, diff, param)
+        g = grad * _scaled(_slope(kind, diff, param), reduction, diff.numel())
         return g, -g, None
+    total = None
     if reduction == "mean" and weight_mean:
         total = weight.sum()
-        g = grad / total
+        count = None
     else:
-        g = _scaled(grad, reduction, torch.broadcast_shapes(diff.shape, weight.shape).numel())
+        count = torch.broadcast_shapes(diff.shape, weight.shape).numel()
     g_input = g_weight = None
     if needs[0] or needs[1]:
-        g_input = g * weight * _slope(kind, diff, param)
+        factor = weight * _slope(kind, diff, param)
+        g_input = grad * (factor / total if total is not None else _scaled(factor, reduction, count))
     if needs[2]:
         loss = _pointwise_loss(kind, diff, param)
-        if reduction == "mean" and weight_mean:
-            loss = loss - (weight * loss).sum() / total
-        g_weight = g * loss
+        if total is not None:
+            g_weight = grad * ((loss - (weight * loss).sum() / total) / total)
+        else:
+            g_weight = grad * _scaled(loss, reduction, count)
     return g_input, None if g_input is None else -g_input, g_weight
 
 
@@ -97,14 +108,31 @@ def mse_loss(grad, input, target, size_average=None, reduce=None, reduction="mea
     return g_input, g_target, None, None, None, g_weight
 
 
-@derivative(F.l1_loss)
-def l1_loss(grad, input, target, size_average=None, reduce=None, reduction="mean", weight=None,
-            *, needs_input_grad):
-    """torch (2.13) drops ``weight`` before ``__torch_function__``; handled should it arrive."""
-    g_input, g_target, g_weight = _pointwise_grads(
-        "l1", grad, input, target, weight, _reduction(size_average, reduce, reduction),
-        weight_mean=True, needs=needs_input_grad[:2] + needs_input_grad[5:])
-    return g_input, g_target, None, None, None, g_weight
+@decomposition(F.l1_loss)
+def l1_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    """torch's composite ``|input - target|`` (broadcast first) and the reduction, so it keeps
+    what torch keeps: the difference, not the inputs. torch (2.13) drops ``weight`` before
+    ``__torch_function__``; handled should it arrive."""
+    reduction = _reduction(size_average, reduce, reduction)
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    loss = (input.expand(shape) - target.expand(shape)).abs()
+    if weight is None:
+        return _reduce(loss, reduction)
+    if weight.shape != input.shape:
+        raise ValueError("Weights and input must have the same size.")
+    loss = loss * weight
+    if reduction == "mean":
+        return loss.sum() / weight.sum()
+    return _reduce(loss, reduction)
+
+
+def _reduce(loss, reduction):
+    """torch's apply_loss_reduction."""
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    return loss
 
 
 @derivative(F.smooth_l1_loss)
@@ -286,68 +314,42 @@ def binary_cross_entropy_with_logits_enum(
                                   needs_input_grad[:4])
 
 
-# -- distributions and ranking --------------------------------------------------------------
-def _kl_div_grads(grad, input, target, reduction, log_target, count, needs):
-    """kl_div is torch's composite xlogy(t, t) - t x, or e^t (t - x) for a log target."""
-    g = grad / count if reduction in ("mean", "batchmean") else grad
-    shape = torch.broadcast_shapes(input.shape, target.shape)
-    g_input = g_target = None
+# -- distributions and ranking: torch's composites, so they keep what torch keeps -----------
+@decomposition(torch.kl_div)
+def kl_div_enum(input, target, reduction=_default_reduction(torch.kl_div, 2), *, log_target=False):
+    """``e^t (t - x)`` for a log target, ``xlogy(t, t) - t x`` otherwise; the reduction is
+    torch's enum."""
     if log_target:
-        e = target.exp()
-        if needs[0]:
-            g_input = (-e * g).expand(shape)
-        if needs[1]:
-            g_target = e * (target - input + 1) * g
-        return g_input, g_target
-    if needs[0]:
-        g_input = (-target * g).expand(shape)  # a gradient has the broadcast shape
-    if needs[1]:
-        # d xlogy(t, t) / dt as torch's autograd gives it: xlogy(t != 0, t) + t / t (nan at 0)
-        dxlogy = torch.where(target != 0, target.log(), 0.0) + target / target
-        g_target = (dxlogy - input) * g
-    return g_input, g_target
-
-
-@derivative(F.kl_div, saved_for={"input": "target"})
-def kl_div(grad, input, target, size_average=None, reduce=None, reduction="mean",
-           log_target=False, *, needs_input_grad):
-    """Reduction "batchmean" divides the sum by input.size(0), "mean" by the element count;
-    ``input`` is kept only when ``target`` needs a gradient."""
-    reduction = _reduction(size_average, reduce, reduction)
-    if reduction == "batchmean":
-        count = input.shape[0] if input.ndim else 1
+        loss = target.exp() * (target - input)
     else:
-        count = torch.broadcast_shapes(input.shape, target.shape).numel()
-    return _kl_div_grads(grad, input, target, reduction, log_target, count, needs_input_grad)
+        loss = torch.xlogy(target, target) - target * input
+    return _reduce(loss, _REDUCTIONS[reduction])
 
 
-@derivative(torch.kl_div, name="KlDivBackward", saved_for={"input": "target"})
-def kl_div_enum(grad, input, target, reduction=_default_reduction(torch.kl_div, 2), *,
-                log_target=False, needs_input_grad):
-    """``torch.kl_div``: the reduction is torch's enum."""
-    count = torch.broadcast_shapes(input.shape, target.shape).numel()
-    return _kl_div_grads(grad, input, target, _REDUCTIONS[reduction], log_target, count,
-                         needs_input_grad)
+@decomposition(F.kl_div)
+def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
+    """"batchmean" sums, then divides by the batch size, as ``F.kl_div`` does."""
+    legacy = _reduction(size_average, reduce, reduction)
+    enum = _REDUCTIONS.index("sum" if legacy == "batchmean" else legacy)
+    reduced = torch.kl_div(input, target, enum, log_target=log_target)
+    if legacy == "batchmean" and input.dim() != 0:
+        reduced = reduced / input.size()[0]
+    return reduced
 
 
-def _margin_ranking_grads(grad, input1, input2, target, margin, reduction):
-    """max(0, -target (x1 - x2) + margin): the gradient passes where the hinge is >= 0
-    (torch's clamp_min), and reaches all three inputs."""
-    delta = input1 - input2
-    active = -target * delta + margin >= 0
-    g = torch.where(active, _scaled(grad, reduction, active.numel()), 0.0)
-    return -target * g, target * g, -delta * g
-
-
-@derivative(F.margin_ranking_loss)
-def margin_ranking_loss(grad, input1, input2, target, margin=0, size_average=None, reduce=None,
-                        reduction="mean"):
-    return _margin_ranking_grads(grad, input1, input2, target, margin,
-                                 _reduction(size_average, reduce, reduction))
-
-
-@derivative(torch.margin_ranking_loss, name="MarginRankingLossBackward")
-def margin_ranking_loss_enum(grad, input1, input2, target, margin=0.0,
+@decomposition(torch.margin_ranking_loss)
+def margin_ranking_loss_enum(input1, input2, target, margin=0.0,
                              reduction=_default_reduction(torch.margin_ranking_loss, 3)):
-    """``torch.margin_ranking_loss``: the reduction is torch's enum."""
-    return _margin_ranking_grads(grad, input1, input2, target, margin, _REDUCTIONS[reduction])
+    """``max(0, -target (x1 - x2) + margin)``, then torch's enum reduction."""
+    return _reduce((-target * (input1 - input2) + margin).clamp_min(0), _REDUCTIONS[reduction])
+
+
+@decomposition(F.margin_ranking_loss)
+def margin_ranking_loss(input1, input2, target, margin=0, size_average=None, reduce=None,
+                        reduction="mean"):
+    if input1.dim() != input2.dim() or input1.dim() != target.dim():
+        raise RuntimeError(
+            f"margin_ranking_loss : All input tensors should have same dimension but got sizes: "
+            f"input1: {input1.size()}, input2: {input2.size()}, target: {target.size()} ")
+    reduction = _reduction(size_average, reduce, reduction)
+    return torch.margin_ranking_loss(input1, input2, target, margin, _REDUCTIONS.index(reduction))

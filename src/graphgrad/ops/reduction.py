@@ -70,7 +70,9 @@ def sum_to_size(grad, input: Meta, *size):
 
 # -- prod --------------------------------------------------------------------------------
 def _prod_grad(grad, input, result, dim: int):
-    """d prod / d x_i = prod of the others; ``grad`` and ``result`` keep ``dim`` as size 1."""
+    """d prod / d x_i = prod of the others; ``grad`` and ``result`` keep ``dim`` as size 1.
+    As torch's prod_backward: ``result / input`` unless the input has a zero anywhere, then
+    the products of the others themselves (so a NaN elsewhere in the slice gives NaN)."""
     zero = input == 0
     if not zero.any():
         return grad * (result / input)
@@ -81,11 +83,14 @@ def _prod_grad(grad, input, result, dim: int):
         eye = torch.eye(x.shape[-1], dtype=torch.bool, device=x.device)
         others = torch.where(eye, 1.0, x.unsqueeze(-2)).prod(-1).transpose(dim, -1)
         return grad * others
-    # one zero in a slice: it gets the product of the others, the rest 0; two or more: all 0
-    count = zero.sum(dim, keepdim=True)
-    nonzero = torch.where(zero, 1.0, input).prod(dim, keepdim=True)
-    others = torch.where(count == 0, result / input, torch.where(zero & (count == 1), nonzero, 0.0))
-    return grad * others
+    # torch's prod_safe_zeros_backward: exclusive cumulative products from both ends
+    n = input.shape[dim]
+    if n == 1:
+        return grad.expand(input.shape)
+    ones = torch.ones_like(input.narrow(dim, 0, 1))
+    before = torch.cat([ones, input.narrow(dim, 0, n - 1)], dim).cumprod(dim)
+    after = torch.cat([ones, input.narrow(dim, 1, n - 1).flip(dim)], dim).cumprod(dim).flip(dim)
+    return grad * (before * after)
 
 
 @derivative(torch.prod, T.prod)
@@ -94,8 +99,10 @@ def prod(grad, input, dim=None, keepdim=False, *, dtype=None, result):
     if input.dim() == 0:
         return grad
     if dim is None:
-        flat = _prod_grad(grad.reshape(1), input.reshape(-1), result.reshape(1), 0)
-        return flat.reshape(input.shape)
+        flat = input.reshape(-1)
+        if not torch.is_grad_enabled() and int((flat == 0).sum()) > 1:
+            return torch.zeros_like(input)  # (torch: every product of the others has a zero)
+        return _prod_grad(grad.reshape(1), flat, result.reshape(1), 0).reshape(input.shape)
     if not keepdim:
         grad = grad.unsqueeze(dim)
         result = result.unsqueeze(dim)
@@ -146,23 +153,26 @@ def _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, is_max
     return grad.new_zeros(input.shape).scatter(dim, index, grad)
 
 
-def _max_min_saves(values, keep):
+def _max_min_saves(values, keep, needs):
     """``max(x, dim)`` needs only the indices and x's shape; torch allows changing the values
-    or x in place afterwards. ``max(x)`` needs x and the value, ``max(x, other)`` both inputs."""
+    or x in place afterwards. ``max(x)`` needs x and the value, ``max(x, other)`` both inputs
+    and not the result (as torch's maximum)."""
     dim, other = values[1], values[3]
-    if dim is None or isinstance(dim, torch.Tensor) or other is not None:
+    if isinstance(dim, torch.Tensor) or other is not None:
+        return keep, ()
+    if dim is None:
         return keep, None
     return (2,) + tuple(keep[1:]), (1,)
 
 
 @derivative(torch.max, T.max, multi_output=True, name="MaxBackward", saves=_max_min_saves)
-def max_rule(grads, input, dim=None, keepdim=False, *, other=None, result, needs_input_grad):
+def max_rule(grads, input, dim=None, keepdim=False, *, other=None, result=None, needs_input_grad):
     """``max(x)``, ``max(x, dim, keepdim)`` -> (values, indices), and ``max(x, other)``."""
     return _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, True)
 
 
 @derivative(torch.min, T.min, multi_output=True, name="MinBackward", saves=_max_min_saves)
-def min_rule(grads, input, dim=None, keepdim=False, *, other=None, result, needs_input_grad):
+def min_rule(grads, input, dim=None, keepdim=False, *, other=None, result=None, needs_input_grad):
     """``min(x)``, ``min(x, dim, keepdim)`` -> (values, indices), and ``min(x, other)``."""
     return _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, False)
 
@@ -239,7 +249,7 @@ def var_mean(grads, input, *args, **kwargs):
     return _var_mean_grad(grads, input, args, kwargs)
 
 
-def _std_only(values, keep):
+def _std_only(values, keep, needs):
     """std_mean's backward reads the std, never the mean."""
     return keep, (0,)
 

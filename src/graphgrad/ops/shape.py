@@ -93,10 +93,20 @@ def view(grad, input: Meta, *shape, **kwargs):
     return grad.reshape(input.shape)
 
 
-@derivative(T.view_as, T.reshape_as)
-def view_as(grad, input: Meta, other):
-    """``other`` gives only a shape: it is not saved."""
-    return grad.reshape(input.shape)
+@decomposition(T.view_as)
+def view_as(input, other):
+    """``other`` gives only a shape: as in torch's composite, it is no input of the node."""
+    return input.view(other.shape)
+
+
+@decomposition(T.reshape_as)
+def reshape_as(input, other):
+    return input.reshape(other.shape)
+
+
+@decomposition(T.expand_as)
+def expand_as(input, other):
+    return input.expand(other.shape)
 
 
 @derivative(torch.unsqueeze, T.unsqueeze, inplace=(T.unsqueeze_,))
@@ -139,7 +149,7 @@ def movedim(grad, input, source, destination):
 
 
 # -- broadcasting and tiling ----------------------------------------------------------------
-@derivative(T.expand, T.expand_as, torch.broadcast_to, T.broadcast_to)
+@derivative(T.expand, torch.broadcast_to, T.broadcast_to)
 def expand(grad, input, *args, **kwargs):
     """The engine sums the gradient back to the input's shape."""
     return grad
@@ -299,29 +309,54 @@ def chunk(grads, input: Meta, chunks, dim=0):
     return _join(grads, [o.shape for o in _meta(input).chunk(chunks, dim)], dim)
 
 
-def _rejoin_tensor_split(grads, input: Meta, indices_or_sections, dim):
-    pieces = _meta(input).tensor_split(_plain(indices_or_sections), dim)
-    return _join(grads, [o.shape for o in pieces], dim)
+def _split_bounds(size, indices_or_sections):
+    """(start, end) of each piece, as torch's tensor_split computes them (out-of-order
+    indices give empty or overlapping pieces, exactly as torch's slices do)."""
+    if isinstance(indices_or_sections, torch.Tensor):
+        indices_or_sections = indices_or_sections.tolist()
+    if isinstance(indices_or_sections, int):
+        small, extra = divmod(size, indices_or_sections)
+        bounds, start = [], 0
+        for k in range(indices_or_sections):
+            end = start + small + (1 if k < extra else 0)
+            bounds.append((start, end))
+            start = end
+        return bounds
+    starts = [0] + list(indices_or_sections)
+    ends = list(indices_or_sections) + [size]
+    return list(zip(starts, ends))
 
 
-@derivative(torch.tensor_split, T.tensor_split, multi_output=True)
-def tensor_split(grads, input: Meta, indices_or_sections, dim=0):
-    return _rejoin_tensor_split(grads, input, indices_or_sections, dim)
+def _slices(input, torch_fn, indices_or_sections, dim, *args):
+    """torch's tensor_split family is composite: each output is a plain slice of the input
+    (its own grad_fn, not an output of a multi-output node: in-place changes are allowed).
+    torch's own function runs first on a detached input for its argument checks."""
+    with torch.no_grad():
+        torch_fn(input.detach(), indices_or_sections, *args)
+    dim = dim % input.dim() if input.dim() else 0
+    lead = (slice(None),) * dim
+    return tuple(input[lead + (slice(start, end),)]
+                 for start, end in _split_bounds(input.shape[dim], indices_or_sections))
 
 
-@derivative(torch.hsplit, T.hsplit, multi_output=True)
-def hsplit(grads, input: Meta, indices_or_sections):
-    return _rejoin_tensor_split(grads, input, indices_or_sections, 1 if input.ndim > 1 else 0)
+@decomposition(torch.tensor_split, T.tensor_split)
+def tensor_split(input, indices_or_sections, dim=0):
+    return _slices(input, torch.tensor_split, indices_or_sections, dim, dim)
 
 
-@derivative(torch.vsplit, T.vsplit, multi_output=True)
-def vsplit(grads, input: Meta, indices_or_sections):
-    return _rejoin_tensor_split(grads, input, indices_or_sections, 0)
+@decomposition(torch.hsplit, T.hsplit)
+def hsplit(input, indices_or_sections):
+    return _slices(input, torch.hsplit, indices_or_sections, 1 if input.dim() > 1 else 0)
 
 
-@derivative(torch.dsplit, T.dsplit, multi_output=True)
-def dsplit(grads, input: Meta, indices_or_sections):
-    return _rejoin_tensor_split(grads, input, indices_or_sections, 2)
+@decomposition(torch.vsplit, T.vsplit)
+def vsplit(input, indices_or_sections):
+    return _slices(input, torch.vsplit, indices_or_sections, 0)
+
+
+@decomposition(torch.dsplit, T.dsplit)
+def dsplit(input, indices_or_sections):
+    return _slices(input, torch.dsplit, indices_or_sections, 2)
 
 
 @derivative(torch.unbind, T.unbind, multi_output=True)

@@ -1,0 +1,337 @@
+"""Rules against torch.autograd: views of op temporaries, NaN/empty/0-d edges, and what each
+rule keeps for backward, which decides where an in-place change raises (issue 18, items 3,
+8, 9, 12, 15, 16).
+
+``SAVED_LIKE_TORCH`` pins the rules that keep what torch keeps; ``KEPT_ONLY_BY_TORCH`` and
+``KEPT_ONLY_BY_GRAPHGRAD`` pin the deliberate differences listed in docs/reliability.md.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parity import Lib, same_as_torch
+
+A = [[0.5, -1.0, 2.0], [1.5, 0.25, -0.75]]
+B = [[1.0, 0.5], [-2.0, 1.5], [0.25, -0.5]]
+
+
+# -- item 3: outputs that are views of an op's own temporary ---------------------------------
+TEMPORARY_VIEWS = {
+    "einsum": lambda lib, a, b: torch.einsum("ij,jk->ki", a, b),
+    "avg_pool1d": lambda lib, a, b: F.avg_pool1d(a.unsqueeze(0), 2, 1),
+    "max_pool1d": lambda lib, a, b: F.max_pool1d(a.unsqueeze(0), 2, 1),
+    "instance_norm": lambda lib, a, b: F.instance_norm(a.unsqueeze(0)),
+    "adaptive_avg_pool1d": lambda lib, a, b: F.adaptive_avg_pool1d(a.unsqueeze(0), 2),
+}
+
+
+@pytest.mark.parametrize("op", TEMPORARY_VIEWS.values(), ids=TEMPORARY_VIEWS.keys())
+def test_an_output_that_views_a_temporary_changes_in_place_like_any_output(op):
+    def in_place_on_a_view(lib):
+        a, b = lib.leaf(A), lib.leaf(B)
+        y = op(lib, a, b)
+        y[0].mul_(2)
+        (y * y).sum().backward()
+        return a.grad, b.grad, y
+
+    same_as_torch(in_place_on_a_view)
+
+    def view_used_after(lib):  # the silently wrong case: v lost its grad_fn
+        a, b = lib.leaf(A), lib.leaf(B)
+        y = op(lib, a, b)
+        v = y[0]
+        with torch.no_grad():
+            y.mul_(2)
+        (v.sum() + y.sum()).backward()
+        return a.grad, b.grad, v.grad_fn is not None
+
+    same_as_torch(view_used_after)
+
+
+# -- item 12: tensor_split and its family are plain slices ------------------------------------
+SLICERS = {
+    "tensor_split_sections": lambda t: torch.tensor_split(t, 2, dim=1),
+    "tensor_split_indices": lambda t: t.tensor_split([1, 3], dim=-1),
+    "tensor_split_unordered": lambda t: torch.tensor_split(t, [2, 1], dim=1),
+    "tensor_split_tensor": lambda t: torch.tensor_split(t, torch.tensor(3), dim=1),
+    "hsplit": lambda t: torch.hsplit(t, [1]),
+    "vsplit": lambda t: t.vsplit(2),
+    "dsplit": lambda t: torch.dsplit(t.unsqueeze(-1).expand(2, 4, 2), [1]),
+}
+
+
+@pytest.mark.parametrize("split", SLICERS.values(), ids=SLICERS.keys())
+def test_tensor_split_outputs_are_ordinary_views(split):
+    def program(lib):
+        log = []
+        x = lib.leaf([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+        y = x * 1
+        parts = split(y)
+        parts[0].grad_fn.register_hook(lambda gi, go: log.append("node hook"))
+        (parts[-1] * 3).sum().backward(retain_graph=True)
+        parts[0].mul_(2)  # allowed: not an output of a multi-output node
+        (y * y).sum().backward()
+        return x.grad, [p.shape for p in parts], log
+
+    same_as_torch(program)
+
+
+def test_tensor_split_checks_its_arguments_as_torch():
+    def program(lib):
+        torch.hsplit(lib.leaf([[1.0, 2.0, 3.0]]) * 1, 2)
+
+    same_as_torch(program, RuntimeError, "not divisible", "not divisible")
+
+
+# -- items 8, 9, 15: zeros, NaN, empty tensors ----------------------------------------------
+@pytest.mark.parametrize("mode", ["clone", "identity"])
+def test_einsum_under_saved_tensor_hooks(mode):
+    """Found by the fuzzer: einsum read requires_grad off its saved operands, which a pack hook
+    may have replaced by copies: the gradient was silently dropped."""
+    def program(lib):
+        x, w = lib.leaf([0.3, 0.7]), lib.leaf([[1.0, 2.0], [3.0, 4.0]])
+        pack = (lambda t: t.detach().clone()) if mode == "clone" else (lambda t: t)
+        with lib.saved_tensors_hooks(pack, lambda t: t):
+            y = torch.einsum("i,j->ji", x, x) + torch.einsum("ij,j->i", w, x).sum()
+        y.sum().backward()
+        return x.grad, w.grad
+
+    same_as_torch(program)
+
+
+def test_copy_over_a_tensor_with_history_sends_zeros_back():
+    """torch's copy_ gives its old value a zero gradient (0 * inf = NaN on the way)."""
+    def program(lib):
+        x, w = lib.leaf([0.0, 2.0]), lib.leaf([1.0, 1.0])
+        y = x ** -1
+        y.copy_(lib.const([3.0, 4.0]))
+        (y * w).sum().backward()
+        z = x * 2
+        z.copy_(lib.const([1.0, 1.0]))
+        return x.grad, w.grad, lib.grad(z.sum(), [x])
+
+    same_as_torch(program)
+
+
+LOSSES = {"huber": F.huber_loss, "smooth_l1": F.smooth_l1_loss, "smooth_l1_beta0":
+          lambda a, b: F.smooth_l1_loss(a, b, beta=0.0), "mse": F.mse_loss, "l1": F.l1_loss}
+
+
+@pytest.mark.parametrize("loss", LOSSES.values(), ids=LOSSES.keys())
+def test_losses_with_a_nan_target_give_nan_gradients(loss):
+    def program(lib):
+        x = lib.leaf([1.0, 2.0, 3.0, 0.0])
+        t = lib.leaf([float("nan"), 1.0, 0.0, float("inf")])
+        loss(x, t).backward()
+        return x.grad, t.grad
+
+    same_as_torch(program)
+
+
+@pytest.mark.parametrize("loss", [F.mse_loss, F.l1_loss, F.huber_loss, F.smooth_l1_loss],
+                         ids=["mse", "l1", "huber", "smooth_l1"])
+def test_losses_over_no_elements_differentiate_twice_as_torch(loss):
+    def program(lib):
+        x, t = lib.leaf(torch.zeros(0)), lib.leaf(torch.zeros(0))
+        go = lib.leaf(1.0)
+        value = loss(x, t)
+        (g,) = lib.grad(value, [x], go, create_graph=True)
+        return value, g, lib.grad(g.sum(), [go], allow_unused=True)
+
+    same_as_torch(program)
+
+
+def test_sgn_gives_a_zero_that_stays_zero_and_sign_a_plain_one():
+    def program(lib):
+        x = lib.leaf([0.0, 2.0])
+        (x ** 0.5).sgn().sum().backward()
+        first = x.grad.clone()
+        x.grad = None
+        (x ** 0.5).sign().sum().backward()
+        return first, x.grad, lib.grad(x.sgn().sum(), [x])
+
+    same_as_torch(program)
+
+
+def test_nan_to_num_lets_a_nan_gradient_through():
+    def program(lib):
+        x = lib.leaf([float("nan"), float("inf"), 1.0])
+        y = torch.nan_to_num(x, nan=1.0)
+        y.backward(lib.const([float("nan"), 2.0, float("inf")]))
+        return y, x.grad
+
+    same_as_torch(program)
+
+
+@pytest.mark.parametrize("shapes", [((0,), (0,)), ((2, 0), (3, 0)), ((0,), (2, 0))],
+                         ids=["vectors", "matrices", "vector_matrix"])
+def test_inner_of_empty_tensors(shapes):
+    def program(lib):
+        a, b = lib.leaf(torch.zeros(shapes[0])), lib.leaf(torch.zeros(shapes[1]))
+        out = torch.inner(a, b)
+        (out + 1).sum().backward()
+        return out, a.grad, b.grad
+
+    same_as_torch(program)
+
+
+# -- item 16: what each rule keeps -----------------------------------------------------------
+def _pos(lib):
+    return lib.leaf([0.5, 1.25, 2.0])
+
+
+SAVED_LIKE_TORCH = {  # name: (inputs, op); each input and the output is changed in turn
+    "pow_tensor": (lambda lib: [_pos(lib), lib.leaf([1.5, -0.5, 2.0])], torch.pow),
+    "pow_tensor_const": (lambda lib: [_pos(lib), lib.const([1.5, -0.5, 2.0])], torch.pow),
+    "pow_number_exponent": (lambda lib: [_pos(lib)], lambda x: x ** 3),
+    "pow_number_base": (lambda lib: [_pos(lib)], lambda x: torch.pow(2.0, x)),
+    "rpow": (lambda lib: [_pos(lib)], lambda x: 2 ** x),
+    "rdiv": (lambda lib: [_pos(lib)], lambda x: 2 / x),
+    "float_power": (lambda lib: [_pos(lib), lib.leaf([1.5, -0.5, 2.0])], torch.float_power),
+    "max_binary": (lambda lib: [_pos(lib), lib.leaf([1.0, 1.0, 1.0])], torch.max),
+    "min_binary": (lambda lib: [_pos(lib), lib.leaf([1.0, 1.0, 1.0])], torch.min),
+    "maximum": (lambda lib: [_pos(lib), lib.leaf([1.0, 1.0, 1.0])], torch.maximum),
+    "hardtanh": (lambda lib: [lib.leaf([-2.0, 0.5, 3.0])], F.hardtanh),
+    "relu6": (lambda lib: [lib.leaf([-2.0, 0.5, 7.0])], F.relu6),
+    "erfinv": (lambda lib: [lib.leaf([-0.5, 0.1, 0.7])], torch.erfinv),
+    "sgn": (lambda lib: [lib.leaf([-2.0, 0.0, 3.0])], torch.sgn),
+    "sign": (lambda lib: [lib.leaf([-2.0, 0.0, 3.0])], torch.sign),
+    "fmod_scalar": (lambda lib: [_pos(lib)], lambda x: torch.fmod(x, 0.75)),
+    "remainder_scalar": (lambda lib: [_pos(lib)], lambda x: x % 0.75),
+    "fmod_tensor": (lambda lib: [_pos(lib), lib.leaf([0.75, 0.5, 1.5])], torch.fmod),
+    "remainder_tensor_const": (lambda lib: [_pos(lib), lib.const([0.75, 0.5, 1.5])], torch.remainder),
+    "index_add": (lambda lib: [_pos(lib), lib.const([0, 2]).long(), lib.const([1.0, 2.0])],
+                  lambda x, i, s: x.index_add(0, i, s)),
+    "l1_loss": (lambda lib: [_pos(lib), lib.leaf([1.0, 0.0, 1.0])], F.l1_loss),
+    "kl_div": (lambda lib: [lib.leaf([-0.7, 0.2, 0.7]), lib.leaf([0.2, 0.3, 0.5])],
+               lambda a, b: F.kl_div(a, b, reduction="batchmean")),
+    "kl_div_log_target": (lambda lib: [_pos(lib), lib.leaf([0.2, 0.3, 0.5])],
+                          lambda a, b: F.kl_div(a, b, reduction="sum", log_target=True)),
+    "margin_ranking": (lambda lib: [_pos(lib), lib.leaf([1.0, 0.0, 1.0]), lib.const([1.0, -1.0, 1.0])],
+                       F.margin_ranking_loss),
+    "xlogy": (lambda lib: [lib.leaf([0.0, 1.0, 2.0]), _pos(lib)], torch.xlogy),
+    "tensor_split": (lambda lib: [_pos(lib), lib.const([1]).long()],
+                     lambda x, i: torch.tensor_split(x, i)[1]),
+}
+
+
+def _changed_in_place(make, op, which, twice=False):
+    """Change input ``which`` (or the output: -1) in place after the op, then backward (twice
+    when ``twice``, without retain_graph); return the gradients."""
+    def program(lib):
+        inputs = make(lib)
+        out = op(*inputs)
+        if which is not None:
+            with torch.no_grad():
+                (out if which == -1 else inputs[which]).add_(0)  # a new version, same values
+        out.sum().backward()
+        if twice:
+            out.sum().backward()
+        return [t.grad for t in inputs]
+    return program
+
+
+def _outcome(program, lib):
+    try:
+        program(Lib(lib))
+        return "ok"
+    except RuntimeError as e:
+        return "modified" if "modified by an inplace" in str(e) else \
+            "freed" if "second time" in str(e) else str(e)
+
+
+@pytest.mark.parametrize("name", SAVED_LIKE_TORCH)
+def test_rules_keep_what_torch_keeps(name):
+    make, op = SAVED_LIKE_TORCH[name]
+    n = len(make(Lib("torch")))
+    for which in [None, -1, *range(n)]:
+        program = _changed_in_place(make, op, which)
+        want = _outcome(program, "torch")
+        assert _outcome(program, "gg") == want, f"changing {which} in place: torch {want}"
+        if want == "ok":
+            same_as_torch(program)
+    twice = _changed_in_place(make, op, None, twice=True)
+    assert _outcome(twice, "gg") == _outcome(twice, "torch"), "second backward"
+
+
+# Deliberate: torch keeps a tensor whose values its backward never reads (only the shape, or
+# whether it was given); graphgrad keeps the shape. An in-place change of it afterwards is an
+# error in torch only; the gradient does not depend on it.
+KEPT_ONLY_BY_TORCH = {  # name: (inputs, op, which input torch keeps)
+    "gather": (lambda lib: [_pos(lib), lib.const([2, 0]).long()], lambda x, i: x.gather(0, i), 0),
+    "take": (lambda lib: [_pos(lib), lib.const([2, 0]).long()], torch.take, 0),
+    "masked_select": (lambda lib: [_pos(lib), lib.const([1, 0, 1]).bool()], torch.masked_select, 0),
+    "index_add_source_shape": (lambda lib: [_pos(lib), lib.const([0, 2]).long(), lib.leaf([1.0, 2.0])],
+                               lambda x, i, s: x.index_add(0, i, s), 2),
+    "pad_reflect": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]])], lambda x: F.pad(x, (1, 1), "reflect"), 0),
+    "pad_replicate": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]])],
+                      lambda x: F.pad(x, (1, 1), "replicate"), 0),
+    "avg_pool1d": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]])], lambda x: F.avg_pool1d(x, 2), 0),
+    "max_pool1d": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]])], lambda x: F.max_pool1d(x, 2), 0),
+    "nll_loss": (lambda lib: [lib.leaf([[0.5, 1.0, 2.0]]), lib.const([1]).long()], F.nll_loss, 0),
+    "layer_norm_bias": (lambda lib: [lib.leaf([[0.5, 1.0, 2.0]]), lib.leaf([1.0, 2.0, 3.0]),
+                                     lib.leaf([0.1, 0.2, 0.3])],
+                        lambda x, w, b: F.layer_norm(x, (3,), w, b), 2),
+    "lerp_weight_alone": (lambda lib: [lib.const([1.0, 2.0]), lib.const([3.0, 4.0]), lib.leaf([0.3, 0.6])],
+                          torch.lerp, 2),
+}
+
+# Deliberate: torch's composite keeps intermediates (scaled or broadcast copies) where
+# graphgrad's single rule keeps the input itself: an in-place change of it is an error in
+# graphgrad only.
+KEPT_ONLY_BY_GRAPHGRAD = {
+    "einsum_one_operand": (lambda lib: [lib.leaf([1.0, 2.0])], lambda a: torch.einsum("i->", a), 0),
+    "scaled_dot_product_attention": (
+        lambda lib: [lib.leaf([[[0.5, 1.0], [2.0, 0.5]]]), lib.leaf([[[1.0, 0.0], [0.5, 1.5]]]),
+                     lib.leaf([[[1.0, 2.0], [3.0, 4.0]]])], F.scaled_dot_product_attention, 0),
+    "instance_norm_weight": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]]), lib.leaf([1.5])],
+                             lambda x, w: F.instance_norm(x, weight=w), 1),
+    "take_along_dim_indices": (lambda lib: [lib.leaf(A), lib.const([[0], [2]]).long()],
+                               lambda x, i: torch.take_along_dim(x, i, 1), 1),
+}
+
+
+@pytest.mark.parametrize("table,torch_raises", [(KEPT_ONLY_BY_TORCH, True),
+                                                (KEPT_ONLY_BY_GRAPHGRAD, False)],
+                         ids=["kept_only_by_torch", "kept_only_by_graphgrad"])
+def test_documented_differences_in_what_rules_keep(table, torch_raises):
+    for name, (make, op, which) in table.items():
+        program = _changed_in_place(make, op, which)
+        got = (_outcome(program, "torch"), _outcome(program, "gg"))
+        assert got == (("modified", "ok") if torch_raises else ("ok", "modified")), (name, got)
+        same_as_torch(_changed_in_place(make, op, None))  # unchanged: the same gradients
+
+
+def test_fill_zero_and_xlogy_spellings_match_torch():
+    """Rules added with this comparison: fill_/zero_ (a zero gradient for the old values, the
+    sum for a tensor fill value) and every spelling of xlogy."""
+    def program(lib):
+        x, v = lib.leaf([0.5, 1.5, 2.0]), lib.leaf(0.25)
+        a, b, c = x * 1, x * 2, x * 3
+        a.fill_(v)
+        b.zero_()
+        c.fill_(2.0)
+        d = x * 1
+        d.xlogy_(lib.leaf([1.0, 2.0, 3.0]))
+        e = x.xlogy(x) + torch.special.xlogy(x, 2.0) + torch.xlogy(0.0, x)
+        (a * 2 + b + c * 3 + d + e).sum().backward()
+        return x.grad, v.grad, a, d, e
+
+    same_as_torch(program)
+
+
+@pytest.mark.parametrize("dim", [None, -1, 0])
+def test_prod_with_a_zero_and_a_nan_as_torch(dim):
+    """Found by the fuzzer: with a zero in the input, torch multiplies the other elements out
+    (a NaN among them gives NaN), where graphgrad gave 0 off the zero."""
+    def program(lib):
+        x = lib.leaf([[float("nan"), 0.5, 0.0], [2.0, 0.0, 0.0], [1.5, 2.0, 3.0]])
+        y = x.prod() if dim is None else x.prod(dim)
+        (g,) = lib.grad(y.sum(), [x], create_graph=True)
+        x.grad = None
+        y = x.prod() if dim is None else x.prod(dim)
+        y.sum().backward()
+        return g, x.grad
+
+    same_as_torch(program)
