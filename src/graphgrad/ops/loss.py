@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..rules import decomposition, derivative
+from .nn import autocast_has_kernel
 
 _REDUCTIONS = ("none", "mean", "sum")  # torch's reduction enum: 0, 1, 2
 _BCE_EPS = 1e-12  # torch clamps binary_cross_entropy's (1 - x) * x from below by this
@@ -152,25 +153,6 @@ def nll_loss(grad, input, target, weight=None, size_average=None, ignore_index=-
     return g_input, None, g_weight
 
 
-_AUTOCAST_KERNELS: dict = {}
-
-
-def _autocast_has_kernel(op: str, device_type: str) -> bool:
-    """Does autocast on ``device_type`` have a kernel of its own for ``op`` (a cast policy)?
-
-    torch's policies differ by device: CPU autocast runs ``cross_entropy_loss`` in float32,
-    CUDA autocast has no entry for it (its pieces follow their own policies)."""
-    key = (op, device_type)
-    found = _AUTOCAST_KERNELS.get(key)
-    if found is None:
-        try:
-            found = torch._C._dispatch_has_kernel_for_dispatch_key(op, "Autocast" + device_type.upper())
-        except (RuntimeError, AttributeError):  # no such dispatch key in this torch
-            found = device_type == "cpu"
-        _AUTOCAST_KERNELS[key] = found
-    return found
-
-
 @decomposition(F.cross_entropy)
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                   reduction="mean", label_smoothing=0.0):
@@ -179,7 +161,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     reduction = _reduction(size_average, reduce, reduction)
     device_type = input.device.type
     if input.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(device_type) \
-            and _autocast_has_kernel("aten::cross_entropy_loss", device_type):
+            and autocast_has_kernel("aten::cross_entropy_loss", device_type):
         input = input.float()  # autocast runs cross_entropy in float32 here: so must its pieces
     class_dim = 1 if input.dim() >= 2 else 0
     n_classes = input.shape[class_dim]

@@ -40,6 +40,49 @@ def torch_body(fn):
     return body
 
 
+# -- autocast, as torch's own dispatcher applies it --------------------------------------
+_AUTOCAST_KERNELS: dict = {}
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def autocast_has_kernel(op: str, device_type: str) -> bool:
+    """Does autocast on ``device_type`` have a kernel of its own for ``op`` (a cast policy)?
+
+    torch's policies differ by device: CPU autocast runs ``cross_entropy_loss`` in float32,
+    CUDA autocast has no entry for it (its pieces follow their own policies)."""
+    key = (op, device_type)
+    found = _AUTOCAST_KERNELS.get(key)
+    if found is None:
+        try:
+            found = torch._C._dispatch_has_kernel_for_dispatch_key(op, "Autocast" + device_type.upper())
+        except (RuntimeError, AttributeError):  # no such dispatch key in this torch
+            found = device_type == "cpu"
+        _AUTOCAST_KERNELS[key] = found
+    return found
+
+
+def autocast_float32(op: str, device_type: str, *tensors) -> tuple:
+    """``tensors`` as torch's autocast hands them to ``op``, an op it runs in float32 where it
+    has a kernel for it (CUDA's layer_norm, group_norm; nll_loss on both devices): half-precision
+    ones as recorded float32 copies. Where it has none they are passed as they are."""
+    if not torch.is_autocast_enabled(device_type) or not autocast_has_kernel(op, device_type):
+        return tensors
+    return tuple(t.float() if t is not None and t.dtype in _LOW else t for t in tensors)
+
+
+def autocast_off(device_type: str, fn, *args):
+    """``fn(*args)`` with autocast off on ``device_type``. For a private primitive called in
+    place of the public op that autocast sees: its inputs are already what autocast would have
+    made them (``autocast_float32``), so nothing may be cast again, nor its saved inputs."""
+    if not torch.is_autocast_enabled(device_type):
+        return fn(*args)
+    torch.set_autocast_enabled(device_type, False)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_autocast_enabled(device_type, True)
+
+
 # -- dropout -----------------------------------------------------------------------------
 _ALPHA = 1.7580993408473766  # SELU's alpha * scale, as in ATen's alpha dropout
 
