@@ -190,16 +190,26 @@ def embedding_function(input, weight, padding_idx=None, max_norm=None, norm_type
 
 @derivative(torch.embedding)
 def embedding(grad, weight: Meta, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    """Rows of ``grad`` added into the rows they were read from; ``padding_idx`` gets none."""
+    """torch's ``embedding_dense_backward``: rows of ``grad`` added into the rows they were read
+    from (``padding_idx`` gets none; divided by each index's count with ``scale_grad_by_freq``)."""
+    return torch.ops.aten.embedding_dense_backward.default(grad, indices, weight.shape[0],
+                                                           padding_idx, scale_grad_by_freq)
+
+
+@derivative(torch.ops.aten.embedding_dense_backward.default)
+def embedding_dense_backward(grad, grad_output, indices, num_weights, padding_idx,
+                             scale_grad_by_freq):
+    """Linear in ``grad_output``: its adjoint reads ``grad``'s rows at the indices, zero at
+    ``padding_idx``, divided by each index's count with ``scale_grad_by_freq`` (torch's own
+    formula leaves the counts out)."""
     idx = indices.reshape(-1)
-    g = grad.reshape((idx.numel(),) + tuple(weight.shape[1:]))
+    rows = grad.index_select(0, idx)
     if padding_idx >= 0:
-        g = g.masked_fill((idx == padding_idx).unsqueeze(-1), 0.0)
+        rows = rows.masked_fill((idx == padding_idx).unsqueeze(-1), 0.0)
     if scale_grad_by_freq:
-        counts = torch.bincount(idx, minlength=weight.shape[0])
-        g = g / counts[idx].unsqueeze(-1).to(g.dtype)
-    zeros = torch.zeros(weight.shape, dtype=grad.dtype, device=grad.device)
-    return zeros.index_add(0, idx, g)
+        counts = torch.bincount(idx, minlength=num_weights)
+        rows = rows / counts[idx].unsqueeze(-1).to(rows.dtype)
+    return rows.view(tuple(indices.shape) + (-1,))
 
 
 nondifferentiable(F.one_hot)
