@@ -515,18 +515,21 @@ def _attach(out, node, rule, parts):
         return out
     if isinstance(out, tuple):
         items = list(out)
-        # trailing integer outputs (max's indices) are not outputs of the node, as in torch
+        # trailing integer outputs (max's indices) are not outputs of the node, as in torch,
+        # nor are those a rule declares non-differentiable (native_layer_norm's statistics)
         n = len(items)
         while n > 1 and type(items[n - 1]) is _PlainTensor and not (
                 items[n - 1].is_floating_point() or items[n - 1].is_complex()):
             n -= 1
+        if rule.differentiable_outputs is not None and rule.differentiable_outputs < n:
+            n = rule.differentiable_outputs
         node.num_outputs = n
         if rule.saves_result:
             node.result = SavedResult(tuple(
                 o.detach() if parts is None or i in parts else None for i, o in enumerate(items)))
         for i, o in enumerate(items):
             if type(o) is _PlainTensor:
-                if o.is_floating_point() or o.is_complex():
+                if i < n and (o.is_floating_point() or o.is_complex()):
                     items[i] = wrap_output(o, node, i)
                 else:
                     o.__class__ = _TENSOR_CLS

@@ -131,18 +131,14 @@ def _additive_mask(attn_mask, dtype):
                                                    device=attn_mask.device))
 
 
-@derivative(torch._scaled_dot_product_flash_attention_for_cpu, multi_output=True)
+@derivative(torch._scaled_dot_product_flash_attention_for_cpu, multi_output=True,
+            differentiable_outputs=1)
 def scaled_dot_product_flash_attention_for_cpu(grads, query, key, value, dropout_p=0.0,
                                                is_causal=False, *, attn_mask=None, scale=None,
                                                result, needs_input_grad):
     """torch's fused backward kernel on the saved output and logsumexp (torch's node keeps the
     same). Under ``create_graph`` the formula of ``attention`` below, which differentiates again."""
-    if grads[1] is not None:
-        raise NotImplementedError("graphgrad: the logsumexp output of "
-                                  "_scaled_dot_product_flash_attention_for_cpu has no derivative")
-    grad = grads[0]
-    if grad is None:
-        return None
+    grad = grads[0]  # the logsumexp carries no gradient, as in torch
     if torch.is_grad_enabled():
         gqa = query.dim() >= 3 and key.shape[-3] != query.shape[-3]
         return attention(grad, query, key, value, attn_mask, is_causal, scale, gqa,

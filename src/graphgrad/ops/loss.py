@@ -257,12 +257,7 @@ def _nll_loss_rule(backward_kernel):
                          needs_input_grad):
         """torch's fused backward kernel, on what torch's node keeps (input, target, weight,
         total weight); when the weight requires grad, a formula (torch has no gradient for it)."""
-        if grads[1] is not None:
-            raise NotImplementedError("graphgrad: nll_loss's total_weight output has no "
-                                      "derivative (torch has none either)")
-        grad = grads[0]
-        if grad is None:
-            return None
+        grad = grads[0]  # the total weight carries no gradient, as in torch
         if needs_input_grad[2]:  # the input's gradient depends on the weight: by formula
             g_input, g_weight = _nll_grads(grad, input, target, weight, _REDUCTIONS[reduction],
                                            ignore_index, needs_input_grad)
@@ -272,10 +267,11 @@ def _nll_loss_rule(backward_kernel):
     return nll_loss_forward
 
 
-derivative(_aten.nll_loss_forward.default, name="NllLossBackward", multi_output=True,
-           saves=_total_weight_only)(_nll_loss_rule(_aten.nll_loss_backward.default))
-derivative(_aten.nll_loss2d_forward.default, name="NllLoss2dBackward", multi_output=True,
-           saves=_total_weight_only)(_nll_loss_rule(_aten.nll_loss2d_backward.default))
+for _forward, _backward, _name in [
+        (_aten.nll_loss_forward.default, _aten.nll_loss_backward.default, "NllLossBackward"),
+        (_aten.nll_loss2d_forward.default, _aten.nll_loss2d_backward.default, "NllLoss2dBackward")]:
+    derivative(_forward, name=_name, multi_output=True, saves=_total_weight_only,
+               differentiable_outputs=1)(_nll_loss_rule(_backward))
 
 
 def _nll_loss_backward_rule(forward_kernel):

@@ -34,24 +34,6 @@ def _channel_shape(input) -> tuple:
     return (1, -1) + (1,) * (input.dim() - 2)
 
 
-def _output_grad(grads, op: str):
-    """The gradient of a normalization's output. Its statistics are outputs too, but no rule of
-    torch's takes a gradient through them (they feed only the backward kernel)."""
-    if grads[1] is not None or grads[2] is not None:
-        raise NotImplementedError(
-            f"graphgrad: the derivative of {op}'s mean and inverse standard deviation outputs is "
-            "not implemented (torch has none either); use the normalized output only")
-    return grads[0]
-
-
-def _constants(*tensors):
-    """The saved statistics as constants of the backward kernel: its own derivative (torch's
-    double-backward formula) differentiates through them already."""
-    if not torch.is_grad_enabled():
-        return tensors
-    return tuple(t.detach() for t in tensors)
-
-
 def _mask(needs, *positions) -> list:
     return [needs[i] for i in positions]
 
@@ -110,17 +92,15 @@ decomposition(F.batch_norm)(torch_body(F.batch_norm))
 
 
 @derivative(torch.native_batch_norm, name="NativeBatchNormBackward", multi_output=True,
-            saves=_stats_only)
+            saves=_stats_only, differentiable_outputs=1)
 def native_batch_norm(grads, input, weight, bias, running_mean, running_var, training, momentum,
                       eps, *, result, needs_input_grad):
     """torch's fused kernel, on the batch statistics the forward saved (training) or on the
-    running ones (eval); it saves what torch's node saves, the running buffers included."""
-    grad = _output_grad(grads, "native_batch_norm")
-    if grad is None:
-        return None
-    mean, invstd = _constants(result[1], result[2])
+    running ones (eval); it saves what torch's node saves, the running buffers included. The
+    statistics are outputs that carry no gradient, as in torch: constants of the kernel, whose
+    own derivative (torch's double-backward formula) differentiates through them already."""
     return _aten.native_batch_norm_backward.default(
-        grad, input, weight, running_mean, running_var, mean, invstd, training, eps,
+        grads[0], input, weight, running_mean, running_var, result[1], result[2], training, eps,
         _mask(needs_input_grad, 0, 1, 2))
 
 
@@ -228,16 +208,13 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_
 
 
 @derivative(torch.native_layer_norm, name="NativeLayerNormBackward", multi_output=True,
-            saves=_stats_only)
+            saves=_stats_only, differentiable_outputs=1)
 def native_layer_norm(grads, input, normalized_shape, weight, bias, eps, *, result,
                       needs_input_grad):
     """torch's fused kernel on the saved mean and inverse standard deviation."""
-    grad = _output_grad(grads, "native_layer_norm")
-    if grad is None:
-        return None
-    mean, rstd = _constants(result[1], result[2])
     grad_input, grad_weight, grad_bias = _aten.native_layer_norm_backward.default(
-        grad, input, normalized_shape, mean, rstd, weight, bias, _mask(needs_input_grad, 0, 2, 3))
+        grads[0], input, normalized_shape, result[1], result[2], weight, bias,
+        _mask(needs_input_grad, 0, 2, 3))
     return grad_input, None, grad_weight, grad_bias
 
 
