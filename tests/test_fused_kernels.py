@@ -132,3 +132,34 @@ def test_threshold_backward_spellings():
         out = kernel(g, x, 0.0)
         (dg,) = gg.grad(out.sum(), g)
         torch.testing.assert_close(plain(dg), (x > 0).double().as_subclass(torch.Tensor))
+
+
+class _Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.ln = nn.Linear(16, 16), nn.LayerNorm(16)
+        self.bn, self.gn = nn.BatchNorm1d(4), nn.GroupNorm(2, 4)
+
+    def forward(self, x, t):
+        h = F.gelu(self.ln(self.lin(x)))
+        h = self.bn(h) + self.gn(h)
+        q = h.view(2, 2, 4, 8)
+        a = F.scaled_dot_product_attention(q, q, q, is_causal=True).reshape(8, 16)
+        return F.cross_entropy(a, t)
+
+
+def test_cpu_autocast_same_bits_as_torch():
+    """bfloat16 autocast: each op sees the dtypes torch's autocast gives it (linear and attention
+    in bfloat16, cross_entropy in float32, the norms as they come), so the same bits."""
+    torch.manual_seed(0)
+    theirs = _Mixed()
+    ours = gg.nn.adopt(_Mixed())
+    ours.load_state_dict(theirs.state_dict())
+    x, t = torch.randn(2, 4, 16), torch.randint(0, 16, (8,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, have = theirs(x, t), ours(x, t)
+    want.backward()
+    have.backward()
+    assert torch.equal(plain(have), want.detach())
+    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(p.grad, q.grad), n

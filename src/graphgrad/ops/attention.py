@@ -5,7 +5,7 @@ choice, ``torch._fused_sdp_choice``), graphgrad records that kernel,
 ``_scaled_dot_product_flash_attention_for_cpu``, whose logsumexp output feeds torch's fused
 backward kernel: the same kernels both ways as torch.autograd. That backward kernel has no
 derivative in torch; under ``create_graph`` graphgrad uses its formula below instead, which has.
-Elsewhere (CUDA, autocast, a mask that requires grad, shapes the flash kernel refuses), without
+Elsewhere (CUDA, a mask that requires grad, shapes the flash kernel refuses), without
 dropout, attention is one recorded op: torch's own kernel computes the output and the rule
 recomputes the attention probabilities from the saved q, k, v and mask (the L x S matrix is not
 kept between forward and backward). With ``dropout_p > 0`` it is torch's math path written with
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..rules import decomposition, derivative
-from .nn import torch_body
+from .nn import autocast_lower_precision, autocast_off, torch_body
 
 _aten = torch.ops.aten
 _FLASH = 1  # torch.nn.attention.SDPBackend.FLASH_ATTENTION: what torch._fused_sdp_choice returns
@@ -106,10 +106,11 @@ def attention(grad, query, key, value, attn_mask=None, is_causal=False, scale=No
 
 # -- torch's CPU flash-attention kernel and its backward kernel ---------------------------
 def _flash_on_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> bool:
-    """Would torch run its CPU flash kernel here? torch's own choice, asked on the same tensors;
-    a mask that requires grad takes the math path (torch's choice does so for one that
-    requires torch's grad), and so do inputs torch would refuse (its errors then come from it)."""
-    if query.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+    """Would torch run its CPU flash kernel here? torch's own choice, asked on the same tensors
+    (under autocast before its casts: the kernel takes every floating dtype); a mask that
+    requires grad takes the math path (torch's choice does so for one that requires torch's
+    grad), and so do inputs torch would refuse (its errors then come from it)."""
+    if query.device.type != "cpu":
         return False
     if not (query.dtype == key.dtype == value.dtype) or (key.device != query.device) or \
             (value.device != query.device):
@@ -155,9 +156,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     dropout; with dropout, torch's math path as primitives."""
     if dropout_p == 0.0 and _flash_on_cpu(query, key, value, attn_mask, is_causal, scale,
                                           enable_gqa):
-        return torch._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=_additive_mask(attn_mask, query.dtype),
-            scale=scale)[0]
+        query, key, value, attn_mask = autocast_lower_precision(
+            "aten::scaled_dot_product_attention", "cpu", query, key, value, attn_mask)
+        return autocast_off("cpu", torch._scaled_dot_product_flash_attention_for_cpu, query, key,
+                            value, 0.0, is_causal, attn_mask=_additive_mask(attn_mask, query.dtype),
+                            scale=scale)[0]
     if dropout_p == 0.0:
         return _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     if is_causal and attn_mask is not None:

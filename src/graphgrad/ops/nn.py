@@ -70,15 +70,27 @@ def autocast_float32(op: str, device_type: str, *tensors) -> tuple:
     return tuple(t.float() if t is not None and t.dtype in _LOW else t for t in tensors)
 
 
-def autocast_off(device_type: str, fn, *args):
-    """``fn(*args)`` with autocast off on ``device_type``. For a private primitive called in
-    place of the public op that autocast sees: its inputs are already what autocast would have
-    made them (``autocast_float32``), so nothing may be cast again, nor its saved inputs."""
+def autocast_lower_precision(op: str, device_type: str, *tensors) -> tuple:
+    """``tensors`` as torch's autocast hands them to ``op``, an op it runs in its lower precision
+    where it has a kernel for it (scaled_dot_product_attention): floating tensors other than
+    float64 as recorded copies in autocast's dtype."""
+    if not torch.is_autocast_enabled(device_type) or not autocast_has_kernel(op, device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and
+                 t.dtype not in (dtype, torch.float64) else t for t in tensors)
+
+
+def autocast_off(device_type: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with autocast off on ``device_type``. For a private primitive
+    called in place of the public op that autocast sees: its inputs are already what autocast
+    would have made them (``autocast_float32``...), so nothing may be cast again, nor its saved
+    inputs."""
     if not torch.is_autocast_enabled(device_type):
-        return fn(*args)
+        return fn(*args, **kwargs)
     torch.set_autocast_enabled(device_type, False)
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     finally:
         torch.set_autocast_enabled(device_type, True)
 
