@@ -123,8 +123,7 @@ for _nd, _kernel, _at in [(2, _aten.max_pool2d_with_indices_backward.default, 5)
                           (3, _aten.max_pool3d_with_indices_backward.default, 5),
                           (2, _aten.adaptive_max_pool2d_backward.default, 0),
                           (3, _aten.adaptive_max_pool3d_backward.default, 0)]:
-    _name = str(_kernel).split(".")[1]
-    derivative(_kernel, name=node_name(_name) + "Backward")(
+    derivative(_kernel, name=node_name(_kernel.__name__.split(".")[0]))(
         _max_pool_backward_rule(_nd, _at))
 
 
