@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import graphgrad as gg
 from op_cases import F64 as D
 from op_cases import compare as compare_leaves
+from op_cases import plain
 from op_cases import rnd as r
 from opdb_harness import op_id, opinfos, run_opinfo
 
@@ -88,11 +89,39 @@ def test_sdpa_dropout_same_as_torch_math(kwargs):
 
 
 def test_sdpa_is_one_node_and_keeps_no_probabilities():
+    """Where torch runs its CPU flash kernel, so does graphgrad, keeping what torch's node keeps
+    (q, k, v, output and logsumexp); elsewhere one node keeps q, k, v and the output."""
     q, k, v = (gg.as_tensor(r(*s, seed=i), requires_grad=True) for i, s in enumerate((Q, KV, KV)))
     out = F.scaled_dot_product_attention(q, k, v)
+    assert out.grad_fn.name() == "ScaledDotProductFlashAttentionForCpuBackward"
+    saved = out.grad_fn.saved_values
+    assert {k: v.shape for k, v in saved.items() if isinstance(v, torch.Tensor)} == \
+        {"query": Q, "key": KV, "value": KV}
+    assert [t.shape for t in saved["result"]] == [Q, Q[:-1]]  # output, logsumexp
+    want = F.scaled_dot_product_attention(*(t.detach().as_subclass(torch.Tensor).requires_grad_()
+                                            for t in (q, k, v)))
+    assert want.grad_fn.name() == "ScaledDotProductFlashAttentionForCpuBackward0"
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(q, k, v)
     assert out.grad_fn.name() == "ScaledDotProductAttentionBackward"
     saved = {k: v.shape for k, v in out.grad_fn.saved_values.items() if isinstance(v, torch.Tensor)}
     assert saved == {"query": Q, "key": KV, "value": KV, "result": Q}
+
+
+def test_sdpa_flash_runs_torchs_kernels_bit_for_bit():
+    """float32, causal, a boolean mask and grouped heads: the flash kernels torch runs, so the
+    same output and gradients to the last bit."""
+    torch.manual_seed(0)
+    for kwargs, kv_heads in (({"is_causal": True}, 4), ({"attn_mask": torch.rand(6, 6) > 0.3}, 4),
+                             ({"enable_gqa": True}, 2)):
+        ts = [torch.randn(2, h, 6, 8, requires_grad=True) for h in (4, kv_heads, kv_heads)]
+        gs = [gg.as_tensor(t.detach().clone(), requires_grad=True) for t in ts]
+        want, have = F.scaled_dot_product_attention(*ts, **kwargs), \
+            F.scaled_dot_product_attention(*gs, **kwargs)
+        assert torch.equal(plain(have), want.detach())
+        g = torch.randn(want.shape)
+        for a, b in zip(gg.grad(have, gs, g), torch.autograd.grad(want, ts, g)):
+            assert torch.equal(plain(a), b)
 
 
 def test_sdpa_causal_with_mask_like_torch():

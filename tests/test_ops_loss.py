@@ -284,12 +284,20 @@ def _saved_bytes(fn, *args):
     return saved
 
 
-def test_nll_loss_keeps_input_values_only_for_the_weight_gradient():
+def test_nll_loss_keeps_what_torch_keeps():
+    """torch's node keeps the input (its backward kernel reads it), target, weight and total
+    weight: changing the input in place before backward raises in both."""
     x, t = gg.as_tensor(r(1000, 50, grad=False), requires_grad=True), ints(50, 1000)
     w = pos(50)
-    assert _saved_bytes(F.nll_loss, x, t, w) < x.numel() * 8
-    w_grad = gg.as_tensor(w, requires_grad=True)
-    assert _saved_bytes(F.nll_loss, x, t, w_grad) >= x.numel() * 8
+    assert _saved_bytes(F.nll_loss, x, t, w) >= x.numel() * 8
+    logp = torch.log_softmax(x, 1)
+    loss = F.nll_loss(logp, t, w)
+    assert loss.grad_fn.name() == "NllLossBackward"
+    assert {n for n, v in loss.grad_fn.saved_values.items() if isinstance(v, torch.Tensor)} == \
+        {"input", "target", "weight"}
+    logp.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_kl_div_keeps_input_values_only_for_the_target_gradient():

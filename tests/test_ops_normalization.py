@@ -112,13 +112,26 @@ def test_batch_norm_errors_like_torch():
         F.batch_norm(gg.as_tensor(r(4, 3), requires_grad=True), None, None, training=False)
 
 
-def test_batch_norm_saves_no_running_buffers():
+def test_batch_norm_saves_what_torch_saves():
+    """torch's node keeps the running buffers and the batch statistics: changing a buffer in
+    place before backward raises in both (the forward's own update of it does not count)."""
     bn = torch.nn.BatchNorm1d(3).double()
     x = gg.as_tensor(r(4, 3), requires_grad=True)
-    y = F.batch_norm(x, bn.running_mean, bn.running_var, training=True)
+    y = F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, training=True)
+    assert y.grad_fn.name() == "NativeBatchNormBackward"
     saved = y.grad_fn.saved_values
-    assert "running_mean" not in saved and "running_var" not in saved
-    assert y.grad_fn.name() == "BatchNormBackward"
+    assert {n for n, v in saved.items() if isinstance(v, torch.Tensor)} == \
+        {"input", "weight", "running_mean", "running_var"}
+    assert saved["result"][0] is None and saved["result"][1].shape == (3,)  # mean, invstd
+    xt = r(4, 3).requires_grad_()
+    yt = F.batch_norm(xt, torch.zeros(3, dtype=D), torch.ones(3, dtype=D), training=True)
+    assert {a for a in dir(yt.grad_fn) if a.startswith("_saved_") and
+            isinstance(getattr(yt.grad_fn, a), torch.Tensor)} == \
+        {"_saved_input", "_saved_running_mean", "_saved_running_var", "_saved_result1",
+         "_saved_result2"}  # and weight, None here
+    bn.running_mean.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 # -- instance_norm -------------------------------------------------------------------------

@@ -143,16 +143,37 @@ def _saved_tensors(out):
 
 
 @pytest.mark.parametrize("fn", [
-    lambda x: F.max_pool2d(x, 2),
     lambda x: F.avg_pool2d(x, 3, 1, 1),
     lambda x: F.adaptive_avg_pool2d(x, 3),
-    lambda x: F.adaptive_max_pool2d(x, 3),
-], ids=["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d"])
-def test_pooling_keeps_no_input_values(fn):
-    """Max pooling keeps its integer indices only; average pooling nothing but shapes."""
+], ids=["avg_pool2d", "adaptive_avg_pool2d"])
+def test_average_pooling_keeps_no_input_values(fn):
+    """Average pooling is linear: it keeps nothing but shapes."""
     x = gg.as_tensor(r(2, 3, 6, 6), requires_grad=True)
     kept = _saved_tensors(fn(x * 1.0))
     assert not any(t.is_floating_point() and t.numel() >= x.numel() for t in kept)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: F.max_pool2d(x, 2),
+    lambda x: F.max_pool1d(x.flatten(2), 3),
+    lambda x: F.max_pool3d(x.unsqueeze(0), 2),
+    lambda x: F.adaptive_max_pool2d(x, 3),
+    lambda x: F.adaptive_max_pool1d(x.flatten(2), 5),
+], ids=["max_pool2d", "max_pool1d", "max_pool3d", "adaptive_max_pool2d", "adaptive_max_pool1d"])
+def test_max_pooling_saves_what_torch_saves(fn):
+    """torch's node keeps the input and the indices (the output may change in place), and its
+    backward kernel runs on them: an in-place change of the input before backward raises."""
+    x = gg.as_tensor(r(2, 3, 6, 6), requires_grad=True)
+    y = x * 1.0
+    out = fn(y)
+    node = out.grad_fn
+    assert {n for n, v in node.saved_values.items() if isinstance(v, T)} == {"input"}
+    assert [t is None for t in node.saved_values["result"]] == [True, False]
+    out.mul_(2)
+    gg.grad(out.sum(), x, retain_graph=True)
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        gg.grad(out.sum(), x)
 
 
 def test_small_cnn_trains_like_torch():

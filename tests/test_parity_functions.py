@@ -70,6 +70,22 @@ def test_mark_dirty_on_a_view_changes_the_base_as_copy_slices():
     same_as_torch(program)
 
 
+def test_hooks_on_a_view_marked_dirty_do_not_fire():
+    """Found by the long fuzz run: the view's old grad_fn still ran (and its tensor hook with
+    it); torch sends the old value's gradient straight into the base's old grad_fn."""
+    def program(lib):
+        log = []
+        x = lib.leaf(X)
+        a = x * 1
+        v = a.view_as(a)
+        v.register_hook(lambda g: log.append(g))
+        z = dirty(lib).apply(v)
+        (z * lib.const([[1.0, 2.0], [3.0, 5.0]])).sum().backward()
+        return x.grad, len(log)
+
+    same_as_torch(program)
+
+
 def test_mark_dirty_bumps_the_version_and_resets_grad_as_torch():
     def program(lib):
         y = lib.leaf(X) * 1

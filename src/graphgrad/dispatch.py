@@ -25,7 +25,7 @@ from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 __all__ = ["torch_function", "call", "wrap_output", "set_tensor_class", "is_inplace", "observe_calls",
            "install_fast_paths", "current_node", "torch_node", "route", "check_inplace",
            "view_target", "rebase_history", "note_reshaped", "view_tag_message",
-           "base_requires_grad", "PLAIN_VIEW"]
+           "base_requires_grad", "PLAIN_VIEW", "into_base"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch._C.is_grad_enabled
@@ -561,11 +561,14 @@ def _attach(out, node, rule, parts):
         return out
     if isinstance(out, tuple):
         items = list(out)
-        # trailing integer outputs (max's indices) are not outputs of the node, as in torch
+        # trailing integer outputs (max's indices) are not outputs of the node, as in torch,
+        # nor are those a rule declares non-differentiable (native_layer_norm's statistics)
         n = len(items)
         while n > 1 and type(items[n - 1]) is _PlainTensor and not (
                 items[n - 1].is_floating_point() or items[n - 1].is_complex()):
             n -= 1
+        if rule.differentiable_outputs is not None and rule.differentiable_outputs < n:
+            n = rule.differentiable_outputs
         node.num_outputs = n
         if rule.saves_result and parts != ():
             node.result = SavedResult(tuple(
@@ -574,7 +577,7 @@ def _attach(out, node, rule, parts):
             if type(o) is _PlainTensor:
                 if not rule.may_view and _is_view(o):
                     o = _not_a_view(o)
-                if o.is_floating_point() or o.is_complex():
+                if i < n and (o.is_floating_point() or o.is_complex()):
                     items[i] = wrap_output(o, node, i)
                 else:
                     o.__class__ = _TENSOR_CLS
@@ -605,7 +608,7 @@ def _record_inplace(func, rule, args, kwargs, silent):
     target = view_target(qualified_name(func), base_rule.family, self) if is_view else None
     nexts, slot_pos, metas = slots
     if target is not None and nexts[0][0] is not None and target[1] is not None:
-        nexts = (_into_base(target, graph),) + nexts[1:]
+        nexts = (into_base(target, graph),) + nexts[1:]
     keep = _keep(base_rule, nexts, slot_pos)
     parts = None
     if base_rule.saves is not None:
@@ -627,7 +630,7 @@ def _record_inplace(func, rule, args, kwargs, silent):
     return out
 
 
-def _into_base(target, graph):
+def into_base(target, graph):
     """The edge for the old value of a view changed in place: straight into its base's old
     grad_fn (as torch's CopySlices does), not through the view's own grad_fn, which torch
     never runs (so hooks on it do not fire)."""

@@ -473,7 +473,14 @@ def _fit(g, meta, node, j):
 
 
 def unbroadcast(g, shape, name="rule"):
-    """Sum ``g`` down to ``shape``: the inverse of broadcasting ``shape`` up to ``g.shape``."""
+    """Sum ``g`` down to ``shape``: the inverse of broadcasting ``shape`` up to ``g.shape``.
+
+    Over leading dimensions only (a bias), one ``sum``: ``sum_to_size`` would return a view of
+    its result, which a leaf's ``.grad`` then has to copy.
+    """
+    lead = g.dim() - len(shape)
+    if lead > 0 and g.shape[lead:] == shape:
+        return g.sum(tuple(range(lead)))
     try:
         return g.sum_to_size(shape)
     except RuntimeError:

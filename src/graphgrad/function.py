@@ -37,6 +37,7 @@ from .dispatch import (
     base_requires_grad,
     check_inplace,
     current_node,
+    into_base,
     rebase_history,
     torch_node,
     view_tag_message,
@@ -210,19 +211,26 @@ class Function:
         single = not isinstance(outputs, tuple)
         outs = (outputs,) if single else outputs
         _check_dirty_returned(ctx, outs)
+        targets = _check_dirty(cls, recording, ctx, outs)  # (raises before any output changes)
         node = graph = None
         if recording:
             graph = current_graph()
             nexts, slot_pos, metas = [], [], []
             for i, (a, n) in enumerate(zip(args, nodes)):
                 if isinstance(a, torch.Tensor):
-                    nexts.append((n, getattr(a, "_gg_nr", 0)) if n is not None else (None, 0))
+                    target = targets.get(id(a))
+                    if n is not None and target is not None and target[1] is not None:
+                        # a dirty view: its old value's gradient goes straight into its base's
+                        # old grad_fn, as torch's CopySlices sends it (the view's grad_fn and
+                        # its hooks never run)
+                        nexts.append(into_base(target, graph))
+                    else:
+                        nexts.append((n, getattr(a, "_gg_nr", 0)) if n is not None else (None, 0))
                     with _Disable():
                         metas.append((a.shape, a.dtype, a.device) if n is not None else None)
                     slot_pos.append(i)
             node = FunctionNode(_FunctionRule(cls, len(args)), tuple(nexts), tuple(slot_pos),
                                 tuple(metas), graph, ctx)
-        targets = _check_dirty(cls, node, ctx, outs)  # (raises before any output is changed)
         if ctx.dirty:  # as torch: the version says "changed in place", whatever forward did
             with _Disable():
                 increment_version([t for t in ctx.dirty if isinstance(t, torch.Tensor)])
@@ -257,13 +265,13 @@ def _check_dirty_returned(ctx, outs):
             "return them, or do not mark them dirty.")
 
 
-def _check_dirty(cls, node, ctx, outs):
+def _check_dirty(cls, recording, ctx, outs):
     """torch's checks of the inputs marked dirty, before any output is changed; returns what
     ``rebase_history`` needs for those that are views (CopySlices on their base)."""
     targets = {}
     if not ctx.dirty:
         return targets
-    if node is None:  # not recorded: a view made under no_grad of a tensor that requires grad
+    if not recording:  # not recorded: a view made under no_grad of a tensor that requires grad
         if torch.is_grad_enabled():  # may still not be changed (graphgrad's view does not
             for t in ctx.dirty:      # require grad; torch's does, and refuses)
                 tag = getattr(t, "_gg_view_tag", 0)
@@ -276,7 +284,7 @@ def _check_dirty(cls, node, ctx, outs):
         if not isinstance(out, torch.Tensor) or id(out) not in {id(t) for t in ctx.dirty} or \
                 id(out) in non_diff or not _floating(out):
             continue
-        name = f"{node.name()[:-len('Backward')]}.apply (an input marked dirty)"
+        name = f"{cls.__name__}.apply (an input marked dirty)"
         with _Disable():
             if check_inplace(name, out):
                 if len(outs) > 1:

@@ -322,7 +322,9 @@ def unpack_result(node, create_graph):
 
     if isinstance(data, torch.Tensor):
         return wrap_output(data.detach(), node, 0)
-    return tuple(None if t is None else wrap_output(t.detach(), node, i) for i, t in enumerate(data))
+    n = node.num_outputs  # outputs past it carry no gradient (integers, declared statistics)
+    return tuple(None if t is None else wrap_output(t.detach(), node if i < n else None, i)
+                 for i, t in enumerate(data))
 
 
 def saved_bytes(nodes) -> int:

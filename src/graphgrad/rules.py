@@ -119,15 +119,17 @@ class Rule:
 
     __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
                  "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for",
-                 "family", "keep_cache", "elementwise", "defaults", "may_view", "saves")
+                 "family", "keep_cache", "elementwise", "defaults", "may_view", "saves",
+                 "differentiable_outputs")
 
     def __init__(self, fn: Callable, kind: int, name: str | None = None,
                  multi_output: bool = False, saved_for: dict | None = None,
-                 saves: Callable | None = None):
+                 saves: Callable | None = None, differentiable_outputs: int | None = None):
         self.fn = fn
         self.kind = kind
         self.name = name or node_name(fn.__name__)
         self.multi_output = multi_output
+        self.differentiable_outputs = differentiable_outputs
         self.inplace_of = None
         self.keep_cache: dict[int, tuple] = {}  # which params need grad (bits) -> keep
         self.saves = saves
@@ -248,7 +250,8 @@ def _register(funcs: tuple, rule: Rule) -> Rule:
 def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
                multi_output: bool = False,
                saved_for: dict[str, str | tuple[str, ...]] | None = None,
-               saves: Callable | None = None) -> Callable[[Callable], Callable]:
+               saves: Callable | None = None,
+               differentiable_outputs: int | None = None) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the derivative rule of the torch functions ``funcs``.
 
     Its nodes are named ``node_name(fn.__name__)`` (``nll_loss`` -> ``NllLossBackward``)
@@ -268,13 +271,19 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     ``()``: none, for single-output ops too: the rule's ``result`` then defaults to None).
     What is not saved is not version-checked either, so an in-place change of it after the
     op is allowed, as in torch.
+
+    ``differentiable_outputs=k``: of a multi-output op, only the first ``k`` outputs carry
+    gradients; the others (statistics a backward kernel reads, such as native_layer_norm's
+    mean and rstd) require none, as torch's ``output_differentiability`` says.
     """
 
     def register(fn: Callable) -> Callable:
-        rule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for, saves)
+        rule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for, saves,
+                    differentiable_outputs)
         _register(funcs, rule)
         if inplace:
-            irule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for, saves)
+            irule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for, saves,
+                         differentiable_outputs)
             irule.inplace_of = rule
             _register(inplace, irule)
         fn.rule = rule

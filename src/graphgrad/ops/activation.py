@@ -7,6 +7,12 @@ themselves; each is a decomposition that calls the ``torch._C._nn`` (or ``torch`
 in place when ``inplace=True``, and the rules sit on those primitives. In-place variants
 whose gradient can be read off the output (relu, hardtanh, leaky_relu, elu...) use the
 output, as torch does, so they save no copy of the input.
+
+Where torch's backward is one fused kernel (``gelu_backward``, ``elu_backward``,
+``leaky_relu_backward``, ``softplus_backward``, ``hardswish_backward``...), the rule calls it:
+the same kernel as torch.autograd, and a recorded op under ``create_graph`` with a rule of its
+own (torch's double-backward formula). silu and mish, like torch, call their kernel only when
+no higher derivative is wanted and a formula in recorded ops otherwise.
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ from ..rules import decomposition, derivative
 
 T = torch.Tensor
 _nn = torch._C._nn
+_aten = torch.ops.aten
 _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946
-_SQRT_HALF = math.sqrt(0.5)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_KAPPA = 0.044715
@@ -31,13 +37,13 @@ _GELU_KAPPA = 0.044715
 # -- relu family: the gradient passes where the output is strictly inside -------------------
 @derivative(torch.relu, T.relu, inplace=(torch.relu_, T.relu_))
 def relu(grad, input, *, result):
-    return torch.ops.aten.threshold_backward(grad, result, 0)
+    return _aten.threshold_backward.default(grad, result, 0)
 
 
-@derivative(torch.ops.aten.threshold_backward)
+@derivative(_aten.threshold_backward, _aten.threshold_backward.default)
 def threshold_backward(grad, grad_output, input, threshold):
     """torch's fused ``grad_output * (input > threshold)``: linear in ``grad_output``."""
-    return torch.ops.aten.threshold_backward(grad, input, threshold), None
+    return _aten.threshold_backward.default(grad, input, threshold), None
 
 
 @decomposition(F.relu)
@@ -75,18 +81,20 @@ def relu6_function(input, inplace=False):
 
 @derivative(_nn.leaky_relu)
 def leaky_relu(grad, input, negative_slope=0.01):
-    return torch.where(input > 0, grad, grad * negative_slope)
+    return _aten.leaky_relu_backward.default(grad, input, negative_slope, False)
 
 
 @derivative(_nn.leaky_relu_, name="LeakyReluBackward")
 def leaky_relu_inplace(grad, input, negative_slope=0.01, *, result):
-    """In place the input is gone; its sign is the output's when the slope is not negative."""
-    if negative_slope < 0:
-        raise RuntimeError(
-            "In-place leakyReLu backward calculation is triggered with a negative slope which is "
-            "not supported. This is caused by calling in-place forward function with a negative "
-            "slope, please call out-of-place version instead.")
-    return torch.where(result > 0, grad, grad * negative_slope)
+    """In place the input is gone; its sign is the output's when the slope is not negative (the
+    kernel refuses a negative slope, with torch's message)."""
+    return _aten.leaky_relu_backward.default(grad, result, negative_slope, True)
+
+
+@derivative(_aten.leaky_relu_backward.default)
+def leaky_relu_backward(grad, grad_output, input, negative_slope, self_is_result):
+    """``grad_output * (input > 0 ? 1 : slope)``: linear in ``grad_output``."""
+    return _aten.leaky_relu_backward.default(grad, input, negative_slope, False), None
 
 
 @decomposition(F.leaky_relu)
@@ -104,34 +112,31 @@ def threshold_function(input, threshold, value, inplace=False):
     return (torch.threshold_ if inplace else torch.threshold)(input, threshold, value)
 
 
-# -- exponential linear units ----------------------------------------------------------------
-def _elu_grad(grad, input, alpha, scale, input_scale):
-    """torch's elu_backward on the input. Its own derivative is masked by ``input < 0`` (as in
-    torch's elu_double_backward), so 0 and NaN inputs get a zero second derivative."""
-    negative_part = torch.where(input < 0, input, 0.0)
-    negative = grad * (input_scale * alpha * scale) * (negative_part * input_scale).exp()
-    return torch.where(input <= 0, negative, grad * scale)
-
-
-def _elu_grad_from_result(grad, result, alpha, scale, input_scale):
-    """torch's elu_backward on the output (in-place ops), valid for alpha >= 0."""
-    if alpha < 0:
-        raise RuntimeError(
-            "In-place elu backward calculation is triggered with a negative slope which is not "
-            "supported. This is caused by calling in-place forward function with a negative "
-            "slope, please call out-of-place version instead.")
-    negative_part = torch.where(result < 0, result, 0.0)
-    return torch.where(result <= 0, grad * input_scale * (negative_part + alpha * scale), grad * scale)
-
-
+# -- exponential linear units: torch's elu_backward -----------------------------------------
 @derivative(_nn.elu)
 def elu(grad, input, alpha=1.0, scale=1.0, input_scale=1.0):
-    return _elu_grad(grad, input, alpha, scale, input_scale)
+    return _aten.elu_backward.default(grad, alpha, scale, input_scale, False, input)
 
 
 @derivative(_nn.elu_, name="EluBackward")
 def elu_inplace(grad, input, alpha=1.0, scale=1.0, input_scale=1.0, *, result):
-    return _elu_grad_from_result(grad, result, alpha, scale, input_scale)
+    """From the output (the kernel refuses a negative alpha here, with torch's message)."""
+    return _aten.elu_backward.default(grad, alpha, scale, input_scale, True, result)
+
+
+@derivative(_aten.elu_backward.default)
+def elu_backward(grad, grad_output, alpha, scale, input_scale, is_result, self_or_result):
+    """Linear in ``grad_output``; in its saved input or output only the negative side, where
+    the slope is exponential, has a derivative (torch's ``elu_double_backward``)."""
+    negative = (self_or_result < 0).to(grad.dtype)
+    scaled = grad * grad_output * input_scale
+    if is_result:
+        g_saved = scaled * negative
+    else:
+        g_saved = _aten.elu_backward.default(scaled, alpha, scale, input_scale, False,
+                                             self_or_result) * negative
+    return (_aten.elu_backward.default(grad, alpha, scale, input_scale, is_result, self_or_result),
+            None, None, None, None, g_saved)
 
 
 @decomposition(F.elu)
@@ -141,12 +146,12 @@ def elu_function(input, alpha=1.0, inplace=False):
 
 @derivative(torch.selu)
 def selu(grad, input):
-    return _elu_grad(grad, input, _SELU_ALPHA, _SELU_SCALE, 1.0)
+    return _aten.elu_backward.default(grad, _SELU_ALPHA, _SELU_SCALE, 1.0, False, input)
 
 
 @derivative(torch.selu_, name="SeluBackward")
 def selu_inplace(grad, input, *, result):
-    return _elu_grad_from_result(grad, result, _SELU_ALPHA, _SELU_SCALE, 1.0)
+    return _aten.elu_backward.default(grad, _SELU_ALPHA, _SELU_SCALE, 1.0, True, result)
 
 
 @decomposition(F.selu)
@@ -156,12 +161,12 @@ def selu_function(input, inplace=False):
 
 @derivative(torch.celu)
 def celu(grad, input, alpha=1.0):
-    return _elu_grad(grad, input, alpha, 1.0, 1.0 / alpha)
+    return _aten.elu_backward.default(grad, alpha, 1.0, 1.0 / alpha, False, input)
 
 
 @derivative(torch.celu_, name="CeluBackward")
 def celu_inplace(grad, input, alpha=1.0, *, result):
-    return _elu_grad_from_result(grad, result, alpha, 1.0, 1.0 / alpha)
+    return _aten.elu_backward.default(grad, alpha, 1.0, 1.0 / alpha, True, result)
 
 
 @decomposition(F.celu)
@@ -172,22 +177,32 @@ def celu_function(input, alpha=1.0, inplace=False):
 # -- smooth activations ------------------------------------------------------------------------
 @derivative(_nn.gelu, inplace=(_nn.gelu_,))
 def gelu(grad, input, *, approximate="none"):
-    """Exact (erf) or tanh-approximated GELU, with torch's formulas."""
+    """Exact (erf) or tanh-approximated GELU: torch's ``gelu_backward``."""
+    return _aten.gelu_backward.default(grad, input, approximate=approximate)
+
+
+@derivative(_aten.gelu_backward.default)
+def gelu_backward(grad, grad_output, input, *, approximate="none"):
+    """Linear in ``grad_output``; in the input it is ``grad * grad_output * gelu''(input)``
+    (torch's ``gelu_double_backward``)."""
     if approximate == "tanh":
-        inner = _SQRT_2_OVER_PI * (input + _GELU_KAPPA * input * input * input)
-        t = inner.tanh()
-        left_derivative = 0.5 * (1 + t)
-        right_derivative = (0.5 * input) * (1 - t * t) * (
-            _SQRT_2_OVER_PI * (1 + 3 * _GELU_KAPPA * input * input))
-        return grad * (left_derivative + right_derivative)
-    cdf = 0.5 * (1 + (input * _SQRT_HALF).erf())
-    pdf = _INV_SQRT_2PI * (-0.5 * input * input).exp()
-    return grad * (cdf + input * pdf)
+        # gelu = x/2 (1 + tanh u), u = b (x + k x³): gelu'' = (1 - t²) (u' - x t u'² + 3 b k x²)
+        u_prime = _SQRT_2_OVER_PI * (1 + 3 * _GELU_KAPPA * input * input)
+        t = (_SQRT_2_OVER_PI * (input + _GELU_KAPPA * input * input * input)).tanh()
+        second = (1 - t * t) * (u_prime - input * t * u_prime * u_prime
+                                + (3 * _SQRT_2_OVER_PI * _GELU_KAPPA) * input * input)
+    else:  # gelu = x Φ(x): gelu'' = φ(x) (2 - x²)
+        second = (_INV_SQRT_2PI * (-0.5 * input * input).exp()) * (2 - input * input)
+    return (_aten.gelu_backward.default(grad, input, approximate=approximate),
+            grad * grad_output * second)
 
 
 @derivative(_nn.silu, inplace=(_nn.silu_,))
 def silu(grad, input):
-    """Swish, ``x * sigmoid(x)``: d/dx = s * (1 + x * (1 - s))."""
+    """Swish, ``x * sigmoid(x)``: torch's ``silu_backward``, or under ``create_graph`` (as
+    torch) its formula d/dx = s * (1 + x * (1 - s)) in recorded ops."""
+    if not torch.is_grad_enabled():
+        return _aten.silu_backward.default(grad, input)
     s = torch.sigmoid(input)
     return grad * s * (1 + input * (1 - s))
 
@@ -199,7 +214,10 @@ def silu_function(input, inplace=False):
 
 @derivative(_nn.mish, inplace=(_nn.mish_,))
 def mish(grad, input):
-    """``x * tanh(softplus(x))``."""
+    """``x * tanh(softplus(x))``: torch's ``mish_backward``, or its formula under
+    ``create_graph`` (as torch)."""
+    if not torch.is_grad_enabled():
+        return _aten.mish_backward.default(grad, input)
     t = _nn.softplus(input).tanh()
     return grad * (t + input * torch.sigmoid(input) * (1 - t * t))
 
@@ -212,8 +230,17 @@ def mish_function(input, inplace=False):
 @derivative(_nn.softplus)
 def softplus(grad, input, beta=1.0, threshold=20.0):
     """``log(1 + exp(beta x)) / beta``, linear where ``beta x > threshold``."""
+    return _aten.softplus_backward.default(grad, input, beta, threshold)
+
+
+@derivative(_aten.softplus_backward.default)
+def softplus_backward(grad, grad_output, input, beta, threshold):
+    """Linear in ``grad_output``; in the input, sigmoid's derivative times ``beta`` below the
+    threshold (torch's ``softplus_double_backward``)."""
     scaled = input * beta
-    return torch.where(scaled > threshold, grad, grad * torch.sigmoid(scaled))
+    s = torch.sigmoid(scaled)
+    g_input = (grad * grad_output) * (s * (1 - s)) * (scaled < threshold).to(grad.dtype) * beta
+    return _aten.softplus_backward.default(grad, input, beta, threshold), g_input
 
 
 @derivative(_nn.log_sigmoid)
@@ -234,7 +261,14 @@ def tanhshrink(input):
 # -- piecewise linear ----------------------------------------------------------------------------
 @derivative(_nn.hardsigmoid, inplace=(_nn.hardsigmoid_,))
 def hardsigmoid(grad, input):
-    return torch.where((input > -3) & (input < 3), grad / 6, 0.0)
+    return _aten.hardsigmoid_backward.default(grad, input)
+
+
+@derivative(_aten.hardsigmoid_backward.default)
+def hardsigmoid_backward(grad, grad_output, input):
+    """``grad_output / 6`` inside (-3, 3): linear in ``grad_output``, flat in the input (torch
+    has no rule for it; this one gives the input no gradient)."""
+    return _aten.hardsigmoid_backward.default(grad, input), None
 
 
 @decomposition(F.hardsigmoid)
@@ -245,8 +279,15 @@ def hardsigmoid_function(input, inplace=False):
 @derivative(_nn.hardswish, inplace=(_nn.hardswish_,))
 def hardswish(grad, input):
     """``x * relu6(x + 3) / 6``."""
-    slope = torch.where(input <= -3, 0.0, torch.where(input < 3, input / 3 + 0.5, 1.0))
-    return grad * slope
+    return _aten.hardswish_backward.default(grad, input)
+
+
+@derivative(_aten.hardswish_backward.default)
+def hardswish_backward(grad, grad_output, input):
+    """Linear in ``grad_output``; in the input ``grad * grad_output / 3`` inside (-3, 3)."""
+    inside = (input > -3) & (input < 3)
+    return (_aten.hardswish_backward.default(grad, input),
+            torch.where(inside, grad * grad_output / 3, 0.0))
 
 
 @decomposition(F.hardswish)

@@ -1,12 +1,17 @@
 """Attention: scaled_dot_product_attention and multi_head_attention_forward.
 
-Without dropout, attention is one recorded op: torch's own (fused) kernel computes the output
-and graphgrad's rule recomputes the attention probabilities in backward from the saved q, k,
-v and mask (the L x S matrix is not kept between forward and backward). With ``dropout_p > 0``
-it is torch's math path written with recorded primitives, whose dropout mask comes from the
-same RNG calls as torch's (``torch.dropout``). ``F.multi_head_attention_forward`` is torch's
-own Python function with each op inside it recorded (so ``nn.MultiheadAttention`` and
-``nn.Transformer*`` layers work).
+Where torch's ``scaled_dot_product_attention`` runs its CPU flash-attention kernel (torch's own
+choice, ``torch._fused_sdp_choice``), graphgrad records that kernel,
+``_scaled_dot_product_flash_attention_for_cpu``, whose logsumexp output feeds torch's fused
+backward kernel: the same kernels both ways as torch.autograd. That backward kernel has no
+derivative in torch; under ``create_graph`` graphgrad uses its formula below instead, which has.
+Elsewhere (CUDA, a mask that requires grad, shapes the flash kernel refuses), without
+dropout, attention is one recorded op: torch's own kernel computes the output and the rule
+recomputes the attention probabilities from the saved q, k, v and mask (the L x S matrix is not
+kept between forward and backward). With ``dropout_p > 0`` it is torch's math path written with
+recorded primitives, whose dropout mask comes from the same RNG calls as torch's
+(``torch.dropout``). ``F.multi_head_attention_forward`` is torch's own Python function with each
+op inside it recorded (so ``nn.MultiheadAttention`` and ``nn.Transformer*`` layers work).
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..rules import decomposition, derivative
-from .nn import torch_body
+from .nn import autocast_lower_precision, autocast_off, torch_body
+
+_aten = torch.ops.aten
+_FLASH = 1  # torch.nn.attention.SDPBackend.FLASH_ATTENTION: what torch._fused_sdp_choice returns
 
 
 def _expand_heads(query, kv, enable_gqa):
@@ -96,10 +104,63 @@ def attention(grad, query, key, value, attn_mask=None, is_causal=False, scale=No
     return grad_q, grad_k, grad_v, grad_mask
 
 
+# -- torch's CPU flash-attention kernel and its backward kernel ---------------------------
+def _flash_on_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> bool:
+    """Would torch run its CPU flash kernel here? torch's own choice, asked on the same tensors
+    (under autocast before its casts: the kernel takes every floating dtype); a mask that
+    requires grad takes the math path (torch's choice does so for one that requires torch's
+    grad), and so do inputs torch would refuse (its errors then come from it)."""
+    if query.device.type != "cpu":
+        return False
+    if not (query.dtype == key.dtype == value.dtype) or (key.device != query.device) or \
+            (value.device != query.device):
+        return False
+    if attn_mask is not None and (attn_mask.requires_grad or attn_mask.device != query.device or
+                                  attn_mask.dtype not in (torch.bool, query.dtype)):
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch._fused_sdp_choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
+                                       enable_gqa=enable_gqa) == _FLASH
+
+
+def _additive_mask(attn_mask, dtype):
+    """torch's conversion of a boolean mask for its fused kernels: 0 where kept, -inf elsewhere."""
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return attn_mask
+    zero = torch.zeros((), dtype=dtype, device=attn_mask.device)
+    return torch.where(attn_mask, zero, torch.full((), float("-inf"), dtype=dtype,
+                                                   device=attn_mask.device))
+
+
+@derivative(torch._scaled_dot_product_flash_attention_for_cpu, multi_output=True,
+            differentiable_outputs=1)
+def scaled_dot_product_flash_attention_for_cpu(grads, query, key, value, dropout_p=0.0,
+                                               is_causal=False, *, attn_mask=None, scale=None,
+                                               result, needs_input_grad):
+    """torch's fused backward kernel on the saved output and logsumexp (torch's node keeps the
+    same). Under ``create_graph`` the formula of ``attention`` below, which differentiates again."""
+    grad = grads[0]  # the logsumexp carries no gradient, as in torch
+    if torch.is_grad_enabled():
+        gqa = query.dim() >= 3 and key.shape[-3] != query.shape[-3]
+        return attention(grad, query, key, value, attn_mask, is_causal, scale, gqa,
+                         result=result[0], needs_input_grad=needs_input_grad[:3] + (False,))[:3]
+    return _aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        grad, query, key, value, result[0], result[1], dropout_p, is_causal, attn_mask=attn_mask,
+        scale=scale)
+
+
 @decomposition(F.scaled_dot_product_attention)
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
-    """One recorded op without dropout; with dropout, torch's math path as primitives."""
+    """torch's CPU flash kernel where torch would run it; else one recorded op without
+    dropout; with dropout, torch's math path as primitives."""
+    if dropout_p == 0.0 and _flash_on_cpu(query, key, value, attn_mask, is_causal, scale,
+                                          enable_gqa):
+        query, key, value, attn_mask = autocast_lower_precision(
+            "aten::scaled_dot_product_attention", "cpu", query, key, value, attn_mask)
+        return autocast_off("cpu", torch._scaled_dot_product_flash_attention_for_cpu, query, key,
+                            value, 0.0, is_causal, attn_mask=_additive_mask(attn_mask, query.dtype),
+                            scale=scale)[0]
     if dropout_p == 0.0:
         return _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     if is_causal and attn_mask is not None:

@@ -17,6 +17,7 @@ from ..rules import Meta, decomposition, derivative
 
 T = torch.Tensor
 _special = torch._C._special
+_aten = torch.ops.aten
 _LN2 = math.log(2.0)
 _LN10 = math.log(10.0)
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
@@ -330,7 +331,17 @@ def cosh(grad, input):
 
 @derivative(torch.tanh, T.tanh, inplace=(torch.tanh_, T.tanh_))
 def tanh(grad, input, *, result):
-    return grad * (1 - result * result)
+    """torch's fused ``tanh_backward``: ``grad * (1 - result²)`` (conjugated for complex)."""
+    return _aten.tanh_backward.default(grad, result)
+
+
+@derivative(_aten.tanh_backward.default)
+def tanh_backward(grad, grad_output, output):
+    """Linear in ``grad_output``; ``-2 grad * output * grad_output`` in the output."""
+    output = output.conj() if output.is_complex() else output
+    g_output = -2 * output * grad_output
+    return (_aten.tanh_backward.default(grad, output),
+            (grad.conj() if grad.is_complex() else grad) * g_output)
 
 
 @derivative(torch.asinh, T.asinh, torch.arcsinh, T.arcsinh,
@@ -353,7 +364,16 @@ def atanh(grad, input):
 
 @derivative(torch.sigmoid, T.sigmoid, _special.special_expit, inplace=(torch.sigmoid_, T.sigmoid_))
 def sigmoid(grad, input, *, result):
-    return grad * result * (1 - result)
+    """torch's fused ``sigmoid_backward``: ``grad * result * (1 - result)``."""
+    return _aten.sigmoid_backward.default(grad, result)
+
+
+@derivative(_aten.sigmoid_backward.default)
+def sigmoid_backward(grad, grad_output, output):
+    """Linear in ``grad_output``; ``grad * grad_output * (1 - 2 output)`` in the output."""
+    output = output.conj() if output.is_complex() else output
+    return (_aten.sigmoid_backward.default(grad, output),
+            (grad.conj() if grad.is_complex() else grad) * grad_output * (1 - 2 * output))
 
 
 # -- error function ----------------------------------------------------------------------------

@@ -8,6 +8,11 @@ torch computes the loss and graphgrad only its gradient. Gradients follow torch'
 formulas, including the ones for ``target``; where torch raises instead
 (``weight`` of nll_loss/cross_entropy with class indices, of binary_cross_entropy and
 binary_cross_entropy_with_logits, and that one's ``pos_weight``) graphgrad gives the gradient.
+Where torch's backward is one fused kernel (``mse_loss_backward``, ``smooth_l1_loss_backward``,
+``huber_loss_backward``, ``nll_loss_backward``), the rule calls it, and the kernel has a rule of
+its own for ``create_graph`` (torch's double-backward formulas). nll_loss records the op torch's
+``nll_loss_nd`` reaches (``nll_loss_forward`` or ``nll_loss2d_forward``), whose total weight is
+what its backward kernel reads.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from ..rules import decomposition, derivative
+from .nn import autocast_float32, autocast_has_kernel, autocast_off
+
+_aten = torch.ops.aten
 
 _REDUCTIONS = ("none", "mean", "sum")  # torch's reduction enum: 0, 1, 2
 _BCE_EPS = 1e-12  # torch clamps binary_cross_entropy's (1 - x) * x from below by this
@@ -99,13 +107,41 @@ def _pointwise_grads(kind, grad, input, target, weight, reduction, param=None, w
     return g_input, None if g_input is None else -g_input, g_weight
 
 
+def _fused_pointwise_grads(kernel, grad, input, target, reduction, param, needs):
+    """torch's backward kernel on the broadcast pair (F's losses broadcast first). The target's
+    gradient is the negation, which equals the kernel's output for (target, input) exactly."""
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    g = kernel(grad, input.expand(shape), target.expand(shape), _REDUCTIONS.index(reduction),
+               *param)
+    return g if needs[0] else None, -g if needs[1] else None
+
+
+_MEAN = _REDUCTIONS.index("mean")
+
+
+def _mean_scaled(g, input, reduction):
+    return g / input.numel() if reduction == _MEAN else g
+
+
 @derivative(F.mse_loss)
 def mse_loss(grad, input, target, size_average=None, reduce=None, reduction="mean", weight=None,
              *, needs_input_grad):
+    reduction = _reduction(size_average, reduce, reduction)
+    if weight is None:
+        return _fused_pointwise_grads(_aten.mse_loss_backward.default, grad, input, target,
+                                      reduction, (), needs_input_grad)
     g_input, g_target, g_weight = _pointwise_grads(
-        "mse", grad, input, target, weight, _reduction(size_average, reduce, reduction),
-        weight_mean=True, needs=needs_input_grad[:2] + needs_input_grad[5:])
+        "mse", grad, input, target, weight, reduction, weight_mean=True,
+        needs=needs_input_grad[:2] + needs_input_grad[5:])
     return g_input, g_target, None, None, None, g_weight
+
+
+@derivative(_aten.mse_loss_backward.default)
+def mse_loss_backward(grad, grad_output, input, target, reduction):
+    """Linear in ``grad_output``; in input and target ``±2 grad grad_output`` (/ n for "mean"):
+    torch's ``mse_loss_double_backward``."""
+    g = _mean_scaled(2 * (grad * grad_output), input, reduction)
+    return _aten.mse_loss_backward.default(grad, input, target, reduction), g, -g
 
 
 @decomposition(F.l1_loss)
@@ -137,39 +173,67 @@ def _reduce(loss, reduction):
 
 @derivative(F.smooth_l1_loss)
 def smooth_l1_loss(grad, input, target, size_average=None, reduce=None, reduction="mean",
-                   beta=1.0):
-    return _pointwise_grads("smooth_l1", grad, input, target, None,
-                            _reduction(size_average, reduce, reduction), beta)[:2]
+                   beta=1.0, *, needs_input_grad):
+    """torch's kernel; with ``beta=0`` torch computes l1_loss, differentiated as such."""
+    reduction = _reduction(size_average, reduce, reduction)
+    if beta == 0.0:
+        return _pointwise_grads("smooth_l1", grad, input, target, None, reduction, beta)[:2]
+    return _fused_pointwise_grads(_aten.smooth_l1_loss_backward.default, grad, input, target,
+                                  reduction, (beta,), needs_input_grad)
+
+
+@derivative(_aten.smooth_l1_loss_backward.default)
+def smooth_l1_loss_backward(grad, grad_output, input, target, reduction, beta):
+    """Linear in ``grad_output``; in input and target ``±grad grad_output / beta`` where
+    ``|input - target| < beta`` (torch's ``smooth_l1_loss_double_backward``)."""
+    inside = ((input - target).abs() < beta).to(grad.dtype)
+    g = _mean_scaled(grad * grad_output * inside / beta, input, reduction)
+    return _aten.smooth_l1_loss_backward.default(grad, input, target, reduction, beta), g, -g
 
 
 @derivative(F.huber_loss)
 def huber_loss(grad, input, target, reduction="mean", delta=1.0, weight=None, *, needs_input_grad):
+    if weight is None:
+        return _fused_pointwise_grads(_aten.huber_loss_backward.default, grad, input, target,
+                                      reduction, (delta,), needs_input_grad)
     g_input, g_target, g_weight = _pointwise_grads(
         "huber", grad, input, target, weight, reduction, delta,
         needs=needs_input_grad[:2] + needs_input_grad[4:])
     return g_input, g_target, None, None, g_weight
 
 
+@derivative(_aten.huber_loss_backward.default)
+def huber_loss_backward(grad, grad_output, input, target, reduction, delta):
+    """torch's ``huber_loss_double_backward`` (input, target) and ``..._grad_output``."""
+    if reduction == _REDUCTIONS.index("none"):
+        g_grad_output = _aten.huber_loss_backward.default(grad, input, target, reduction, delta)
+    else:
+        ones = torch.ones(grad_output.shape, dtype=grad_output.dtype, device=grad_output.device)
+        g_grad_output = (_aten.huber_loss_backward.default(ones, input, target, reduction, delta)
+                         * grad).sum()
+    inside = ((input - target).abs() < delta).to(grad.dtype)
+    g = _mean_scaled(grad * grad_output * inside, input, reduction)
+    return g_grad_output, g, -g
+
+
 # -- classification -------------------------------------------------------------------------
-@derivative(F.nll_loss, saved_for={"input": "weight"})
-def nll_loss(grad, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-             reduction="mean", *, needs_input_grad):
-    """Only the target class's log-probability gets ``-weight`` (over the total weight for
-    "mean"). ``input`` is kept only when ``weight`` needs a gradient (torch has none for it)."""
-    reduction = _reduction(size_average, reduce, reduction)
+def _nll_grads(grad, input, target, weight, reduction, ignore_index, needs):
+    """nll_loss's input and weight gradients in recorded ops, for a ``weight`` that requires
+    grad (torch has no gradient for it; graphgrad gives it): only the target class's
+    log-probability gets ``-weight`` (over the total weight for "mean"), and
+    loss = -sum(w[t] * x[t]) (/ sum(w[t])) gives each kept element's -x[t] (- loss) to w[t]."""
     class_dim = 1 if input.ndim >= 2 else 0
     keep = target != ignore_index
     safe = target.masked_fill(~keep, 0)
-    w = keep.to(input.dtype) if weight is None else weight[safe] * keep
+    w = weight[safe] * keep
     total = w.sum() if reduction == "mean" else None
     scale = grad / total if reduction == "mean" else grad
     g_input = g_weight = None
-    if needs_input_grad[0]:
+    if needs[0]:
         picked = -(scale * w).masked_fill(~keep, 0.0).unsqueeze(class_dim)
         zeros = torch.zeros(input.shape, dtype=input.dtype, device=input.device)
         g_input = zeros.scatter(class_dim, safe.unsqueeze(class_dim), picked)
-    if weight is not None and needs_input_grad[2]:
-        # loss = -sum(w[t] * x[t]) (/ sum(w[t])): each kept element adds -x[t] (- loss) to w[t]
+    if needs[2]:
         x_t = input.gather(class_dim, safe.unsqueeze(class_dim)).squeeze(class_dim)
         contrib = -x_t
         if reduction == "mean":
@@ -177,26 +241,81 @@ def nll_loss(grad, input, target, weight=None, size_average=None, ignore_index=-
         contrib = (scale * contrib).masked_fill(~keep, 0.0)
         zeros = torch.zeros(weight.shape, dtype=contrib.dtype, device=contrib.device)
         g_weight = zeros.scatter_add(0, safe.reshape(-1), contrib.reshape(-1))
-    return g_input, None, g_weight
+    return g_input, g_weight
 
 
-_AUTOCAST_KERNELS: dict = {}
+@decomposition(F.nll_loss)
+def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+             reduction="mean"):
+    """torch's ``nll_loss_nd``: 1-d and 2-d inputs through ``nll_loss_forward``, 4-d ones
+    through ``nll_loss2d_forward``, the others viewed as 4-d; autocast runs it in float32."""
+    enum = torch.nn._reduction.get_enum(_reduction(size_average, reduce, reduction))
+    if input.dim() < 1:
+        raise ValueError(f"Expected 1 or more dimensions (got {input.dim()})")
+    if input.dim() != 1 and input.shape[0] != target.shape[0]:
+        raise ValueError(f"Expected input batch_size ({input.shape[0]}) to match target "
+                         f"batch_size ({target.shape[0]}).")
+    device = input.device.type
+    op = "aten::nll_loss" if input.dim() <= 2 else "aten::nll_loss2d"
+    input, weight = autocast_float32(op, device, input, weight)
+    if input.dim() <= 2:
+        return autocast_off(device, _aten.nll_loss_forward.default, input, target, weight, enum,
+                            ignore_index)[0]
+    if input.dim() == 4:
+        return autocast_off(device, _aten.nll_loss2d_forward.default, input, target, weight,
+                            enum, ignore_index)[0]
+    n, c = input.shape[0], input.shape[1]
+    out_size = (n,) + tuple(input.shape[2:])
+    if tuple(target.shape[1:]) != tuple(input.shape[2:]):
+        raise RuntimeError(f"Expected target size {list(out_size)}, got {list(target.shape)}")
+    input = input.contiguous().view(n, c, 1, -1) if input.numel() else input.view(n, c, 0, 0)
+    target = target.contiguous().view(n, 1, -1) if target.numel() else target.view(n, 0, 0)
+    out = autocast_off(device, _aten.nll_loss2d_forward.default, input, target, weight, enum,
+                       ignore_index)[0]
+    return out if enum != 0 else out.view(out_size)
 
 
-def _autocast_has_kernel(op: str, device_type: str) -> bool:
-    """Does autocast on ``device_type`` have a kernel of its own for ``op`` (a cast policy)?
+def _total_weight_only(values, keep, needs):
+    """Of the outputs (loss, total weight), the backward reads the total weight."""
+    return keep, (1,)
 
-    torch's policies differ by device: CPU autocast runs ``cross_entropy_loss`` in float32,
-    CUDA autocast has no entry for it (its pieces follow their own policies)."""
-    key = (op, device_type)
-    found = _AUTOCAST_KERNELS.get(key)
-    if found is None:
-        try:
-            found = torch._C._dispatch_has_kernel_for_dispatch_key(op, "Autocast" + device_type.upper())
-        except (RuntimeError, AttributeError):  # no such dispatch key in this torch
-            found = device_type == "cpu"
-        _AUTOCAST_KERNELS[key] = found
-    return found
+
+def _nll_loss_rule(backward_kernel):
+    def nll_loss_forward(grads, input, target, weight, reduction, ignore_index, *, result,
+                         needs_input_grad):
+        """torch's fused backward kernel, on what torch's node keeps (input, target, weight,
+        total weight); when the weight requires grad, a formula (torch has no gradient for it)."""
+        grad = grads[0]  # the total weight carries no gradient, as in torch
+        if needs_input_grad[2]:  # the input's gradient depends on the weight: by formula
+            g_input, g_weight = _nll_grads(grad, input, target, weight, _REDUCTIONS[reduction],
+                                           ignore_index, needs_input_grad)
+            return g_input, None, g_weight
+        return backward_kernel(grad, input, target, weight, reduction, ignore_index, result[1])
+
+    return nll_loss_forward
+
+
+for _forward, _backward, _name in [
+        (_aten.nll_loss_forward.default, _aten.nll_loss_backward.default, "NllLossBackward"),
+        (_aten.nll_loss2d_forward.default, _aten.nll_loss2d_backward.default, "NllLoss2dBackward")]:
+    derivative(_forward, name=_name, multi_output=True, saves=_total_weight_only,
+               differentiable_outputs=1)(_nll_loss_rule(_backward))
+
+
+def _nll_loss_backward_rule(forward_kernel):
+    def nll_loss_backward(grad, grad_output, input, target, weight, reduction, ignore_index,
+                          total_weight):
+        """Linear in ``grad_output``, constant in the input: its derivative is the loss
+        itself applied to ``grad`` (torch's formula)."""
+        return forward_kernel(grad, target, weight, reduction, ignore_index)[0]
+
+    return nll_loss_backward
+
+
+derivative(_aten.nll_loss_backward.default, name="NllLossBackwardBackward")(
+    _nll_loss_backward_rule(_aten.nll_loss_forward.default))
+derivative(_aten.nll_loss2d_backward.default, name="NllLoss2dBackwardBackward")(
+    _nll_loss_backward_rule(_aten.nll_loss2d_forward.default))
 
 
 @decomposition(F.cross_entropy)
@@ -207,7 +326,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     reduction = _reduction(size_average, reduce, reduction)
     device_type = input.device.type
     if input.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(device_type) \
-            and _autocast_has_kernel("aten::cross_entropy_loss", device_type):
+            and autocast_has_kernel("aten::cross_entropy_loss", device_type):
         input = input.float()  # autocast runs cross_entropy in float32 here: so must its pieces
     class_dim = 1 if input.dim() >= 2 else 0
     n_classes = input.shape[class_dim]

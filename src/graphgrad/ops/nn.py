@@ -40,6 +40,61 @@ def torch_body(fn):
     return body
 
 
+# -- autocast, as torch's own dispatcher applies it --------------------------------------
+_AUTOCAST_KERNELS: dict = {}
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def autocast_has_kernel(op: str, device_type: str) -> bool:
+    """Does autocast on ``device_type`` have a kernel of its own for ``op`` (a cast policy)?
+
+    torch's policies differ by device: CPU autocast runs ``cross_entropy_loss`` in float32,
+    CUDA autocast has no entry for it (its pieces follow their own policies)."""
+    key = (op, device_type)
+    found = _AUTOCAST_KERNELS.get(key)
+    if found is None:
+        try:
+            found = torch._C._dispatch_has_kernel_for_dispatch_key(op, "Autocast" + device_type.upper())
+        except (RuntimeError, AttributeError):  # no such dispatch key in this torch
+            found = device_type == "cpu"
+        _AUTOCAST_KERNELS[key] = found
+    return found
+
+
+def autocast_float32(op: str, device_type: str, *tensors) -> tuple:
+    """``tensors`` as torch's autocast hands them to ``op``, an op it runs in float32 where it
+    has a kernel for it (CUDA's layer_norm, group_norm; nll_loss on both devices): half-precision
+    ones as recorded float32 copies. Where it has none they are passed as they are."""
+    if not torch.is_autocast_enabled(device_type) or not autocast_has_kernel(op, device_type):
+        return tensors
+    return tuple(t.float() if t is not None and t.dtype in _LOW else t for t in tensors)
+
+
+def autocast_lower_precision(op: str, device_type: str, *tensors) -> tuple:
+    """``tensors`` as torch's autocast hands them to ``op``, an op it runs in its lower precision
+    where it has a kernel for it (scaled_dot_product_attention): floating tensors other than
+    float64 as recorded copies in autocast's dtype."""
+    if not torch.is_autocast_enabled(device_type) or not autocast_has_kernel(op, device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and
+                 t.dtype not in (dtype, torch.float64) else t for t in tensors)
+
+
+def autocast_off(device_type: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with autocast off on ``device_type``. For a private primitive
+    called in place of the public op that autocast sees: its inputs are already what autocast
+    would have made them (``autocast_float32``...), so nothing may be cast again, nor its saved
+    inputs."""
+    if not torch.is_autocast_enabled(device_type):
+        return fn(*args, **kwargs)
+    torch.set_autocast_enabled(device_type, False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_autocast_enabled(device_type, True)
+
+
 # -- dropout -----------------------------------------------------------------------------
 _ALPHA = 1.7580993408473766  # SELU's alpha * scale, as in ATen's alpha dropout
 
@@ -147,16 +202,26 @@ def embedding_function(input, weight, padding_idx=None, max_norm=None, norm_type
 
 @derivative(torch.embedding)
 def embedding(grad, weight: Meta, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    """Rows of ``grad`` added into the rows they were read from; ``padding_idx`` gets none."""
+    """torch's ``embedding_dense_backward``: rows of ``grad`` added into the rows they were read
+    from (``padding_idx`` gets none; divided by each index's count with ``scale_grad_by_freq``)."""
+    return torch.ops.aten.embedding_dense_backward.default(grad, indices, weight.shape[0],
+                                                           padding_idx, scale_grad_by_freq)
+
+
+@derivative(torch.ops.aten.embedding_dense_backward.default)
+def embedding_dense_backward(grad, grad_output, indices, num_weights, padding_idx,
+                             scale_grad_by_freq):
+    """Linear in ``grad_output``: its adjoint reads ``grad``'s rows at the indices, zero at
+    ``padding_idx``, divided by each index's count with ``scale_grad_by_freq`` (torch's own
+    formula leaves the counts out)."""
     idx = indices.reshape(-1)
-    g = grad.reshape((idx.numel(),) + tuple(weight.shape[1:]))
+    rows = grad.index_select(0, idx)
     if padding_idx >= 0:
-        g = g.masked_fill((idx == padding_idx).unsqueeze(-1), 0.0)
+        rows = rows.masked_fill((idx == padding_idx).unsqueeze(-1), 0.0)
     if scale_grad_by_freq:
-        counts = torch.bincount(idx, minlength=weight.shape[0])
-        g = g / counts[idx].unsqueeze(-1).to(g.dtype)
-    zeros = torch.zeros(weight.shape, dtype=grad.dtype, device=grad.device)
-    return zeros.index_add(0, idx, g)
+        counts = torch.bincount(idx, minlength=num_weights)
+        rows = rows / counts[idx].unsqueeze(-1).to(rows.dtype)
+    return rows.view(tuple(indices.shape) + (-1,))
 
 
 nondifferentiable(F.one_hot)

@@ -1,21 +1,27 @@
 """Normalization: batch_norm, instance_norm, layer_norm, group_norm, rms_norm.
 
-The forward is torch's (so running statistics are updated exactly as torch updates them); the
-backward recomputes the statistics from the saved input with recorded ops, which makes the
-rules twice differentiable. batch_norm and instance_norm reach one of two private primitives:
-with batch statistics (the running buffers are never saved: they change in place on every
-training step) or with the running statistics (eval mode).
+These run torch's kernels both ways, as torch.autograd does. The forward is the op torch's
+own composite reaches (``native_batch_norm``, ``native_layer_norm``, ``native_group_norm``),
+which also returns the statistics (mean, inverse standard deviation) its fused backward
+kernel reads, and updates the running buffers exactly as ``torch.batch_norm`` does. Under
+``create_graph`` the backward kernels of batch_norm and layer_norm are recorded ops with rules
+of their own (torch's ``batchnorm_double_backward`` and ``layer_norm_double_backward``);
+group_norm, like torch, calls its kernel only when no higher derivative is wanted and a formula
+in recorded ops otherwise. instance_norm is torch's composite: batch_norm over a (1, N*C, ...)
+view. rms_norm has no fused kernel on torch's CPU path: its rule is a formula.
 """
 
 from __future__ import annotations
 
+from math import prod
+
 import torch
 import torch.nn.functional as F
-from torch.overrides import handle_torch_function, has_torch_function
 
 from ..rules import decomposition, derivative
-from .nn import torch_body
+from .nn import autocast_float32, autocast_off, torch_body
 
+_aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -24,115 +30,27 @@ def _acc(x):
     return x.float() if x is not None and x.dtype in _LOW else x
 
 
-def _normalized(x, dims, eps):
-    """``(x - mean) / sqrt(var + eps)`` over ``dims`` and ``1 / sqrt(var + eps)`` (biased var)."""
-    centered = x - x.mean(dims, keepdim=True)
-    invstd = ((centered * centered).mean(dims, keepdim=True) + eps).pow(-0.5)
-    return centered * invstd, invstd
-
-
-def _normalized_grad(g, xhat, invstd, dims):
-    """Gradient through ``xhat`` when the statistics come from ``x`` itself."""
-    return invstd * (g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True))
-
-
 def _channel_shape(input) -> tuple:
     return (1, -1) + (1,) * (input.dim() - 2)
 
 
-def _stat_grads(grad, input, weight, eps, dims, needs):
-    """Input, weight and bias gradients of a per-channel affine normalization over ``dims``."""
-    g = _acc(grad)
-    channel_dims = [0] + list(range(2, input.dim()))
-    grad_input = grad_weight = grad_bias = None
-    if needs[0] or needs[1]:
-        xhat, invstd = _normalized(_acc(input), dims, eps)
-        if needs[0]:
-            gw = g if weight is None else g * _acc(weight).reshape(_channel_shape(input))
-            grad_input = _normalized_grad(gw, xhat, invstd, dims)
-        if needs[1]:
-            grad_weight = (g * xhat).sum(channel_dims)
-    if needs[2]:
-        grad_bias = g.sum(channel_dims)
-    return grad_input, grad_weight, grad_bias
+def _mask(needs, *positions) -> list:
+    return [needs[i] for i in positions]
 
 
-# -- private primitives: torch's forward, graphgrad's backward ---------------------------
-def _batch_norm_train(input, weight=None, bias=None, running_mean=None, running_var=None,
-                      momentum=0.1, eps=1e-5):
-    """torch.batch_norm with batch statistics (updates the running buffers, as torch)."""
-    args = (input, weight, bias, running_mean, running_var)
-    if has_torch_function(args):
-        return handle_torch_function(_batch_norm_train, args, *args, momentum, eps)
-    return torch.batch_norm(input, weight, bias, running_mean, running_var, True, momentum, eps,
-                            torch.backends.cudnn.enabled)
+def _not_differentiable(needs, positions: dict) -> None:
+    for name, i in positions.items():
+        if needs[i]:
+            raise NotImplementedError(f"the derivative for '{name}' is not implemented (graphgrad "
+                                      "and torch alike)")
 
 
-def _instance_norm_train(input, weight=None, bias=None, running_mean=None, running_var=None,
-                         momentum=0.1, eps=1e-5):
-    """torch.instance_norm with the input's statistics (updates the running buffers, as torch)."""
-    args = (input, weight, bias, running_mean, running_var)
-    if has_torch_function(args):
-        return handle_torch_function(_instance_norm_train, args, *args, momentum, eps)
-    return torch.instance_norm(input, weight, bias, running_mean, running_var, True, momentum, eps,
-                               torch.backends.cudnn.enabled)
+def _stats_only(values, keep, needs):
+    """Of the outputs, the backward reads the mean and the inverse standard deviation."""
+    return keep, (1, 2)
 
 
-def _batch_norm_eval(input, running_mean, running_var, weight=None, bias=None, eps=1e-5):
-    """torch.batch_norm with the running statistics."""
-    args = (input, running_mean, running_var, weight, bias)
-    if has_torch_function(args):
-        return handle_torch_function(_batch_norm_eval, args, *args, eps)
-    return torch.batch_norm(input, weight, bias, running_mean, running_var, False, 0.0, eps,
-                            torch.backends.cudnn.enabled)
-
-
-def _instance_norm_eval(input, running_mean, running_var, weight=None, bias=None, eps=1e-5):
-    """torch.instance_norm with the running statistics."""
-    args = (input, running_mean, running_var, weight, bias)
-    if has_torch_function(args):
-        return handle_torch_function(_instance_norm_eval, args, *args, eps)
-    return torch.instance_norm(input, weight, bias, running_mean, running_var, False, 0.0, eps,
-                               torch.backends.cudnn.enabled)
-
-
-_FOR_INPUT_OR_WEIGHT = {"input": ("input", "weight"), "weight": "input"}
-
-
-@derivative(_batch_norm_train, name="BatchNormBackward", saved_for=_FOR_INPUT_OR_WEIGHT)
-def batch_norm_train(grad, input, weight=None, bias=None, running_mean=None, running_var=None,
-                     momentum=0.1, eps=1e-5, *, needs_input_grad):
-    dims = [0] + list(range(2, input.dim()))
-    return _stat_grads(grad, input, weight, eps, dims, needs_input_grad)
-
-
-@derivative(_instance_norm_train, name="InstanceNormBackward", saved_for=_FOR_INPUT_OR_WEIGHT)
-def instance_norm_train(grad, input, weight=None, bias=None, running_mean=None, running_var=None,
-                        momentum=0.1, eps=1e-5, *, needs_input_grad):
-    dims = list(range(2, input.dim()))
-    return _stat_grads(grad, input, weight, eps, dims, needs_input_grad)
-
-
-@derivative(_batch_norm_eval, _instance_norm_eval, name="BatchNormEvalBackward",
-            saved_for={"input": "weight", "running_mean": "weight", "weight": "input"})
-def norm_eval(grad, input, running_mean, running_var, weight=None, bias=None, eps=1e-5, *,
-              needs_input_grad):
-    """An affine map per channel: ``(x - running_mean) / sqrt(running_var + eps) * w + b``."""
-    shape = _channel_shape(grad)
-    channel_dims = [0] + list(range(2, grad.dim()))
-    g = _acc(grad)
-    invstd = (_acc(running_var) + eps).pow(-0.5).reshape(shape)
-    grad_input = grad_weight = grad_bias = None
-    if needs_input_grad[0]:
-        grad_input = g * invstd if weight is None else g * (invstd * _acc(weight).reshape(shape))
-    if needs_input_grad[3]:
-        xhat = (_acc(input) - _acc(running_mean).reshape(shape)) * invstd
-        grad_weight = (g * xhat).sum(channel_dims)
-    if needs_input_grad[4]:
-        grad_bias = g.sum(channel_dims)
-    return grad_input, None, None, grad_weight, grad_bias
-
-
+# -- batch_norm: native_batch_norm and its backward kernel --------------------------------
 def _check_buffers(name, running_mean, running_var):
     for what, t in (("running_mean", running_mean), ("running_var", running_var)):
         if t is not None and t.requires_grad:
@@ -140,71 +58,316 @@ def _check_buffers(name, running_mean, running_var):
                                f"argument '{what}'. This input cannot have requires_grad True.")
 
 
+def _check_batch_norm(input, weight, bias, running_mean, running_var, training):
+    """torch's ``_batch_norm_impl_index`` checks (``native_batch_norm`` itself trusts them)."""
+    features = input.size(1)
+    for name, t in (("running_mean", running_mean), ("running_var", running_var),
+                    ("weight", weight), ("bias", bias)):
+        if t is None:
+            if not training and name.startswith("running"):
+                raise RuntimeError(f"{name} must be defined in the evaluation mode")
+        elif t.numel() != features:
+            raise RuntimeError(f"{name} should contain {features} elements not {t.numel()}")
+
+
 @decomposition(torch.batch_norm)
 def batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps,
                cudnn_enabled):
-    """Batch statistics when training, else the running ones."""
+    """torch's ``_batch_norm_impl_index``: checks, then ``native_batch_norm`` (torch's CPU path;
+    on CUDA torch would pick cuDNN's kernels where it can, graphgrad ATen's native ones)."""
     _check_buffers("native_batch_norm", running_mean, running_var)
-    if training:
-        return _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, eps)
-    return _batch_norm_eval(input, running_mean, running_var, weight, bias, eps)
-
-
-@decomposition(torch.instance_norm)
-def instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
-                  cudnn_enabled):
-    _check_buffers("native_batch_norm", running_mean, running_var)
-    if use_input_stats:
-        return _instance_norm_train(input, weight, bias, running_mean, running_var, momentum, eps)
-    return _instance_norm_eval(input, running_mean, running_var, weight, bias, eps)
+    if input.numel() == 0:  # a new tensor with a graph, as torch gives
+        out = input.clone()
+        if weight is not None:
+            out = out * weight[0]
+        if bias is not None:
+            out = out + bias[0]
+        return out
+    _check_batch_norm(input, weight, bias, running_mean, running_var, training)
+    return autocast_off(input.device.type, torch.native_batch_norm, input, weight, bias,
+                        running_mean, running_var, training, momentum, eps)[0]
 
 
 decomposition(F.batch_norm)(torch_body(F.batch_norm))
+
+
+@derivative(torch.native_batch_norm, name="NativeBatchNormBackward", multi_output=True,
+            saves=_stats_only, differentiable_outputs=1)
+def native_batch_norm(grads, input, weight, bias, running_mean, running_var, training, momentum,
+                      eps, *, result, needs_input_grad):
+    """torch's fused kernel, on the batch statistics the forward saved (training) or on the
+    running ones (eval); it saves what torch's node saves, the running buffers included. The
+    statistics are outputs that carry no gradient, as in torch: constants of the kernel, whose
+    own derivative (torch's double-backward formula) differentiates through them already."""
+    return _aten.native_batch_norm_backward.default(
+        grads[0], input, weight, running_mean, running_var, result[1], result[2], training, eps,
+        _mask(needs_input_grad, 0, 1, 2))
+
+
+def _sum_but_channels(t, keepdim=True):
+    return t.sum([0] + list(range(2, t.dim())), keepdim=keepdim)
+
+
+@derivative(_aten.native_batch_norm_backward.default, name="NativeBatchNormBackwardBackward",
+            multi_output=True)
+def native_batch_norm_backward(grads, grad_out, input, weight, running_mean, running_var, save_mean,
+                               save_invstd, train, eps, output_mask, *, needs_input_grad):
+    """torch's ``batchnorm_double_backward``: the kernel's (grad_input, grad_weight, grad_bias)
+    differentiated in grad_out, input and weight, statistics included."""
+    _not_differentiable(needs_input_grad, {"native_batch_norm_backward save_mean": 5,
+                                           "native_batch_norm_backward save_invstd": 6})
+    ggI, ggW, ggB = grads
+    shape = _channel_shape(input)
+    affine = weight is not None
+    gamma = weight.reshape(shape) if affine else 1.0
+    M = input.numel() // input.shape[1]
+    if train:  # half-precision inputs have float32 statistics
+        mu = save_mean.to(input.dtype).reshape(shape)
+        invstd = save_invstd.to(input.dtype).reshape(shape)
+    else:
+        mu = running_mean.reshape(shape)
+        invstd = (running_var + eps).pow(-0.5).reshape(shape)
+    x_mu = input - mu
+    invstd2, invstd3 = invstd.pow(2), invstd.pow(3)
+    gO_x_mu_sum = _sum_but_channels(grad_out * x_mu)
+    gO_sum = _sum_but_channels(grad_out)
+
+    def first_backward(g, scale):  # the kernel's grad_input in training, for (g, weight=scale)
+        centered = M * g - _sum_but_channels(g) - x_mu * invstd2 * _sum_but_channels(g * x_mu)
+        return (scale * invstd / M) * centered
+
+    g_input = g_weight = g_grad_out = None
+    if needs_input_grad[1]:
+        if ggI is not None and train:
+            ggI_sum = _sum_but_channels(ggI)
+            ggI_x_mu_sum = _sum_but_channels(ggI * x_mu)
+            all_sub = (ggI_sum * gO_sum / M - _sum_but_channels(grad_out * ggI)
+                       + invstd2 * gO_x_mu_sum * ggI_x_mu_sum * (3.0 / M))
+            g_input = gamma * ((x_mu * invstd3) * all_sub / M
+                               + (ggI_x_mu_sum * invstd3 / M) * (gO_sum / M - grad_out)
+                               + (gO_x_mu_sum * invstd3 / M) * (ggI_sum / M - ggI))
+        if affine and ggW is not None:
+            ggW_c = ggW.reshape(shape)
+            if train:
+                term = ggW_c * (grad_out * invstd - invstd * gO_sum / M
+                                - (x_mu * invstd3) * gO_x_mu_sum / M)
+            else:
+                term = ggW_c * invstd * grad_out
+            g_input = term if g_input is None else g_input + term
+    if needs_input_grad[2] and affine and ggI is not None:
+        if train:
+            g_weight = _sum_but_channels(ggI * first_backward(grad_out, 1.0), keepdim=False)
+        else:
+            g_weight = _sum_but_channels(ggI * grad_out * invstd, keepdim=False)
+    if needs_input_grad[0]:
+        if ggI is not None:
+            g_grad_out = first_backward(ggI, gamma) if train else ggI * invstd * gamma
+        if affine and ggW is not None:
+            term = ggW.reshape(shape) * x_mu * invstd
+            g_grad_out = term if g_grad_out is None else g_grad_out + term
+        if affine and ggB is not None:
+            term = ggB.reshape(shape).expand(input.shape)
+            g_grad_out = term if g_grad_out is None else g_grad_out + term
+    return g_grad_out, g_input, g_weight
+
+
+# -- instance_norm: torch's composite over batch_norm ------------------------------------
+@decomposition(torch.instance_norm)
+def instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
+                  cudnn_enabled):
+    """batch_norm of the (1, N*C, ...) view with the parameters and buffers repeated N times,
+    then the buffers averaged back (torch's ``at::instance_norm``)."""
+    _check_buffers("native_batch_norm", running_mean, running_var)
+    if not use_input_stats and (running_mean is None or running_var is None):
+        raise RuntimeError("Expected running_mean and running_var to be defined when "
+                           "use_input_stats is false")
+    b, c = input.shape[0], input.shape[1]
+    weight_, bias_, mean_, var_ = (None if t is None else t.repeat(b)
+                                   for t in (weight, bias, running_mean, running_var))
+    out = torch.batch_norm(input.contiguous().view((1, b * c) + tuple(input.shape[2:])), weight_,
+                           bias_, mean_, var_, use_input_stats, momentum, eps, cudnn_enabled)
+    for buffer, repeated in ((running_mean, mean_), (running_var, var_)):
+        if buffer is not None:
+            buffer.copy_(repeated.view(b, c).mean(0))
+    return out.view(input.shape)
+
+
 decomposition(F.instance_norm)(torch_body(F.instance_norm))
 
 
-# -- statistics over the input alone ----------------------------------------------------
+# -- layer_norm: native_layer_norm and its backward kernel --------------------------------
+@decomposition(F.layer_norm, torch.layer_norm)
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    """``native_layer_norm``, after autocast's float32 casts where it has them (CUDA)."""
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    device = input.device.type
+    input, weight, bias = autocast_float32("aten::layer_norm", device, input, weight, bias)
+    return autocast_off(device, torch.native_layer_norm, input, normalized_shape, weight, bias,
+                        eps)[0]
+
+
+@derivative(torch.native_layer_norm, name="NativeLayerNormBackward", multi_output=True,
+            saves=_stats_only, differentiable_outputs=1)
+def native_layer_norm(grads, input, normalized_shape, weight, bias, eps, *, result,
+                      needs_input_grad):
+    """torch's fused kernel on the saved mean and inverse standard deviation."""
+    grad_input, grad_weight, grad_bias = _aten.native_layer_norm_backward.default(
+        grads[0], input, normalized_shape, result[1], result[2], weight, bias,
+        _mask(needs_input_grad, 0, 2, 3))
+    return grad_input, None, grad_weight, grad_bias
+
+
+@derivative(_aten.native_layer_norm_backward.default, name="NativeLayerNormBackwardBackward",
+            multi_output=True)
+def native_layer_norm_backward(grads, grad_out, input, normalized_shape, mean, rstd, weight, bias,
+                               output_mask, *, needs_input_grad):
+    """torch's ``layer_norm_double_backward`` (bias has no part in the kernel's gradients)."""
+    _not_differentiable(needs_input_grad, {"native_layer_norm_backward mean": 3,
+                                           "native_layer_norm_backward rstd": 4})
+    ggI, ggW, ggB = grads
+    axis = input.dim() - len(normalized_shape)
+    M, N = prod(input.shape[:axis]), prod(input.shape[axis:])
+    x = input.reshape(M, N)
+    gO = grad_out.reshape(M, N)
+    affine = weight is not None
+    gamma = weight.reshape(1, N) if affine else 1.0
+    ggI = ggI.reshape(M, N) if ggI is not None else None
+    x_mu = x - mean.reshape(M, 1).to(x.dtype)  # half-precision inputs have float32 statistics
+    invstd = rstd.reshape(M, 1).to(x.dtype)
+    invstd2, invstd3 = invstd.pow(2), invstd.pow(3)
+
+    def first_backward(g, scale):  # the kernel's grad_input, for (g, weight=scale)
+        centered = N * g - g.sum(1, keepdim=True) - x_mu * invstd2 * (g * x_mu).sum(1, keepdim=True)
+        return (scale * invstd / N) * centered
+
+    g_input = g_weight = g_grad_out = None
+    if needs_input_grad[1]:
+        if ggI is not None:
+            gxhat = gO * gamma
+            gxhat_x_mu_sum = (gxhat * x_mu).sum(1, keepdim=True)
+            gxhat_sum = gxhat.sum(1, keepdim=True)
+            ggI_sum = ggI.sum(1, keepdim=True)
+            ggI_x_mu_sum = (ggI * x_mu).sum(1, keepdim=True)
+            all_sub = (ggI_sum * gxhat_sum / N - (ggI * gxhat).sum(1, keepdim=True)
+                       + invstd2 * gxhat_x_mu_sum * ggI_x_mu_sum * (3.0 / N))
+            g_input = ((x_mu * invstd3) * all_sub / N
+                       + (ggI_x_mu_sum * invstd3 / N) * (gxhat_sum / N - gxhat)
+                       + (gxhat_x_mu_sum * invstd3 / N) * (ggI_sum / N - ggI))
+        if affine and ggW is not None:
+            gOw = gO * ggW.reshape(1, N)
+            term = (gOw * invstd - invstd * gOw.sum(1, keepdim=True) / N
+                    - (x_mu * invstd3) * (gOw * x_mu).sum(1, keepdim=True) / N)
+            g_input = term if g_input is None else g_input + term
+        if g_input is not None:
+            g_input = g_input.reshape(input.shape)
+    if needs_input_grad[5] and affine and ggI is not None:
+        g_weight = (gO * first_backward(ggI, 1.0)).sum(0).reshape(weight.shape)
+    if needs_input_grad[0]:
+        if ggI is not None:
+            g_grad_out = first_backward(ggI, gamma)
+        if affine and ggW is not None:
+            term = ggW.reshape(1, N) * x_mu * invstd
+            g_grad_out = term if g_grad_out is None else g_grad_out + term
+        if affine and ggB is not None:
+            term = ggB.reshape(1, N)
+            g_grad_out = term if g_grad_out is None else g_grad_out + term
+        if g_grad_out is not None:
+            g_grad_out = g_grad_out.expand(M, N).reshape(input.shape)
+    return g_grad_out, g_input, None, None, None, g_weight
+
+
+# -- group_norm: native_group_norm; its kernel, or torch's differentiable formula ----------
+def _memory_format(t):
+    """``Tensor.suggest_memory_format()``: channels-last where the strides are."""
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if t.dim() == 5 and not t.is_contiguous() and \
+            t.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+@decomposition(torch.group_norm)
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
+    """torch's ``at::group_norm``: ``native_group_norm`` on (N, C, H*W), after autocast's
+    float32 casts where it has them (CUDA)."""
+    n, c = input.shape[0], input.shape[1]
+    device = input.device.type
+    input, weight, bias = autocast_float32("aten::group_norm", device, input, weight, bias)
+    x = input.contiguous(memory_format=_memory_format(input) if device == "cpu" else
+                         torch.contiguous_format)
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    return autocast_off(device, torch.native_group_norm, x, weight, bias, n, c,
+                        prod(input.shape[2:]), num_groups, eps)[0]
+
+
+decomposition(F.group_norm)(torch_body(F.group_norm))
+
+
+@derivative(torch.native_group_norm, name="NativeGroupNormBackward", multi_output=True,
+            saves=_stats_only)
+def native_group_norm(grads, input, weight, bias, N, C, HxW, group, eps, *, result,
+                      needs_input_grad):
+    """As torch: the fused kernel when no higher derivative is wanted; otherwise torch's
+    ``infinitely_differentiable_native_group_norm_backward``, on the saved statistics (which
+    then carry their own gradient back into this node)."""
+    dY, dmean, drstd = grads
+    mean, rstd = result[1], result[2]
+    if torch.is_grad_enabled() or dmean is not None or drstd is not None:
+        return _group_norm_grads(dY, dmean, drstd, input, mean, rstd, weight, N, C, HxW, group,
+                                 eps, needs_input_grad)
+    if dY is None:
+        return None
+    fmt = _memory_format(input) if input.device.type == "cpu" else torch.contiguous_format
+    return _aten.native_group_norm_backward.default(
+        dY.contiguous(memory_format=fmt), input.contiguous(memory_format=fmt), mean, rstd, weight,
+        N, C, HxW, group, _mask(needs_input_grad, 0, 1, 2))
+
+
+def _group_norm_grads(dY, dmean, drstd, input, mean, rstd, weight, N, C, HxW, group, eps, needs):
+    """Gradients of (output, mean, rstd) in recorded ops, so that they differentiate again."""
+    D = C // group
+    s = 1.0 / (D * HxW)
+    X = input.reshape(N, group, D, HxW)
+    mean4, rstd4 = mean.reshape(N, group, 1, 1), rstd.reshape(N, group, 1, 1)
+    dX = dgamma = dbeta = None
+    ds = db = None
+    if dY is not None:
+        dY4 = dY.reshape(N, group, D, HxW)
+        ds = (dY4 * X).sum(3).unsqueeze(-1)
+        db = dY4.sum(3).unsqueeze(-1)
+    if needs[0]:
+        gamma = weight.reshape(1, group, D, 1) if weight is not None else None
+        rstd3 = rstd4 * rstd4 * rstd4
+        if dY is not None:
+            a = rstd4 * gamma if gamma is not None else rstd4
+            b = (ds * gamma if gamma is not None else ds).sum(2).unsqueeze(-2)
+            c = (db * gamma if gamma is not None else db).sum(2).unsqueeze(-2)
+            b = (c * mean4 - b) * rstd3 * s
+            c = -b * mean4 - c * rstd4 * s
+            dX = a * dY4 + b * X + c
+        if drstd is not None:  # rstd = (var + eps)^-1/2 of the biased variance
+            dvar = -0.5 * rstd3 * drstd.reshape(N, group, 1, 1)
+            term = (2.0 * s) * dvar * (X - X.mean((2, 3), keepdim=True))
+            dX = term if dX is None else dX + term
+        if dmean is not None:
+            term = (dmean.reshape(N, group, 1, 1) * s).expand(X.shape)
+            dX = term if dX is None else dX + term
+        if dX is not None:
+            dX = dX.reshape(input.shape)
+    if needs[1] and dY is not None:
+        dgamma = ((ds - db * mean4) * rstd4).sum(0).reshape(weight.shape)
+    if needs[2] and dY is not None:
+        dbeta = db.sum(0).reshape(weight.shape if weight is not None else (C,))
+    return dX, dgamma, dbeta
+
+
+# -- rms_norm: a formula (torch's CPU path is a composite) ----------------------------------
 def _trailing(normalized_shape, input) -> list[int]:
     n = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
     return list(range(input.dim() - n, input.dim()))
-
-
-@derivative(F.layer_norm, torch.layer_norm, name="LayerNormBackward", saved_for=_FOR_INPUT_OR_WEIGHT)
-def layer_norm(grad, input, normalized_shape, weight=None, bias=None, eps=1e-5,
-               cudnn_enable=True, *, needs_input_grad):
-    """Statistics over the trailing ``normalized_shape``; weight and bias broadcast over the rest."""
-    dims = _trailing(normalized_shape, input)
-    x, g = _acc(input), _acc(grad)
-    grad_input = grad_weight = None
-    if needs_input_grad[0] or needs_input_grad[2]:
-        xhat, invstd = _normalized(x, dims, eps)
-        if needs_input_grad[0]:
-            grad_input = _normalized_grad(g if weight is None else g * _acc(weight), xhat, invstd,
-                                          dims)
-        if needs_input_grad[2]:
-            grad_weight = g * xhat
-    return grad_input, None, grad_weight, grad if needs_input_grad[3] else None
-
-
-@derivative(F.group_norm, torch.group_norm, name="GroupNormBackward", saved_for=_FOR_INPUT_OR_WEIGHT)
-def group_norm(grad, input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True, *,
-               needs_input_grad):
-    """Statistics over each group of ``C / num_groups`` channels and all spatial positions."""
-    n, c = input.shape[0], input.shape[1]
-    grouped = (n, num_groups, input.numel() // max(n * num_groups, 1))
-    needs = (needs_input_grad[0], needs_input_grad[2], needs_input_grad[3])
-    x, g = _acc(input), _acc(grad)
-    xhat, invstd = _normalized(x.reshape(grouped), -1, eps)
-    channel_dims = [0] + list(range(2, input.dim()))
-    grad_input = grad_weight = grad_bias = None
-    if needs[0]:
-        gw = g if weight is None else g * _acc(weight).reshape((1, c) + (1,) * (input.dim() - 2))
-        grad_input = _normalized_grad(gw.reshape(grouped), xhat, invstd, -1).reshape(input.shape)
-    if needs[1]:
-        grad_weight = (g * xhat.reshape(input.shape)).sum(channel_dims)
-    if needs[2]:
-        grad_bias = g.sum(channel_dims)
-    return grad_input, None, grad_weight, grad_bias
 
 
 def _rms_eps(eps, dtype):
@@ -213,7 +376,8 @@ def _rms_eps(eps, dtype):
     return torch.finfo(torch.float32 if dtype in _LOW else dtype).eps
 
 
-@derivative(F.rms_norm, torch.rms_norm, name="RmsNormBackward", saved_for=_FOR_INPUT_OR_WEIGHT)
+@derivative(F.rms_norm, torch.rms_norm, name="RmsNormBackward",
+            saved_for={"input": ("input", "weight"), "weight": "input"})
 def rms_norm(grad, input, normalized_shape, weight=None, eps=None, *, needs_input_grad):
     """``x / sqrt(mean(x²) + eps) * weight``; ``eps=None`` is the dtype's machine epsilon."""
     dims = _trailing(normalized_shape, input)

@@ -1,10 +1,10 @@
 """Pooling: max_pool1d/2d/3d, adaptive_max_pool1d/2d/3d (with and without indices),
 max_unpool1d/2d/3d, avg_pool1d/2d/3d, adaptive_avg_pool1d/2d/3d, lp_pool1d/2d/3d.
 
-Max pooling is a decomposition: torch finds where the maxima are (a choice, through which no
-gradient flows) and ``take_indices`` reads the values there, a recorded op whose gradient is a
-``scatter_add`` and whose second derivative is a ``gather``. Only the indices are kept, so the
-output may be changed in place before backward, as in torch.
+Max pooling records torch's with-indices op (``max_pool2d_with_indices``...) and differentiates
+it with torch's own backward kernel, which sends each gradient to where its maximum was; that
+kernel, recorded under ``create_graph``, has a rule of its own (a ``gather`` at the indices, as
+torch's ``max_pool_double_backward``). The node keeps the input and the indices, as torch's.
 
 Average pooling is linear, so its gradient is its adjoint: ``linear_adjoint`` applies torch's
 own backward kernel, and is itself dispatched and differentiable, its gradient being the
@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
-from ..rules import Meta, decomposition, derivative
+from ..rules import Meta, decomposition, derivative, node_name
+from .nn import torch_body
 
 _aten = torch.ops.aten
 _nn = torch._C._nn
@@ -48,79 +49,129 @@ def _ntuple(value, n: int) -> list:
     return [value] * n
 
 
-# -- max pooling: the values at the indices torch chose ----------------------------------
-def take_indices(input, indices, nd):
-    """The values of ``input`` at ``indices``: positions in each flattened ``nd``-d plane, as
-    max pooling returns them. Dispatched like a torch function, so it is recorded."""
-    if has_torch_function_unary(input):
-        return handle_torch_function(take_indices, (input,), input, indices, nd)
-    return input.flatten(-nd).gather(-1, indices.flatten(-nd)).view(indices.shape)
+# -- max pooling: torch's with-indices kernels and their backward kernels -----------------
+def gather_at(grad, indices, nd):
+    """``grad`` read at ``indices`` (positions in each flattened ``nd``-d plane, as max pooling
+    returns them), in recorded ops: torch's ``max_pool_double_backward``."""
+    return grad.flatten(-nd).gather(-1, indices.flatten(-nd)).view(indices.shape)
 
 
-@derivative(take_indices, name="MaxPoolBackward")
-def take_indices_backward(grad, input: Meta, indices, nd):
-    """Each gradient goes back to where its maximum came from (scatter_add: ties add up)."""
-    shape = tuple(input.shape)
-    planes = grad.new_zeros(shape[:len(shape) - nd] + (prod(shape[len(shape) - nd:]),))
-    return planes.scatter_add(-1, indices.flatten(-nd), grad.flatten(-nd)).view(shape)
+def _indices_only(values, keep, needs):
+    """Of the outputs (values, indices), the backward reads the indices."""
+    return keep, (1,)
 
 
-def _max_pool_decomposition(with_indices, nd, pair):
-    """Torch finds the maxima (no gradient flows through that choice); the values are taken
-    at their indices by a recorded op. ``pair``: the function always returns both."""
+def _single(value) -> int:
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+@derivative(_nn.max_pool2d_with_indices, multi_output=True, saves=_indices_only)
+def max_pool2d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
+                            ceil_mode=False, *, result):
+    """torch's ``max_pool2d_with_indices_backward``: each gradient to where its maximum was
+    (ties add up); it saves the input and the indices, as torch's node."""
+    return _aten.max_pool2d_with_indices_backward.default(
+        grads[0], input, kernel_size, stride, padding, dilation, ceil_mode, result[1])
+
+
+@derivative(_nn.max_pool3d_with_indices, multi_output=True, saves=_indices_only)
+def max_pool3d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
+                            ceil_mode=False, *, result):
+    return _aten.max_pool3d_with_indices_backward.default(
+        grads[0], input, kernel_size, stride, padding, dilation, ceil_mode, result[1])
+
+
+@derivative(torch.max_pool1d_with_indices, multi_output=True, saves=_indices_only)
+def max_pool1d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
+                            ceil_mode=False, *, result):
+    """torch pools in 1-d with its 2-d kernel on a height of 1, and so does the backward."""
+    kernel = _single(kernel_size)
+    no_stride = stride is None or (isinstance(stride, (list, tuple)) and not stride)
+    return _aten.max_pool2d_with_indices_backward.default(
+        grads[0].unsqueeze(-2), input.unsqueeze(-2), [1, kernel],
+        [1, kernel if no_stride else _single(stride)], [0, _single(padding)],
+        [1, _single(dilation)], ceil_mode, result[1].unsqueeze(-2)).squeeze(-2)
+
+
+@derivative(_nn.adaptive_max_pool2d, multi_output=True, saves=_indices_only)
+def adaptive_max_pool2d(grads, input, output_size, *, result):
+    return _aten.adaptive_max_pool2d_backward.default(grads[0], input, result[1])
+
+
+@derivative(_nn.adaptive_max_pool3d, multi_output=True, saves=_indices_only)
+def adaptive_max_pool3d(grads, input, output_size, *, result):
+    return _aten.adaptive_max_pool3d_backward.default(grads[0], input, result[1])
+
+
+@derivative(torch.adaptive_max_pool1d, multi_output=True, saves=_indices_only)
+def adaptive_max_pool1d(grads, input, output_size, *, result):
+    """Through the 2-d kernel on a height of 1, as torch's forward."""
+    return _aten.adaptive_max_pool2d_backward.default(
+        grads[0].unsqueeze(-2), input.unsqueeze(-2), result[1].unsqueeze(-2)).squeeze(-2)
+
+
+def _max_pool_backward_rule(nd, indices_at):
+    def max_pool_backward(grad, grad_output, input, *args):
+        """Linear in ``grad_output``: its derivative reads ``grad`` at the indices; the input
+        only chose them."""
+        return gather_at(grad, args[indices_at], nd)
+
+    return max_pool_backward
+
+
+for _nd, _kernel, _at in [(2, _aten.max_pool2d_with_indices_backward.default, 5),
+                          (3, _aten.max_pool3d_with_indices_backward.default, 5),
+                          (2, _aten.adaptive_max_pool2d_backward.default, 0),
+                          (3, _aten.adaptive_max_pool3d_backward.default, 0)]:
+    derivative(_kernel, name=node_name(_kernel.__name__.split(".")[0]))(
+        _max_pool_backward_rule(_nd, _at))
+
+
+def _max_pool_values(with_indices):
+    """torch.max_poolNd: the values of the with-indices op."""
+
+    def max_pool(input, *args, **kwargs):
+        return with_indices(input, *args, **kwargs)[0]
+
+    return max_pool
+
+
+def _max_pool_function(with_indices_function, n_options):
+    """F.max_poolNd / F.adaptive_max_poolNd: ``return_indices`` (after ``n_options``
+    positional options) says whether to return both."""
 
     def max_pool(input, *args, **kwargs):
         return_indices = kwargs.pop("return_indices", False)
-        if len(args) > 5:  # (kernel_size, stride, padding, dilation, ceil_mode, return_indices)
-            return_indices = args[5]
-            args = args[:5]
-        return_indices = pair or return_indices
-        with torch.no_grad():
-            indices = with_indices(input, *args, **kwargs)[1]
-        values = take_indices(input, indices, nd)
+        if len(args) > n_options:
+            return_indices, args = args[n_options], args[:n_options]
+        values, indices = with_indices_function(input, *args, **kwargs)
         return (values, indices) if return_indices else values
 
     return max_pool
 
 
-def _adaptive_max_pool_decomposition(with_indices, nd, pair):
-    def adaptive_max_pool(input, output_size, return_indices=False):
-        with torch.no_grad():
-            indices = with_indices(input, output_size)[1]
-        values = take_indices(input, indices, nd)
-        return (values, indices) if (pair or return_indices) else values
-
-    return adaptive_max_pool
-
-
-def _both(fn):
-    """``fn`` asked for (values, indices)."""
-    return lambda input, *args, **kwargs: fn(input, *args, return_indices=True, **kwargs)
-
-
-for _nd, _f, _f_pair, _torch, _torch_pair in [
-    (1, F.max_pool1d, F.max_pool1d_with_indices, torch.max_pool1d, torch.max_pool1d_with_indices),
-    (2, F.max_pool2d, F.max_pool2d_with_indices, torch.max_pool2d, _nn.max_pool2d_with_indices),
-    (3, F.max_pool3d, F.max_pool3d_with_indices, torch.max_pool3d, _nn.max_pool3d_with_indices),
+for _f, _f_pair, _torch, _torch_pair in [
+    (F.max_pool1d, F.max_pool1d_with_indices, torch.max_pool1d, torch.max_pool1d_with_indices),
+    (F.max_pool2d, F.max_pool2d_with_indices, torch.max_pool2d, _nn.max_pool2d_with_indices),
+    (F.max_pool3d, F.max_pool3d_with_indices, torch.max_pool3d, _nn.max_pool3d_with_indices),
 ]:
-    decomposition(_f, _torch)(_max_pool_decomposition(_both(_f_pair), _nd, False))
-    decomposition(_f_pair)(_max_pool_decomposition(_both(_f_pair), _nd, True))
-    decomposition(_torch_pair)(_max_pool_decomposition(_torch_pair, _nd, True))
-for _nd, _f, _f_pair, _torch_pair in [
-    (1, F.adaptive_max_pool1d, F.adaptive_max_pool1d_with_indices, torch.adaptive_max_pool1d),
-    (2, F.adaptive_max_pool2d, F.adaptive_max_pool2d_with_indices, _nn.adaptive_max_pool2d),
-    (3, F.adaptive_max_pool3d, F.adaptive_max_pool3d_with_indices, _nn.adaptive_max_pool3d),
+    decomposition(_f)(_max_pool_function(_f_pair, 5))
+    decomposition(_f_pair)(torch_body(_f_pair))
+    decomposition(_torch)(_max_pool_values(_torch_pair))
+for _f, _f_pair in [
+    (F.adaptive_max_pool1d, F.adaptive_max_pool1d_with_indices),
+    (F.adaptive_max_pool2d, F.adaptive_max_pool2d_with_indices),
+    (F.adaptive_max_pool3d, F.adaptive_max_pool3d_with_indices),
 ]:
-    decomposition(_f)(_adaptive_max_pool_decomposition(_both(_f_pair), _nd, False))
-    decomposition(_f_pair)(_adaptive_max_pool_decomposition(_both(_f_pair), _nd, True))
-    decomposition(_torch_pair)(_adaptive_max_pool_decomposition(_torch_pair, _nd, True))
+    decomposition(_f)(_max_pool_function(_f_pair, 1))
+    decomposition(_f_pair)(torch_body(_f_pair))
 
 
 def _max_unpool_rule(nd):
     def max_unpool(grad, input: Meta, indices, kernel_size, stride=None, padding=0, output_size=None):
         """Each value was written at its index, so its gradient is read there (as torch does,
         also where indices repeat)."""
-        return take_indices(grad, indices, nd)
+        return gather_at(grad, indices, nd)
 
     return max_unpool
 
