@@ -4,15 +4,18 @@ The extensions are optional: without Cython or a C compiler, graphgrad installs 
 Python and runs the same code, more slowly (``graphgrad.compiled`` is then False).
 """
 
-import os
+import runpy
 
 from setuptools import setup
 
-ENGINE_MODULES = ("references", "node", "graph", "dispatch", "executor")
+# the engine module list and the flag reader, from the one place that defines them (read as a
+# file: importing the package would import torch)
+_CONFIG = runpy.run_path("src/graphgrad/_config.py")
+ENGINE_MODULES = _CONFIG["ENGINE_MODULES"]
 
 
 def engine_extensions():
-    if os.environ.get("GRAPHGRAD_NO_CYTHON", "") not in ("", "0"):
+    if _CONFIG["env_flag"]("GRAPHGRAD_NO_CYTHON"):
         return []
     try:
         from Cython.Build import cythonize

@@ -1,8 +1,9 @@
 """Chooses the engine's compiled (Cython) modules or their pure-Python sources.
 
-The modules in ``ENGINE_MODULES`` are compiled at install when a compiler is present; the
-same ``.py`` files remain importable as plain Python. ``GRAPHGRAD_PURE_PYTHON=1`` forces the
-pure-Python sources even where the compiled ones exist (to compare, or to debug with pdb).
+The modules in ``ENGINE_MODULES`` (defined once, in ``_config.py``, which setup.py reads too)
+are compiled at install when a compiler is present; the same ``.py`` files remain importable
+as plain Python. ``GRAPHGRAD_PURE_PYTHON=1`` forces the pure-Python sources even where the
+compiled ones exist (to compare, or to debug with pdb).
 """
 
 from __future__ import annotations
@@ -12,19 +13,14 @@ import importlib.util
 import os
 import sys
 
+from ._config import ENGINE_MODULES, env_flag
+
 __all__ = ["ENGINE_MODULES", "load_engine", "engine_is_compiled"]
-
-#: the hot path: compiled together, in import order
-ENGINE_MODULES = ("references", "node", "graph", "dispatch", "executor")
-
-
-def _force_pure() -> bool:
-    return os.environ.get("GRAPHGRAD_PURE_PYTHON", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def load_engine(package: str, package_dir: str) -> None:
     """With pure Python forced, pre-load the engine modules from their ``.py`` sources."""
-    if not _force_pure():
+    if not env_flag("GRAPHGRAD_PURE_PYTHON"):
         return
     for name in ENGINE_MODULES:
         fullname = f"{package}.{name}"
