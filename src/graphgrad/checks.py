@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from . import _compat
 from .autograd import grad as _grad
 from .tensor import as_tensor
 
@@ -31,7 +32,7 @@ def _outputs(fn, inputs):
 def _numerical_jacobian(fn, inputs, k, eps):
     """d(all outputs, flattened and concatenated) / d(inputs[k]), shape (n_out, n_in)."""
     x = inputs[k]
-    with torch._C.DisableTorchFunctionSubclass():
+    with _compat.DisableTorchFunctionSubclass():
         plain = torch.Tensor.detach(x)  # shares storage: perturbing it perturbs x
     columns = []
     for i in range(plain.numel()):

@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 
+from . import _compat
 from .autograd import grad as _gg_grad
 from .tensor import Tensor, as_tensor
 
 __all__ = ["vjp", "jvp", "jacobian", "hessian", "hvp", "vhp"]
 
-_Disable = torch._C.DisableTorchFunctionSubclass
+_Disable = _compat.DisableTorchFunctionSubclass
 
 TensorOrTensors = torch.Tensor | tuple[torch.Tensor, ...]
 #: a Jacobian / Hessian: a tensor, a tuple of tensors, or a tuple of tuples of tensors

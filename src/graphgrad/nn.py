@@ -14,12 +14,13 @@ from typing import TypeVar
 
 import torch
 
+from . import _compat
 from .tensor import Tensor, _rebuild_as
 
 __all__ = ["Parameter", "adopt", "is_adopted", "DataParallel"]
 
 M = TypeVar("M", bound=torch.nn.Module)
-_Disable = torch._C.DisableTorchFunctionSubclass
+_Disable = _compat.DisableTorchFunctionSubclass
 
 
 class Parameter(Tensor, torch.nn.Parameter):

@@ -11,7 +11,7 @@ mode), ``program`` (values and kernels), ``build`` (segments, slots, effects, re
 ``reuse`` (kernels writing into dying inputs), ``script``/``loop`` (the compiled loop and its
 fallback) and ``memory`` (liveness, peak); ``segments`` and ``plan`` (the replay), ``guards``,
 ``cuda`` (CUDA graphs), ``check`` (check=N), ``step`` (the user-facing callable); every
-private torch API in ``torchapi``.
+private torch API in ``graphgrad._compat``.
 """
 
 from .errors import CaptureError, CaptureMismatch

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._compat import NoTorchFunction, get_grad, pytree, set_grad
 from .errors import CaptureMismatch
-from .torchapi import NoTorchFunction, get_grad, pytree, set_grad
 
 if TYPE_CHECKING:
     from .plan import Plan

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .torchapi import NoTorchFunction, get_grad, pytree
+from .._compat import NoTorchFunction, get_grad, pytree
 
 __all__ = ["flatten", "ArgumentGuard", "StateGuard", "modes"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._compat import bound_function
 from .program import Kernel, Value
-from .torchapi import bound_function
 
 __all__ = ["lower_to_loop"]
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
+from .._compat import NoTorchFunction, executor_optimize, pytree, set_executor_optimize, set_grad_enabled
 from .guards import ArgumentGuard, StateGuard
 from .memory import MemoryPlan
 from .recorder import hyperparameters
 from .segments import SLOT, Effect, KernelSegment, deref
-from .torchapi import NoTorchFunction, executor_optimize, pytree, set_executor_optimize, set_grad_enabled
 
 __all__ = ["Plan", "PlanSummary"]
 

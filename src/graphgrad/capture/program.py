@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from .._compat import NoTorchFunction, inplace_view_tag, is_write_argument
 from .recorder import OpCall, Recording
-from .torchapi import NoTorchFunction, inplace_view_tag, is_write_argument
 
 __all__ = ["Kind", "Value", "Kernel", "Program", "build_program"]
 

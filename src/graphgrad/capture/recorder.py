@@ -24,8 +24,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.overrides import TorchFunctionMode
 
 from .. import executor
+from .._compat import NoTorchFunction, TorchDispatchMode, get_grad
 from .errors import CaptureError
-from .torchapi import NoTorchFunction, TorchDispatchMode, get_grad
 
 __all__ = ["OpCall", "OptimizerSpan", "Recording", "Recorder", "LeafCollector",
            "optimizer_params", "hyperparameters"]

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from .._compat import is_write_argument
 from .program import Kernel, Kind, Value
-from .torchapi import is_write_argument
 
 __all__ = ["reuse_buffers", "out_variant"]
 

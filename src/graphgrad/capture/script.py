@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from .program import Kernel, Value
-from .torchapi import (
+from .._compat import (
     LAYOUT_CODES,
     MEMORY_FORMAT_CODES,
     ListType,
@@ -28,6 +27,7 @@ from .torchapi import (
     parse_schema,
     script_function,
 )
+from .program import Kernel, Value
 
 __all__ = ["Unlowerable", "lower_to_script"]
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._compat import set_grad, set_grad_enabled
 from .program import Kernel, Kind, Value
 from .recorder import OptimizerSpan, hyperparameters
-from .torchapi import set_grad, set_grad_enabled
 
 if TYPE_CHECKING:
     from .plan import Plan

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
+from .._compat import get_grad, pytree
 from .build import build_plan
 from .errors import CaptureError
 from .guards import ArgumentGuard, StateGuard, flatten, modes
 from .plan import Plan
 from .program import Kind, Program, build_program
 from .recorder import LeafCollector, Recorder, Recording, hyperparameters, optimizer_params
-from .torchapi import get_grad, pytree
 
 __all__ = ["CapturedStep", "capture"]
 

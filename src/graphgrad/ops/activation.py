@@ -22,10 +22,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._compat import nn_functions as _nn
 from ..rules import decomposition, derivative
 
 T = torch.Tensor
-_nn = torch._C._nn
 _aten = torch.ops.aten
 _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946

@@ -13,10 +13,10 @@ import math
 
 import torch
 
+from .._compat import special_functions as _special
 from ..rules import Meta, decomposition, derivative
 
 T = torch.Tensor
-_special = torch._C._special
 _aten = torch.ops.aten
 _LN2 = math.log(2.0)
 _LN10 = math.log(10.0)

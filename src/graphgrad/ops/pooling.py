@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
+from .._compat import nn_functions as _nn
 from ..rules import Meta, decomposition, derivative, node_name
 from .nn import torch_body
 
 _aten = torch.ops.aten
-_nn = torch._C._nn
 
 
 def linear_adjoint(grad, forward, adjoint):

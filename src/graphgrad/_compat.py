@@ -1,0 +1,106 @@
+"""Every private torch API graphgrad uses, in one place (each checked on torch 2.13).
+
+graphgrad runs on torch's kernels and must step around torch's own machinery: the
+torch-function protocol (graphgrad.Tensor's ``__torch_function__`` would otherwise see its
+own kernels), torch's grad mode, the base class's getters (graphgrad.Tensor's properties would
+add a check per read), version counters. Nothing else in the package names ``torch._C`` or a
+``torch._*`` function: a torch upgrade that moves one of these is fixed here. Fallbacks keep
+older torch versions (>= the minimum in pyproject.toml) working where an API is recent.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree  # flattens a captured step's arguments (what torch.compile uses)
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "DisableTorchFunctionSubclass", "EnableTorchFunction", "is_grad_enabled", "set_grad_enabled",
+    "torch_function_enabled", "torch_function_mode_enabled", "autocast_enabled",
+    "tensor_shape", "tensor_dtype", "tensor_device", "tensor_ndim", "tensor_same_size",
+    "tensor_device_index", "tensor_version", "tensor_is_view", "torch_requires_grad",
+    "torch_grad_fn", "get_grad", "set_grad", "has_internal_overlap", "VariableFunctions",
+    "nn_functions", "special_functions", "flatten_dense_tensors", "unflatten_dense_tensors",
+    "TorchDispatchMode", "ScriptGraph", "TensorType", "ListType", "OptionalType", "TupleType",
+    "script_function", "executor_optimize", "set_executor_optimize", "parse_schema", "pytree",
+    "MEMORY_FORMAT_CODES", "LAYOUT_CODES", "inplace_view_tag", "is_write_argument",
+    "bound_function", "NoTorchFunction",
+]
+
+# -- the torch-function protocol and grad mode -------------------------------------------
+#: kernels on graphgrad tensors without re-entering ``__torch_function__`` (checked on torch 2.13)
+DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
+NoTorchFunction = DisableTorchFunctionSubclass  # (capture's name for it)
+#: hooks and recomputation see graphgrad tensors again inside a disabled region (checked on torch 2.13)
+EnableTorchFunction = torch._C._EnableTorchFunction
+#: grad mode read and set without the Python context-manager objects (checked on torch 2.13)
+is_grad_enabled = torch._C.is_grad_enabled
+set_grad_enabled = torch._C._set_grad_enabled
+#: the fast paths must honour a disabled protocol and torch-function modes (checked on torch 2.13)
+torch_function_enabled = torch._C._is_torch_function_enabled
+torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+#: under autocast, saved inputs take the kernel's dtype (checked on torch 2.13; absent before 2.4)
+autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)
+
+# -- the base class's getters: graphgrad.Tensor's own properties would add a check per read --
+#: (all checked on torch 2.13)
+tensor_shape = torch._C.TensorBase.shape.__get__
+tensor_dtype = torch._C.TensorBase.dtype.__get__
+tensor_device = torch._C.TensorBase.device.__get__
+tensor_ndim = torch._C.TensorBase.dim
+tensor_same_size = torch._C.TensorBase.is_same_size
+tensor_device_index = torch._C.TensorBase.get_device
+#: version counters: saved tensors are checked against them (checked on torch 2.13)
+tensor_version = torch._C.TensorBase._version.__get__
+tensor_is_view = torch._C.TensorBase._is_view
+#: torch's own autograd state of plain tensors that mix in (checked on torch 2.13)
+torch_requires_grad = torch._C.TensorBase.requires_grad.__get__
+torch_grad_fn = torch._C.TensorBase.grad_fn.__get__
+#: ``.grad`` read and written without graphgrad's property (checked on torch 2.13)
+get_grad = torch._C.TensorBase.grad.__get__
+set_grad = torch._C.TensorBase.grad.__set__
+#: an in-place op on an expanded view has no gradient: torch's own check (checked on torch 2.13)
+has_internal_overlap = torch._debug_has_internal_overlap
+
+# -- namespaces rules register under: torch's C functions reach __torch_function__ as these --
+#: (checked on torch 2.13)
+VariableFunctions = torch._C._VariableFunctions
+nn_functions = torch._C._nn
+special_functions = torch._C._special
+
+# -- DataParallel's gradient buckets: torch DDP's own flatten helpers (checked on torch 2.13) --
+flatten_dense_tensors = _flatten_dense_tensors
+unflatten_dense_tensors = _unflatten_dense_tensors
+
+# -- gg.capture (checked on torch 2.13) ---------------------------------------------------
+# TorchDispatchMode sees each ATen call of the step, below graphgrad's own recording;
+# TorchScript IR and the graph executor's optimisation switch run the replay's compiled loop
+# (with optimisation off the graph runs as built, so results stay bitwise equal to eager);
+# parse_schema reads the overload TorchScript resolved a node to.
+ScriptGraph = torch._C.Graph
+TensorType = torch._C.TensorType
+ListType = torch._C.ListType
+OptionalType = torch._C.OptionalType
+TupleType = torch._C.TupleType
+script_function = torch._C._create_function_from_graph
+executor_optimize = torch._C._get_graph_executor_optimize
+set_executor_optimize = torch._C._set_graph_executor_optimize
+parse_schema = torch._C.parse_schema
+
+# TorchScript passes these enums as ints (c10::MemoryFormat, c10::Layout)
+MEMORY_FORMAT_CODES = {torch.contiguous_format: 0, torch.preserve_format: 1,
+                       torch.channels_last: 2, torch.channels_last_3d: 3}
+LAYOUT_CODES = {torch.strided: 0, torch.sparse_coo: 1}
+inplace_view_tag = torch.Tag.inplace_view
+
+
+def is_write_argument(arg) -> bool:
+    """Does the op write into this argument (``Tensor(a!)``, a ``torch._C.Argument``)?"""
+    info = arg.alias_info
+    return info is not None and info.is_write
+
+
+def bound_function(op):
+    """The C function an ``OpOverload`` wraps (``op._op``: calling it skips ``__call__``)."""
+    return op._op
