@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from . import _compat
 from .references import pop_saved_hooks, push_saved_hooks
 
 __all__ = ["saved_tensors_hooks", "save_on_cpu"]
@@ -36,13 +37,22 @@ class saved_tensors_hooks:  # noqa: N801 - named like torch's context manager
 
 
 class save_on_cpu(saved_tensors_hooks):  # noqa: N801
-    """Keep saved tensors on the CPU (optionally in pinned memory) until backward needs them."""
+    """Keep saved tensors on the CPU until backward needs them (``torch.autograd.graph.save_on_cpu``).
+
+    ``pin_memory=True`` packs into page-locked memory when the accelerator named by
+    ``device_type`` (``"cuda"``, ``"xpu"``, ...: a ``torch`` submodule with ``is_available()``,
+    as in torch; an unknown name means CUDA) is available, so the copies back run
+    asynchronously (``non_blocking``). Tensors return to the device they came from.
+    """
 
     def __init__(self, pin_memory: bool = False, device_type: str = "cuda"):
+        device_module = getattr(torch, device_type, torch.cuda)
+
         def pack(tensor: torch.Tensor):
-            with torch._C.DisableTorchFunctionSubclass():
+            with _compat.DisableTorchFunctionSubclass():
                 plain = torch.Tensor.detach(tensor)
-                pin = pin_memory and plain.device.type != "cpu" and torch.cuda.is_available()
+                pin = pin_memory and plain.device.type != "cpu" and not plain.is_sparse and \
+                    device_module.is_available()
                 packed = torch.empty(plain.size(), dtype=plain.dtype, layout=plain.layout,
                                      pin_memory=pin)
                 packed.copy_(plain)
@@ -50,7 +60,7 @@ class save_on_cpu(saved_tensors_hooks):  # noqa: N801
 
         def unpack(packed) -> torch.Tensor:
             device, tensor = packed
-            with torch._C.DisableTorchFunctionSubclass():
+            with _compat.DisableTorchFunctionSubclass():
                 return tensor.to(device, non_blocking=pin_memory)
 
         super().__init__(pack, unpack)
