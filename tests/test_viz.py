@@ -325,8 +325,8 @@ def test_docs_example_runs_and_the_committed_picture_is_current(tmp_path):
                              "example of docs/graphs.md from the docs/ directory")
 
 
-# -- bytes: each saved tensor at its own size ----------------------------------------------
-def test_a_saved_slice_counts_as_the_slice_and_says_whose_view_it_is():
+# -- bytes: each box a saved tensor at its own size, the total whole storages -------------
+def test_a_saved_slice_is_labelled_as_the_slice_and_the_total_counts_its_storage():
     data = torch.randn(100, 50, dtype=DT)          # a data set: 40,000 B, needs no grad
     w = leaf(50, 3)
     with gg.AutogradGraph() as g:
@@ -337,8 +337,10 @@ def test_a_saved_slice_counts_as_the_slice_and_says_whose_view_it_is():
     matmul = labelled(labels, "MatmulBackward")
     assert "input: 2×50 float64, view of a 39.1 KiB storage" in matmul, matmul
     assert "holds 800 B" in matmul
-    assert 'label="saved for backward: 800 B' in dot
-    assert "saved views of larger storages keep 38.3 KiB more alive (1 storage," in dot  # 39,200 B
+    # the total is what the graph keeps alive, as g.saved_bytes() counts it: the whole batch
+    assert 'label="saved for backward: 39.1 KiB' in dot
+    assert "of which 38.3 KiB is the rest of the larger storages saved views belong to (1 storage," \
+        in dot  # 39,200 B
 
 
 def test_views_of_one_storage_are_counted_once_and_never_beyond_it():
@@ -348,7 +350,7 @@ def test_views_of_one_storage_are_counted_once_and_never_beyond_it():
     y = (first * second).sum() + (third * third.t().t()).sum()
     dot = viz.to_dot(y)
     assert 'label="saved for backward: 192 B' in dot  # the three views fill their storage
-    assert "more alive" not in dot
+    assert "the rest of the larger storages" not in dot
     overlapping = base.sin().sum() + base[:2].cos().sum()  # saved: base (192 B) and base[:2] (64 B)
     assert 'label="saved for backward: 192 B' in viz.to_dot(overlapping)
 

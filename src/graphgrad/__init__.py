@@ -10,9 +10,7 @@ from .native import load_engine as _load_engine
 
 _load_engine(__name__, _os.path.dirname(__file__))
 
-from . import (  # noqa: E402,F401
-    dispatch as _dispatch,
-)
+from . import fastpaths as _fastpaths  # noqa: E402
 from . import (  # noqa: E402
     functional,
     nn,
@@ -41,7 +39,7 @@ from .saved_hooks import save_on_cpu, saved_tensors_hooks  # noqa: E402
 from .tensor import Tensor, as_tensor, tensor  # noqa: E402
 
 # with every rule registered, give the Tensor class its operator and method fast paths
-_dispatch.install_fast_paths(Tensor)
+_fastpaths.install_fast_paths(Tensor)
 
 #: True when the Cython-compiled engine is running (False: pure Python)
 compiled: bool = _engine_is_compiled(__name__)

@@ -13,13 +13,15 @@ import torch
 from torch.autograd.anomaly_mode import detect_anomaly, set_detect_anomaly
 from torch.autograd.grad_mode import enable_grad, no_grad, set_grad_enabled
 
-from .dispatch import current_node, route
+from . import _compat
+from .dispatch import route
 from .executor import run_backward
+from .views import current_node
 
 __all__ = ["backward", "grad", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
            "detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled"]
 
-_Disable = torch._C.DisableTorchFunctionSubclass
+_Disable = _compat.DisableTorchFunctionSubclass
 _TensorOrTensors = torch.Tensor | Sequence[torch.Tensor]
 
 

@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
+from . import _compat
 from .references import CheckedPack, current_saved_hooks, detached_message, modified_message
 from .saved_hooks import saved_tensors_hooks
 from .tensor import as_tensor
 
 __all__ = ["checkpoint"]
 
-_Disable = torch._C.DisableTorchFunctionSubclass
+_Disable = _compat.DisableTorchFunctionSubclass
 
 
 class _Input:
@@ -47,7 +48,7 @@ class _Input:
         self.non_leaf = node is not None and node.graph is not None
         if hooks is not None:  # inside another checkpoint or saved-tensor hooks: theirs to keep
             pack, self.unpack = hooks
-            with torch._C._EnableTorchFunction():
+            with _compat.EnableTorchFunction():
                 self.value = pack(value)
             return
         self.value = value
@@ -58,7 +59,7 @@ class _Input:
         """The argument for the recomputation: outside the graph, requiring grad as it did."""
         value = self.value
         if self.unpack is not None:
-            with torch._C._EnableTorchFunction():
+            with _compat.EnableTorchFunction():
                 value = self.unpack(value)
         if not isinstance(value, torch.Tensor):
             return value
@@ -124,7 +125,7 @@ class _Frame:
                 torch.set_rng_state(self.cpu_state)
                 for device, state in zip(self.devices, self.cuda_states):
                     torch.cuda.set_rng_state(state, device)
-            with torch._C._EnableTorchFunction(), torch.enable_grad(), \
+            with _compat.EnableTorchFunction(), torch.enable_grad(), \
                     saved_tensors_hooks(lambda t: saved.append(t) or len(saved) - 1,
                                         lambda i: i):
                 self.fn(*inputs, **self.kwargs)

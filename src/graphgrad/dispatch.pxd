@@ -4,29 +4,21 @@
 
 from graphgrad.node cimport Node, new_node
 from graphgrad.references cimport save_arguments
+from graphgrad.views cimport (bind, keep_for, kernel, needs_of, no_grad_view_op, node_of,
+                              note_view_outputs, record_inplace, revived, slots,
+                              unrecorded_view_op)
+from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython
 
-cdef object _Disable, _grad_enabled, _shape, _dtype, _device, _ndim, _same_size, _device_index
-cdef object _version, _is_view, _torch_requires_grad, _torch_grad_fn, _set_grad_enabled
-cdef object _tf_enabled, _tf_mode, _autocast_enabled, _PlainTensor
-cdef object _TENSOR_CLS, _observer
-cdef dict _inplace_cache, _NO_KWARGS, _INTERNED
-cdef tuple _NO_EDGE
-cdef object _EMPTY, _weakref
+cdef object _Disable, _grad_enabled, _dtype, _device_index, _ndim, _is_view
+cdef object _torch_requires_grad, _autocast_enabled, _PlainTensor
+cdef object _TENSOR_CLS, _observer, _weakref
+cdef dict _NO_KWARGS, _ROUTES, _SPECIAL
+cdef int KEEP_VALUE, NO_GRAD, NEEDS_GRAD, PLAIN_VIEW, TORCH_TRACKED
 
-cdef bint _is_input(object out, tuple args, dict kwargs) except -1
-cdef object _wrap_plain(object out, tuple args, dict kwargs)
-cdef object _node_of(object t)
 cdef int _needs_grad(tuple args, dict kwargs) except -1
-cdef object _kernel(object func, tuple args, dict kwargs, bint silent)
 cpdef object call(object func, tuple args, object kwargs)
-cdef object _bind(object func, object rule, tuple args, dict kwargs)
-cdef object _slots(object rule, tuple values, object graph, object ref)
-cdef object _interned(tuple key)
-@cython.locals(node=Node)
-cdef bint _add_slot(object t, object graph, list nexts, list metas) except -1
-cdef object _keep(object rule, tuple nexts, tuple slot_pos)
+cpdef object note_call(object func)
 cdef object _record(object func, object rule, tuple args, dict kwargs, bint silent)
 cdef object _attach(object out, Node node, object rule, object parts)
-cdef object _record_inplace(object func, object rule, tuple args, dict kwargs, bint silent)

@@ -29,11 +29,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ._compat import DisableTorchFunctionSubclass as _Disable
+from ._compat import flatten_dense_tensors as _flatten_dense_tensors
+from ._compat import unflatten_dense_tensors as _unflatten_dense_tensors
+from .graph import reachable
 
 __all__ = ["DataParallel", "init_process_group", "destroy_process_group"]
 
-_Disable = torch._C.DisableTorchFunctionSubclass
 _FIRST_BUCKET_BYTES = 1 << 20  # like torch DDP: a small first bucket starts communication early
 
 
@@ -120,14 +123,7 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
 
 def _reachable_nodes(output: Any) -> set:
     """Every graph node the tensors in ``output`` lead to (their leaves' AccumulateGrads included)."""
-    stack = [n for n in (getattr(t, "_gg_node", None) for t in _tensors_in(output)) if n is not None]
-    seen = set(stack)
-    while stack:
-        for parent, _ in stack.pop().next_functions:
-            if parent is not None and parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
+    return set(reachable(getattr(t, "_gg_node", None) for t in _tensors_in(output)))
 
 
 def _on_leaf_node(ref: weakref.ref, index: int) -> Callable[[tuple, tuple], None]:

@@ -24,12 +24,15 @@ import threading
 
 import torch
 
-from .dispatch import current_node
-from .node import TORCH_BRIDGE, TORCH_LEAF, AccumulateGrad
+from . import _compat
+from .codes import GG_LEAF, RELEASED_WITH_GRAPH, TORCH_BRIDGE, TORCH_LEAF
+from .node import AccumulateGrad
+from .views import current_node
 
 __all__ = ["run_backward", "observe_accumulation"]
 
-_Disable = torch._C.DisableTorchFunctionSubclass
+_Disable = _compat.DisableTorchFunctionSubclass
+_set_grad_enabled = _compat.set_grad_enabled
 _PlainTensor = torch.Tensor
 _ACCUMULATE_LOCK = threading.Lock()
 _heappush = heapq.heappush
@@ -69,25 +72,25 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
                 raise RuntimeError(
                     f"One of the differentiated Tensors (inputs[{k}]) does not require grad; "
                     "pass only tensors with requires_grad=True as inputs.")
-            if type(node) is AccumulateGrad and node.torch_kind != 0:
+            if type(node) is AccumulateGrad and node.torch_kind != GG_LEAF:
                 into_torch = True
             targets.setdefault(node, []).append((getattr(t, "_gg_nr", 0), k, t))
     prev_grad_mode = torch.is_grad_enabled()
     if create_graph:
-        torch._C._set_grad_enabled(True)
+        _set_grad_enabled(True)
         try:
             result = _run(root_nodes, root_grads, retain_graph, True, targets, inputs,
                           accumulate, allow_unused, into_torch)
         finally:
-            torch._C._set_grad_enabled(prev_grad_mode)
+            _set_grad_enabled(prev_grad_mode)
     else:
-        torch._C._set_grad_enabled(False)
+        _set_grad_enabled(False)
         try:
             with _Disable():
                 result = _run(root_nodes, root_grads, retain_graph, False, targets, inputs,
                               accumulate, allow_unused, into_torch)
         finally:
-            torch._C._set_grad_enabled(prev_grad_mode)
+            _set_grad_enabled(prev_grad_mode)
     if not retain_graph:  # what ran is about to be freed: let its graph drop it soon
         for node, _ in root_nodes:
             if node.graph is not None:
@@ -97,7 +100,12 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
 
 def _walk(root_nodes, targets, into_torch):
     """Dependency counts over the nodes needed to reach the targets (all nodes if none;
-    ``into_torch``: bridges into torch's own graph count as targets too)."""
+    ``into_torch``: bridges into torch's own graph count as targets too).
+
+    The post-order is ``graph.topo_order``'s (the same iterative depth-first search), written
+    out here with typed locals and the ``deps`` dict as its visited set: this walk runs on
+    every backward pass, and the shared function's own set and calls cost the deep-graph
+    benchmark (W4) time."""
     deps = {}
     order = []  # post-order: a node after all of its inputs
     for root, _ in root_nodes:
@@ -144,10 +152,10 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
          allow_unused, into_torch):
     deps, needed, order = _walk(root_nodes, targets, into_torch)
     for node in order:  # everything that can fail, before anything changes
-        if node.released == 2 or needed is None or (
+        if node.released == RELEASED_WITH_GRAPH or needed is None or (
                 needed[node] and _runs(node, needed, targets, accumulate)):
             node.check_saved()
-            if type(node) is AccumulateGrad and not node.torch_kind:
+            if type(node) is AccumulateGrad and node.torch_kind == GG_LEAF:
                 _check_still_a_leaf(node)
         if create_graph and _is_bridge(node) and (needed is None or needed[node]):
             raise NotImplementedError(
@@ -495,7 +503,7 @@ def _accumulate(node, g, create_graph, handed):
     leaf = node.leaf_ref()
     if leaf is None:
         return
-    if g is not None and (leaf.requires_grad if node.torch_kind else leaf._gg_node is not None):
+    if g is not None and (leaf.requires_grad if node.torch_kind != GG_LEAF else leaf._gg_node is not None):
         _accumulate_into(leaf, g, create_graph, handed)
     hooks = list(node.post_hooks) if node.post_hooks is not None else []
     if node.torch_kind == TORCH_LEAF:  # registered with torch's own method

@@ -29,19 +29,16 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-from .dispatch import (
+from . import _compat
+from .codes import (
     CUSTOM_FUNCTION_VIEW,
     CUSTOM_MULTI_VIEW,
     CUSTOM_OUTPUTS,
+    KEEP_NOTHING,
+    NO_VIEW_TAG,
     PLAIN_VIEW,
-    base_requires_grad,
-    check_inplace,
-    current_node,
-    into_base,
-    rebase_history,
-    torch_node,
-    view_tag_message,
-    view_target,
+    RELEASED_AFTER_BACKWARD,
+    RELEASED_WITH_GRAPH,
 )
 from .graph import current_graph
 from .node import Node
@@ -53,13 +50,24 @@ from .references import (
     save_arguments,
     unpack_saved,
 )
-from .tensor import Tensor, wrap_output
+from .tensor import Tensor
+from .views import (
+    base_requires_grad,
+    check_inplace,
+    current_node,
+    into_base,
+    rebase_history,
+    torch_node,
+    view_tag_message,
+    view_target,
+)
+from .wrap import wrap_output
 
-_torch_requires_grad = torch._C.TensorBase.requires_grad.__get__
+_torch_requires_grad = _compat.torch_requires_grad
 
 __all__ = ["Function", "FunctionCtx", "FunctionNode"]
 
-_Disable = torch._C.DisableTorchFunctionSubclass
+_Disable = _compat.DisableTorchFunctionSubclass
 
 
 class FunctionCtx:
@@ -102,7 +110,8 @@ class FunctionCtx:
 
 
 class _FunctionRule:
-    """What the executor and introspection read from a node's rule."""
+    """What the executor and introspection read from a node's rule (implements
+    ``codes.NodeRule``; the node's own ``apply`` runs the Function's backward)."""
 
     multi_output = True
     wants_needs = False
@@ -113,7 +122,7 @@ class _FunctionRule:
         self.cls = cls
         self.name = cls.__name__ + "Backward"
         self.params = tuple(f"arg{i}" for i in range(n_args))
-        self.keep = (0,) * n_args
+        self.keep = (KEEP_NOTHING,) * n_args
 
 
 class FunctionNode(Node):
@@ -184,9 +193,9 @@ class FunctionNode(Node):
                 "argument of forward.")
         return out
 
-    def release(self, how=1):
+    def release(self, how=RELEASED_AFTER_BACKWARD):
         Node.release(self, how)
-        if how == 2:
+        if how == RELEASED_WITH_GRAPH:
             self.ctx = None
 
 
@@ -274,8 +283,8 @@ def _check_dirty(cls, recording, ctx, outs):
     if not recording:  # not recorded: a view made under no_grad of a tensor that requires grad
         if torch.is_grad_enabled():  # may still not be changed (graphgrad's view does not
             for t in ctx.dirty:      # require grad; torch's does, and refuses)
-                tag = getattr(t, "_gg_view_tag", 0)
-                if tag and tag != PLAIN_VIEW and base_requires_grad(t):
+                tag = getattr(t, "_gg_view_tag", NO_VIEW_TAG)
+                if tag != NO_VIEW_TAG and tag != PLAIN_VIEW and base_requires_grad(t):
                     raise RuntimeError(view_tag_message(f"{cls.__name__}.apply (an input marked "
                                                         "dirty)", tag))
         return targets
@@ -358,7 +367,7 @@ def _attach_outputs(node, ctx, args, outs, targets, graph):
     for v in views:  # torch's creation_meta IN_CUSTOM_FUNCTION (MULTI_OUTPUT_NODE)
         v._gg_view_tag = CUSTOM_MULTI_VIEW if n_diff > 1 else CUSTOM_FUNCTION_VIEW
         with _Disable():
-            v._gg_view_version = v._version + 1
+            v._gg_view_version = v._version + 1  # a version stamp, as views.stamp_view makes
     if node is not None:
         if views:
             node.view_version = CUSTOM_OUTPUTS  # each use checks the view's own version

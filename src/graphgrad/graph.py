@@ -21,9 +21,12 @@ from collections.abc import Iterator
 
 import rustworkx as rx
 
-from .references import node_saved_bytes, saved_bytes
+from . import _compat
+from .codes import RELEASED_WITH_GRAPH
+from .node import Node
+from .references import node_saved_bytes, saved_bytes, saved_tensors, storage_of
 
-__all__ = ["AutogradGraph", "current_graph", "default_graph"]
+__all__ = ["AutogradGraph", "current_graph", "default_graph", "reachable", "topo_order"]
 
 # Compact the pending list when it reaches this many entries (or twice the live ones): dead
 # weak references are freed soon enough that they never pile up to the cyclic GC's
@@ -93,7 +96,7 @@ class AutogradGraph:
     def release(self) -> None:
         """Free everything recorded here: saved values, edges, the rustworkx graph."""
         for node in list(self.nodes()):
-            node.release(2)
+            node.release(RELEASED_WITH_GRAPH)
         self.pending.clear()
         self._rx.clear()
         self._leaves.clear()
@@ -236,24 +239,16 @@ class AutogradGraph:
         matmul that reads it) is charged once, to the earliest-recorded node holding it;
         ``node_saved_bytes(node)`` instead counts everything one node holds.
         """
-        import torch
-
-        from .references import _saved_tensors
-
         out = {}
         seen = set()
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.DisableTorchFunctionSubclass():
             for node in self.nodes():
                 total = 0
-                for t in _saved_tensors(node):
-                    try:
-                        storage = t.untyped_storage()
-                    except (RuntimeError, NotImplementedError):
-                        continue
-                    key = (t.device, storage.data_ptr())
-                    if key not in seen:
-                        seen.add(key)
-                        total += storage.nbytes()
+                for t in saved_tensors(node):
+                    found = storage_of(t)
+                    if found is not None and found[0] not in seen:
+                        seen.add(found[0])
+                        total += found[1]
                 out[node] = total
         return out
 
@@ -307,11 +302,60 @@ class AutogradGraph:
 
 
 def _node_of(obj):
-    from .node import Node
-
     if isinstance(obj, Node):
         return obj
     node = getattr(obj, "_gg_node", None)
     if node is None:
         raise ValueError("this tensor does not require grad, so it is not in any graph")
     return node
+
+
+# -- the one traversal of next_functions ---------------------------------------------------
+def reachable(roots) -> list:
+    """Every node reachable from ``roots`` (Nodes; None entries are skipped) through
+    ``next_functions``, each once, in depth-first preorder from the first root (a node before
+    its inputs; inputs in ``next_functions`` order). Iterative: graphs of millions of nodes
+    need no recursion limit."""
+    seen = set()
+    order = []
+    stack = [r for r in reversed(list(roots)) if r is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        order.append(node)
+        nexts = node.next_functions
+        for i in range(len(nexts) - 1, -1, -1):
+            parent = nexts[i][0]
+            if parent is not None and id(parent) not in seen:
+                stack.append(parent)
+    return order
+
+
+def topo_order(roots) -> list:
+    """The nodes reachable from ``roots`` in post-order: each node after all of its inputs
+    (reverse it for the order backward runs them). Iterative depth-first search, the walk the
+    executor's ``_walk`` makes with typed locals."""
+    done = set()
+    order = []
+    for root in roots:
+        if root is None or id(root) in done:
+            continue
+        done.add(id(root))
+        stack = [(root, 0)]
+        while stack:
+            node, i = stack.pop()
+            nexts = node.next_functions
+            while i < len(nexts):
+                parent = nexts[i][0]
+                i += 1
+                if parent is None or id(parent) in done:
+                    continue
+                done.add(id(parent))
+                stack.append((node, i))
+                stack.append((parent, 0))
+                break
+            else:
+                order.append(node)
+    return order

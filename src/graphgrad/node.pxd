@@ -34,6 +34,9 @@ cpdef Node new_node(object rule, tuple next_functions, tuple slot_pos, tuple inp
                     object saved, object versions, object graph)
 
 cdef Py_ssize_t _sequence_nr
+cdef int NOT_RELEASED, RELEASED_AFTER_BACKWARD, RELEASED_WITH_GRAPH, KEEP_NOTHING, GG_LEAF
+cdef int TORCH_BRIDGE
+cdef long long NOT_A_VIEW
 cdef object _anomaly_enabled
 cdef dict _NO_EXTRA
 cdef Py_ssize_t _next_sequence_nr()

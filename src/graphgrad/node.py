@@ -14,6 +14,15 @@ import weakref
 
 import torch
 
+from .codes import (
+    GG_LEAF,
+    KEEP_NOTHING,
+    NOT_A_VIEW,
+    NOT_RELEASED,
+    RELEASED_AFTER_BACKWARD,
+    RELEASED_WITH_GRAPH,
+    TORCH_BRIDGE,
+)
 from .references import (
     PackedSaved,
     PackedTensor,
@@ -24,8 +33,7 @@ from .references import (
     unpack_saved,
 )
 
-__all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "current_sequence_nr",
-           "GG_LEAF", "TORCH_LEAF", "TORCH_BRIDGE"]
+__all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "current_sequence_nr"]
 
 _sequence_nr = 0  # Nodes are numbered in recording order
 _anomaly_enabled = torch.is_anomaly_enabled
@@ -58,7 +66,7 @@ class Node:
             return {}
         out = {}
         for name, keep, value in zip(self.rule.params, self.rule.keep, self.saved):
-            if keep:
+            if keep != KEEP_NOTHING:
                 out[name] = value
         if self.result is not None:
             out["result"] = self.result.data
@@ -76,7 +84,7 @@ class Node:
     def check_saved(self):
         """Raise if backward cannot run this node: freed saved values, or in-place changes."""
         if self.released:
-            if self.released == 2:
+            if self.released == RELEASED_WITH_GRAPH:
                 raise RuntimeError(
                     f"{self.rule.name}: this tensor's graph was released when its "
                     "AutogradGraph context exited; compute it again inside a live graph "
@@ -115,13 +123,14 @@ class Node:
             return (out,)
         return out
 
-    def release(self, how=1):
+    def release(self, how=RELEASED_AFTER_BACKWARD):
         """Drop what this node saved (after backward, or when its graph is released).
 
         A node that kept tensors can never run again, so everything goes; one that kept
         only numbers and shapes may run again (as in torch) and keeps them.
         """
-        if how == 2 or self.result is not None or self.versions or type(self.saved) is PackedSaved:
+        if how == RELEASED_WITH_GRAPH or self.result is not None or self.versions or \
+                type(self.saved) is PackedSaved:
             self.released = how
             self.saved = ()
         elif _holds_tensors(self.saved):  # saved by other means (e.g. gg.Function)
@@ -129,7 +138,7 @@ class Node:
             self.saved = _drop_tensors(self.saved)
         self.result = None
         self.versions = None
-        if how == 2:
+        if how == RELEASED_WITH_GRAPH:
             self.next_functions = ()
 
     # -- hooks -------------------------------------------------------------------------
@@ -177,7 +186,7 @@ def _setup(node, rule, next_functions, slot_pos, input_meta, saved, versions, gr
     node.versions = versions
     node.result = None
     node.num_outputs = 1
-    node.released = 0
+    node.released = NOT_RELEASED
     node.graph = graph
     node.graph_index = -1
     node.tensor_hooks = None
@@ -186,7 +195,7 @@ def _setup(node, rule, next_functions, slot_pos, input_meta, saved, versions, gr
     node.prehooks = None
     node.trace = _user_stack() if _anomaly_enabled() else None
     node.sequence_nr = _next_sequence_nr()
-    node.view_version = 0  # a view's version + 1 when this node became its grad_fn
+    node.view_version = NOT_A_VIEW  # a view's version + 1 when this node became its grad_fn
     node.out_shapes = None  # {output_nr: shape} of outputs reshaped in place, unrecorded
 
 
@@ -232,13 +241,6 @@ def _drop_tensors(saved):
     return tuple(None if _holds_tensors((v,)) else v for v in saved)
 
 
-#: AccumulateGrad.torch_kind: whose tensor the gradient goes to
-GG_LEAF = 0  # a graphgrad leaf: into its .grad
-TORCH_LEAF = 1  # a plain torch leaf with torch's requires_grad=True: into its .grad, running
-#               # the hooks registered on it with torch's register_hook
-TORCH_BRIDGE = 2  # a tensor torch's own autograd computed: handed to torch's backward
-
-
 class _Strong:
     """A strong reference with weakref.ref's interface (``ref()`` gives the object)."""
 
@@ -279,7 +281,7 @@ class AccumulateGrad(Node):
     def check_saved(self):
         pass
 
-    def release(self, how=1):
+    def release(self, how=RELEASED_AFTER_BACKWARD):
         pass
 
     def add_post_hook(self, fn):
@@ -290,6 +292,8 @@ class AccumulateGrad(Node):
 
 
 class _AccumulateRule:
+    """The rule of every AccumulateGrad (implements ``codes.NodeRule``): never applied."""
+
     name = "AccumulateGrad"
     params = ()
     keep = ()

@@ -1,6 +1,13 @@
 # Cython declarations for references.py (pure-Python mode).
 
-cdef object _PlainTensor, _version, _hooks, _shape, _dtype, _device, _meta_new
-cdef list _NONES
+from graphgrad.wrap cimport wrap_output
 
+cimport cython
+
+cdef object _PlainTensor, _version, _hooks, _shape, _dtype, _device, _meta_new
+cdef object _Disable, _EnableTorchFunction
+cdef list _NONES
+cdef int KEEP_NOTHING, KEEP_META
+
+@cython.locals(k=int)
 cpdef tuple save_arguments(object keep, tuple values)

@@ -17,20 +17,27 @@ import threading
 
 import torch
 
+from . import _compat
+from .codes import KEEP_META, KEEP_NOTHING
 from .rules import Meta
+from .wrap import wrap_output
 
 _PlainTensor = torch.Tensor
-_version = torch._C.TensorBase._version.__get__
-_shape = torch._C.TensorBase.shape.__get__
-_dtype = torch._C.TensorBase.dtype.__get__
-_device = torch._C.TensorBase.device.__get__
+_version = _compat.tensor_version
+_shape = _compat.tensor_shape
+_dtype = _compat.tensor_dtype
+_device = _compat.tensor_device
+_Disable = _compat.DisableTorchFunctionSubclass
+_EnableTorchFunction = _compat.EnableTorchFunction
 _meta_new = Meta.__new__
 _NONES: list = []  # _NONES[n] is (None,) * n
 
 __all__ = ["SavedResult", "PackedTensor", "save_arguments", "check_saved_versions",
            "unpack_result", "unpack_saved", "saved_bytes", "describe", "push_saved_hooks",
            "pop_saved_hooks", "current_saved_hooks", "PackedSaved", "CheckedPack",
-           "check_packed", "modified_message", "detached_message"]
+           "check_packed", "modified_message", "detached_message", "storage_of", "storage_bytes",
+           "saved_tensors", "node_saved_bytes"]
+
 
 class _SavedHooks(threading.local):
     """This thread's active (pack, unpack) pairs (a class default: no lookup miss per op)."""
@@ -96,17 +103,15 @@ class PackedTensor:
 
     def __init__(self, tensor, hooks, node, nr):
         pack, self.unpack = hooks
-        with torch._C._EnableTorchFunction():  # the hook sees graphgrad tensors, like torch's
+        with _EnableTorchFunction():  # the hook sees graphgrad tensors, like torch's
             self.packed = pack(tensor)
         self.node = node
         self.nr = nr
 
     def value(self, create_graph):
-        with torch._C._EnableTorchFunction():
+        with _EnableTorchFunction():
             t = self.unpack(self.packed)
         if create_graph and self.node is not None:
-            from .tensor import wrap_output
-
             return wrap_output(t.detach(), self.node, self.nr)
         return t
 
@@ -146,7 +151,7 @@ class SavedResult:
         if hooks is not None:
             self.unpack = hooks[1]
             self.version = None
-            with torch._C._EnableTorchFunction():
+            with _EnableTorchFunction():
                 self.data = tuple(None if t is None else hooks[0](t) for t in data) if self.multi \
                     else hooks[0](data)
             return
@@ -158,7 +163,7 @@ class SavedResult:
     def value(self):
         if self.unpack is None:
             return self.data
-        with torch._C._EnableTorchFunction():
+        with _EnableTorchFunction():
             if self.multi:
                 return tuple(None if p is None else self.unpack(p) for p in self.data)
             return self.unpack(self.data)
@@ -201,13 +206,13 @@ def save_arguments(keep, values):
     packed = False
     for i in range(n):
         k = keep[i]
-        if k == 0:
+        if k == KEEP_NOTHING:
             continue
         if saved is None:
             saved = [None] * n
         value = values[i]
         tp = type(value)
-        if k == 2:
+        if k == KEEP_META:
             saved[i] = _meta_of(value)
         elif hooks is not None and (isinstance(value, _PlainTensor) or (
                 (tp is list or tp is tuple) and _has_tensor(value))):
@@ -309,7 +314,7 @@ def modified_message(name, what, tensor, version) -> str:
 
 def describe(tensor) -> str:
     """``torch.FloatTensor [3, 4]``-style description used in error messages."""
-    with torch._C.DisableTorchFunctionSubclass():
+    with _Disable():
         return f"{tensor.type()} {list(tensor.shape)}"
 
 
@@ -318,8 +323,6 @@ def unpack_result(node, create_graph):
     data = node.result.value()
     if not create_graph:
         return data
-    from .tensor import wrap_output  # late: tensor sits upstream of the engine
-
     if isinstance(data, torch.Tensor):
         return wrap_output(data.detach(), node, 0)
     n = node.num_outputs  # outputs past it carry no gradient (integers, declared statistics)
@@ -327,18 +330,31 @@ def unpack_result(node, create_graph):
                  for i, t in enumerate(data))
 
 
+def storage_of(t):
+    """``(key, bytes)`` of the storage a tensor's data lives in (None if it has none): the one
+    way graphgrad counts memory. A view of a larger storage counts as that storage, because
+    it keeps all of it alive; the key (device, address) lets callers count each storage once."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (t.device, storage.data_ptr()), storage.nbytes()
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages the given tensors keep alive, each storage counted once."""
+    seen = {}
+    with _Disable():
+        for t in tensors:
+            found = storage_of(t)
+            if found is not None:
+                seen[found[0]] = found[1]
+    return sum(seen.values())
+
+
 def saved_bytes(nodes) -> int:
     """Bytes of tensor storage the given nodes keep alive, each storage counted once."""
-    seen = {}
-    with torch._C.DisableTorchFunctionSubclass():
-        for node in nodes:
-            for t in _saved_tensors(node):
-                try:
-                    storage = t.untyped_storage()
-                except (RuntimeError, NotImplementedError):
-                    continue
-                seen[(t.device, storage.data_ptr())] = storage.nbytes()
-    return sum(seen.values())
+    return storage_bytes(t for node in nodes for t in saved_tensors(node))
 
 
 def node_saved_bytes(node) -> int:
@@ -346,7 +362,7 @@ def node_saved_bytes(node) -> int:
     return saved_bytes((node,))
 
 
-def _saved_tensors(node):
+def saved_tensors(node):
     """Every tensor a node keeps: saved values, packed forms (when a tensor), its result."""
     saved = node.saved
     if saved:

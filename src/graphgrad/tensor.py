@@ -8,19 +8,23 @@ The torch-level ``requires_grad`` stays False: torch's own autograd never record
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from . import dispatch
+from . import _compat, fastpaths  # noqa: F401  (fastpaths routes .grad, .data, numpy() to graphgrad)
+from .autograd import backward as _backward
+from .codes import NEVER_SEEN, NO_VIEW_TAG, PLAIN_VIEW
+from .dispatch import torch_function
 from .node import AccumulateGrad, Node, RemovableHandle, current_sequence_nr
+from .views import current_node as _current_node  # a view's grad_fn, rebuilt if its base changed
+from .wrap import set_tensor_class
 
-__all__ = ["Tensor", "tensor", "as_tensor", "wrap_output"]
+__all__ = ["Tensor", "tensor", "as_tensor"]
 
-_Disable = torch._C.DisableTorchFunctionSubclass
-wrap_output = dispatch.wrap_output
-_current_node = dispatch.current_node  # a view's grad_fn, rebuilt if its base changed in place
+_Disable = _compat.DisableTorchFunctionSubclass
 
 
 class Tensor(torch.Tensor):
@@ -28,13 +32,13 @@ class Tensor(torch.Tensor):
 
     _gg_node = None
     _gg_nr = 0
-    _gg_view_tag = 0  # how torch would mark this view (see dispatch._tag_views)
-    _gg_view_version = 0
+    _gg_view_tag = NO_VIEW_TAG  # how torch would mark this view (see views._tag_views)
+    _gg_view_version = NEVER_SEEN
     _gg_retains_grad = False  # retain_grad() was called (torch's retains_grad flag)
     _gg_detached = 0  # newest Node number when detach_() took it out of the graph (0: never)
     _gg_acc = None  # a leaf's AccumulateGrad while it does not require grad (see requires_grad_)
 
-    __torch_function__ = classmethod(dispatch.torch_function)
+    __torch_function__ = classmethod(torch_function)
 
     def __new__(cls, data: Any = (), requires_grad: bool = False) -> Tensor:
         return as_tensor(data, requires_grad=requires_grad)
@@ -43,7 +47,7 @@ class Tensor(torch.Tensor):
     @property
     def requires_grad(self) -> bool:
         return self._gg_node is not None or (
-            self._gg_view_tag == dispatch.PLAIN_VIEW and _current_node(self) is not None)
+            self._gg_view_tag == PLAIN_VIEW and _current_node(self) is not None)
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
@@ -100,9 +104,7 @@ class Tensor(torch.Tensor):
                  create_graph: bool = False,
                  inputs: torch.Tensor | Sequence[torch.Tensor] | None = None) -> None:
         """Accumulate d(self)/d(leaf) into each leaf's ``.grad``, like ``torch.Tensor.backward``."""
-        from .autograd import backward
-
-        backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+        _backward(self, gradient, retain_graph, create_graph, inputs=inputs)
 
     def detach(self) -> Tensor:
         """A new tensor sharing data (and version counter) with this one, outside the graph."""
@@ -202,8 +204,6 @@ class Tensor(torch.Tensor):
         if self.requires_grad:
             new.requires_grad_(True)
         if grad is not None:
-            import copy
-
             with _Disable():
                 torch.Tensor.grad.__set__(new, copy.deepcopy(grad, memo))
         return new
@@ -222,7 +222,7 @@ def _rebuild_as(cls: type, data: torch.Tensor, requires_grad: bool) -> Tensor:
     return data
 
 
-dispatch.set_tensor_class(Tensor)
+set_tensor_class(Tensor)
 if hasattr(torch.serialization, "add_safe_globals"):  # graphgrad leaves load with weights_only=True
     torch.serialization.add_safe_globals([_rebuild_as, Tensor])
 

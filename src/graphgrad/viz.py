@@ -9,11 +9,12 @@ saved for backward and the bytes it holds; leaves are labelled with your names f
 input-to-output path whose nodes hold the most saved bytes is drawn in red, unless it holds
 them all (then there is nothing to single out).
 
-Bytes are each saved tensor's own (elements × element size), so a saved slice of a large
-batch counts as the slice. A tensor saved by several nodes is counted once. A view of a larger
-storage is marked as such ("view of a 449.0 KiB storage"), and the caption says how much more
-such storages hold: the graph keeps them alive too, but they are shared with the tensors the
-views were taken from (``AutogradGraph.saved_bytes()`` counts whole storages).
+Each op box shows its saved tensors' own bytes (elements × element size), so a saved slice of
+a large batch is labelled as the slice, and marked as a view of a larger storage ("view of a
+449.0 KiB storage"). The caption's total counts what the graph keeps alive, as
+``AutogradGraph.saved_bytes()`` does (``references.storage_bytes``): each storage once, whole,
+so a saved view of a large batch counts as the batch; it says how much of the total is the
+rest of such storages.
 
 The DOT text is generated here, so ``.dot`` / ``.gv`` always works; ``.svg``, ``.png`` and
 ``.pdf`` run Graphviz's ``dot`` program (Debian/Ubuntu: ``apt-get install graphviz``).
@@ -28,8 +29,10 @@ import subprocess
 
 import torch
 
+from . import _compat
+from .graph import AutogradGraph, reachable
 from .node import AccumulateGrad, Node
-from .references import _saved_tensors
+from .references import saved_tensors, storage_of
 
 __all__ = ["draw", "to_dot"]
 
@@ -95,7 +98,7 @@ def to_dot(tensor_or_graph, params=None, highlight_largest: bool = True) -> str:
     hot_nodes, hot_edges, hot_bytes = set(), set(), 0
     if highlight_largest:
         hot_nodes, hot_edges, hot_bytes = _heaviest_path(nodes, inputs, weight)
-        if hot_bytes == memory.total:  # the path holds everything: nothing to single out
+        if hot_bytes == memory.charged:  # the path holds everything: nothing to single out
             hot_nodes, hot_edges, hot_bytes = set(), set(), 0
 
     lines = [
@@ -138,8 +141,9 @@ def to_dot(tensor_or_graph, params=None, highlight_largest: bool = True) -> str:
         caption += f"   ·   red: the path whose nodes hold the most ({_bytes(hot_bytes)})"
     if memory.beyond_views:
         n = memory.view_storages
-        caption += (f"\nsaved views of larger storages keep {_bytes(memory.beyond_views)} more alive "
-                    f"({n} storage{'' if n == 1 else 's'}, shared with the tensors they are views of)")
+        caption += (f"\nof which {_bytes(memory.beyond_views)} is the rest of the larger storages saved "
+                    f"views belong to ({n} storage{'' if n == 1 else 's'}, shared with the tensors "
+                    "they are views of)")
     lines.append(f"  label={_quote(caption)};")
     lines.append("}")
     return "\n".join(lines) + "\n"
@@ -148,8 +152,6 @@ def to_dot(tensor_or_graph, params=None, highlight_largest: bool = True) -> str:
 # -- what to draw ------------------------------------------------------------------------
 def _collect(obj):
     """(nodes in drawing order, [(output tensor, its node)]) for a tensor, tensors, Node or graph."""
-    from .graph import AutogradGraph
-
     if isinstance(obj, AutogradGraph):
         return list(obj.nodes()), []
     if isinstance(obj, Node):
@@ -169,15 +171,7 @@ def _collect(obj):
             roots.append(node)
             if not isinstance(node, AccumulateGrad):
                 outputs.append((t, node))
-    seen, order, stack = set(), [], list(reversed(roots))
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        order.append(n)
-        stack.extend(p for p, _ in reversed(n.next_functions) if p is not None and id(p) not in seen)
-    return order, outputs
+    return reachable(roots), outputs
 
 
 def _names(params):
@@ -202,14 +196,15 @@ class _SavedMemory:
     ``by_node[id(node)]`` is ``(holds, charged, shared_bytes, shared_with)``: the node's saved
     tensors at their own sizes; the part charged to it (a tensor saved by several nodes is
     charged to the earliest-recorded one, and a storage never beyond its size), so charges sum
-    to ``total``; the part first held by the nodes named in ``shared_with``.
-    ``beyond_views`` is what the storages of saved views hold besides those views, in
-    ``view_storages`` storages.
+    to ``charged``; the part first held by the nodes named in ``shared_with``. ``total`` is
+    every storage once, whole (``references.storage_bytes``); ``beyond_views`` is what the
+    storages of saved views hold besides those views, in ``view_storages`` storages.
     """
 
     def __init__(self):
         self.by_node: dict[int, tuple[int, int, int, list[str]]] = {}
         self.total = 0
+        self.charged = 0
         self.beyond_views = 0
         self.view_storages = 0
 
@@ -219,7 +214,7 @@ def _saved_memory(nodes) -> _SavedMemory:
     holder_of: dict[tuple, Node] = {}  # region -> the node charged for it
     used: dict[tuple, int] = {}        # storage -> bytes charged so far
     size: dict[tuple, int] = {}        # storage -> its bytes
-    with torch._C.DisableTorchFunctionSubclass():
+    with _compat.DisableTorchFunctionSubclass():
         for n in sorted(nodes, key=lambda n: n.sequence_nr):
             regions = {}
             for storage, nbytes, region, own in _saved_regions(n):
@@ -240,7 +235,8 @@ def _saved_memory(nodes) -> _SavedMemory:
                     if holder.name() not in shared_with:
                         shared_with.append(holder.name())
             memory.by_node[id(n)] = (holds, charged, shared, shared_with)
-    memory.total = sum(used.values())
+    memory.charged = sum(used.values())
+    memory.total = sum(size.values())  # = references.storage_bytes of the same tensors
     rest = [size[key] - used[key] for key in used if size[key] > used[key]]
     memory.beyond_views, memory.view_storages = sum(rest), len(rest)
     return memory
@@ -249,15 +245,14 @@ def _saved_memory(nodes) -> _SavedMemory:
 def _saved_regions(node):
     """(storage key, storage bytes, region key, own bytes) for each tensor a node keeps."""
     try:
-        for t in _saved_tensors(node):
-            try:
-                storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):
+        for t in saved_tensors(node):
+            found = storage_of(t)
+            if found is None:
                 continue
-            nbytes = storage.nbytes()
+            key, nbytes = found
             own = min(t.numel() * t.element_size(), nbytes)  # an expanded tensor: its storage
             region = (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-            yield (t.device, storage.data_ptr()), nbytes, region, own
+            yield key, nbytes, region, own
     except Exception:  # a custom node with an unusual saved layout: draw it anyway
         return
 
@@ -266,11 +261,11 @@ def _view_note(value) -> str:
     """", view of a 449.0 KiB storage" for a saved tensor that is part of a larger storage."""
     if not isinstance(value, torch.Tensor):
         return ""
-    with torch._C.DisableTorchFunctionSubclass():
-        try:
-            nbytes = value.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError):
+    with _compat.DisableTorchFunctionSubclass():
+        found = storage_of(value)
+        if found is None:
             return ""
+        nbytes = found[1]
         own = value.numel() * value.element_size()
     return f", view of a {_bytes(nbytes)} storage" if own < nbytes else ""
 

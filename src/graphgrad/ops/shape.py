@@ -9,14 +9,12 @@ Multi-output rules (split, chunk, unbind) get ``None`` for outputs that received
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from .._compat import VariableFunctions as _VF  # torch.atleast_1d([a, b]) arrives as this
 from ..rules import Meta, decomposition, derivative, nondifferentiable
 
 T = torch.Tensor
-_VF = torch._C._VariableFunctions  # torch.atleast_1d([a, b]) reaches graphgrad as _VF.atleast_1d
 
 
 def _sizes(first, more) -> tuple:
@@ -24,58 +22,6 @@ def _sizes(first, more) -> tuple:
     if more or isinstance(first, int):
         return (first, *more)
     return tuple(first)
-
-
-# -- views rebuilt after in-place changes (dispatch makes these nodes) -------------------
-class ViewGeometry:
-    """Where a view's elements sit in its base: both tensors' sizes, strides and storage
-    offsets, as numbers (like torch's AsStridedBackward, nothing that backward frees)."""
-
-    __slots__ = ("base", "view")
-
-    def __init__(self, base: torch.Tensor, view: torch.Tensor):
-        self.base = (tuple(base.shape), base.stride(), base.storage_offset())
-        self.view = (tuple(view.shape), view.stride(), view.storage_offset())
-
-    def positions(self, device) -> torch.Tensor:
-        """For each view element, its position in the flattened base (int64, view-shaped)."""
-        def extent(size, stride, offset):
-            return 0 if 0 in size else offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
-
-        storage = torch.full((max(extent(*self.base), extent(*self.view), 1),), -1,
-                             dtype=torch.int64, device=device)
-        size = self.base[0]
-        storage.as_strided(*self.base).copy_(torch.arange(math.prod(size), device=device).view(size))
-        positions = storage.as_strided(*self.view)
-        if positions.numel() and bool((positions < 0).any()):
-            raise RuntimeError(
-                "a view that reaches storage outside its base (made with as_strided?) was "
-                "changed or used after an in-place change of its base; graphgrad cannot route "
-                "its gradient. Take the view again after the in-place op.")
-        return positions
-
-    def __repr__(self) -> str:
-        return f"ViewGeometry(base={self.base}, view={self.view})"
-
-
-def as_strided_backward(grad, base: Meta, geometry):
-    """The grad_fn dispatch gives a view whose base changed in place after the view was made
-    (torch's AsStridedBackward): the view's gradient added into the base at the view's
-    positions, so overlapping views (expand) add up their gradients."""
-    positions = geometry.positions(grad.device)
-    flat = grad.new_zeros(base.numel()).index_add(0, positions.reshape(-1), grad.reshape(-1))
-    return flat.view(base.shape)
-
-
-def copy_slices_backward(grad, base: Meta, view, geometry, *, needs_input_grad):
-    """The grad_fn dispatch gives a base after an in-place op on its view (torch's
-    CopySlices): the base's old grad_fn gets the gradient where the view did not write, the
-    op's node the gradient at the view's positions (its inputs get their share from it)."""
-    positions = geometry.positions(grad.device)
-    flat = grad.reshape(-1)
-    g_base = flat.index_fill(0, positions.reshape(-1), 0).view(base.shape) if needs_input_grad[0] else None
-    g_view = flat[positions] if needs_input_grad[1] else None
-    return g_base, g_view
 
 
 # -- reshaping ----------------------------------------------------------------------------

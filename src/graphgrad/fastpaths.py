@@ -1,0 +1,262 @@
+"""The Tensor class's shortcuts around the torch-function protocol, and functions with fixed
+meanings.
+
+``x * y`` on a Tensor subclass normally enters torch's C++ dispatcher, finds
+``__torch_function__``, builds its arguments and calls back into Python: about 1.5 µs per op
+before any work. ``install_fast_paths`` defines the operators and methods on graphgrad.Tensor
+itself, reaching ``dispatch.call`` directly with the same function object the protocol would
+have passed, so the result is the same. The special functions (``.grad``, ``.data``,
+``numpy()``, ``resize_``) are answered by graphgrad itself, with the protocol off; they are
+routed to dispatch when this module is imported. Compiled by Cython.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import _compat
+from .dispatch import call, note_call, route
+from .node import AccumulateGrad
+from .rules import RULES
+from .views import current_node, node_of, note_reshaped
+from .wrap import on_tensor_class
+
+__all__ = ["install_fast_paths"]
+
+_Disable = _compat.DisableTorchFunctionSubclass
+_tf_enabled = _compat.torch_function_enabled
+_tf_mode = _compat.torch_function_mode_enabled
+_shape = _compat.tensor_shape
+_PlainTensor = torch.Tensor
+_TENSOR_CLS = None  # graphgrad.Tensor (see wrap.on_tensor_class)
+
+
+def _take_tensor_class(cls) -> None:
+    global _TENSOR_CLS
+    _TENSOR_CLS = cls
+
+
+on_tensor_class(_take_tensor_class)
+
+
+# -- functions with fixed meanings, handled before rules --------------------------------
+_NON_LEAF_GRAD = (
+    "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its .grad "
+    "attribute won't be populated during autograd.backward(). If you indeed want the .grad "
+    "field to be populated for a non-leaf Tensor, use .retain_grad() on the non-leaf Tensor. "
+    "If you access the non-leaf Tensor by mistake, make sure you access the leaf Tensor "
+    "instead.")
+
+
+def _get_grad(self):
+    node = getattr(self, "_gg_node", None)
+    if node is not None and type(node) is not AccumulateGrad and (
+            node.retained is None or node.retained.get(getattr(self, "_gg_nr", 0)) is None):
+        warnings.warn(_NON_LEAF_GRAD, UserWarning, stacklevel=3)
+    return torch.Tensor.grad.__get__(self)
+
+
+def _set_grad(self, value):
+    torch.Tensor.grad.__set__(self, value)
+
+
+def _get_data(self):
+    data = torch.Tensor.data.__get__(self)
+    data.__class__ = _TENSOR_CLS
+    return data
+
+
+def _set_data(self, value):
+    node = node_of(self)
+    if node is not None and type(node) is not AccumulateGrad and isinstance(value, _PlainTensor) \
+            and _shape(value) != _shape(self):
+        note_reshaped(node, self._gg_nr, _shape(self))
+    torch.Tensor.data.__set__(self, value)
+
+
+def _get_base(self):
+    return torch.Tensor._base.__get__(self)
+
+
+def _requires_grad(t):
+    return node_of(t) is not None or current_node(t) is not None
+
+
+def _numpy(self, *, force=False):
+    if not force and _requires_grad(self):
+        raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use "
+                           "tensor.detach().numpy() instead.")
+    return torch.Tensor.numpy(self, force=force)
+
+
+def _array(self, *args, **kwargs):
+    if _requires_grad(self):
+        raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use "
+                           "tensor.detach().numpy() instead.")
+    return torch.Tensor.__array__(self, *args, **kwargs)
+
+
+def _resizer(func):
+    def resize(self, *args, **kwargs):
+        if _requires_grad(self):
+            raise RuntimeError("cannot resize variables that require grad (as in torch): resize "
+                               "a detach()ed tensor, or build a new one")
+        return func(self, *args, **kwargs)
+    return resize
+
+
+def _share_memory(self):
+    """Moves the storage to shared memory: no new values, nothing to differentiate."""
+    return torch.Tensor.share_memory_(self)
+
+
+_SPECIAL = {
+    torch.Tensor.numpy: _numpy,
+    torch.Tensor.__array__: _array,
+    torch.Tensor.resize_: _resizer(torch.Tensor.resize_),
+    torch.Tensor.resize_as_: _resizer(torch.Tensor.resize_as_),
+    torch.Tensor.share_memory_: _share_memory,
+    torch.Tensor.grad.__get__: _get_grad,
+    torch.Tensor.grad.__set__: _set_grad,
+    torch.Tensor._grad.__get__: _get_grad,
+    torch.Tensor._grad.__set__: _set_grad,
+    torch.Tensor.data.__get__: _get_data,
+    torch.Tensor.data.__set__: _set_data,
+    torch.Tensor._base.__get__: _get_base,
+}
+
+for _func, _answer in _SPECIAL.items():
+    route(_func, _answer, torch_function=False)
+
+
+# -- fast paths: methods and operators that skip the torch-function protocol -------------
+# operator -> the function the protocol passes for it (checked by tests/test_fast_paths.py)
+_OPERATORS = {
+    "__add__": torch.Tensor.add, "__radd__": torch.Tensor.add,
+    "__sub__": torch.Tensor.sub, "__rsub__": torch.Tensor.__rsub__,
+    "__mul__": torch.Tensor.mul, "__rmul__": torch.Tensor.mul,
+    "__truediv__": torch.Tensor.div, "__rtruediv__": torch.Tensor.__rdiv__,
+    "__div__": torch.Tensor.div, "__rdiv__": torch.Tensor.__rdiv__,
+    "__matmul__": torch.Tensor.matmul, "__rmatmul__": torch.Tensor.__rmatmul__,
+    "__pow__": torch.Tensor.__pow__, "__rpow__": torch.Tensor.__rpow__,
+    "__mod__": torch.Tensor.remainder,
+}
+
+
+_UNARY_OPERATORS = {"__neg__": torch.Tensor.neg, "__pos__": torch.Tensor.positive,
+                    "__abs__": torch.Tensor.abs}
+
+
+# methods that return no tensor but are called often (shape queries in nn code)
+_QUERIES = ("dim", "size", "numel", "stride", "is_contiguous", "is_floating_point", "is_complex",
+            "element_size", "storage_offset", "nelement", "ndimension", "get_device",
+            "__len__", "item", "tolist")
+
+
+# read-only properties that never return a tensor
+_PROPERTIES = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "_version", "is_sparse",
+               "is_quantized", "is_meta", "is_mps", "itemsize", "nbytes")
+
+
+def _binary(func, dunder):
+    def method(self, other):
+        if _tf_enabled() and not _tf_mode():
+            try:
+                return call(func, (self, other), None)
+            except TypeError:
+                return NotImplemented
+        return dunder(self, other)  # protocol off (torch's own behaviour) or a mode to ask
+    method.__name__ = dunder.__name__
+    return method
+
+
+def _method(func):
+    def method(self, *args, **kwargs):
+        if _tf_enabled() and not _tf_mode():
+            return call(func, (self,) + args, kwargs)
+        return func(self, *args, **kwargs)
+    method.__name__ = getattr(func, "__name__", "method")
+    method.__doc__ = getattr(func, "__doc__", None)
+    return method
+
+
+def _query(func):
+    def method(self, *args, **kwargs):
+        if _tf_enabled() and not _tf_mode():
+            note_call(func)
+            with _Disable():
+                return func(self, *args, **kwargs)
+        return func(self, *args, **kwargs)
+    method.__name__ = getattr(func, "__name__", "method")
+    method.__doc__ = getattr(func, "__doc__", None)
+    return method
+
+
+def _getter(get):
+    def fget(self):
+        if _tf_enabled() and not _tf_mode():
+            with _Disable():
+                return get(self)
+        return get(self)
+    return fget
+
+
+def _special_property(name):
+    descriptor = getattr(torch.Tensor, name)
+    get, set_ = descriptor.__get__, descriptor.__set__
+    special_get, special_set = _SPECIAL[get], _SPECIAL[set_]
+
+    def fget(self):
+        if _tf_enabled() and not _tf_mode():
+            with _Disable():
+                return special_get(self)
+        return get(self)
+
+    def fset(self, value):
+        if _tf_enabled() and not _tf_mode():
+            with _Disable():
+                special_set(self, value)
+        else:
+            set_(self, value)
+
+    return property(fget, fset, doc=descriptor.__doc__)
+
+
+def install_fast_paths(cls) -> None:
+    """Put the operator, method and property fast paths on ``cls`` (graphgrad.Tensor).
+
+    Only functions the protocol would pass unchanged are installed: every torch.Tensor
+    method with a registered rule, the operators above, and non-tensor queries. Names the
+    class defines itself (``backward``, ``detach``, ...) are left alone.
+    """
+    own = set(cls.__dict__)
+    for name, func in _OPERATORS.items():
+        setattr(cls, name, _binary(func, getattr(torch.Tensor, name)))
+    for name, func in _UNARY_OPERATORS.items():
+        setattr(cls, name, _method(func))
+    for name in dir(torch.Tensor):
+        if name in own or name.startswith("__") and name not in ("__getitem__", "__setitem__", "__len__"):
+            continue
+        func = getattr(torch.Tensor, name, None)
+        if func is None or isinstance(func, property) or type(func).__name__ == "getset_descriptor":
+            continue
+        if name in _QUERIES and callable(func):
+            setattr(cls, name, _query(func))
+        elif _hashable_in(func, RULES) and callable(func):
+            setattr(cls, name, _method(func))
+    for name in _PROPERTIES:
+        if name not in own and hasattr(torch.Tensor, name):
+            setattr(cls, name, property(_getter(getattr(torch.Tensor, name).__get__)))
+    for name in ("grad", "data"):
+        if name not in own:
+            setattr(cls, name, _special_property(name))
+
+
+def _hashable_in(func, table):
+    try:
+        return func in table
+    except TypeError:
+        return False
+

@@ -1,0 +1,36 @@
+# Cython declarations for views.py (pure-Python mode): the helpers dispatch calls per op are
+# cpdef (C calls from dispatch, which cimports them), the constants C globals.
+
+from graphgrad.node cimport Node, new_node
+from graphgrad.references cimport save_arguments
+from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
+
+cimport cython
+
+cdef object _Disable, _grad_enabled, _set_grad_enabled, _shape, _dtype, _device, _ndim
+cdef object _same_size, _device_index, _version, _is_view, _torch_requires_grad
+cdef object _torch_grad_fn, _has_internal_overlap, _get_base, _PlainTensor, _TENSOR_CLS
+cdef dict _inplace_cache, _INTERNED
+cdef tuple _NO_EDGE
+cdef object _EMPTY
+cdef int KEEP_META, KEEP_VALUE, NO_VIEW_TAG, NO_GRAD_VIEW, MULTI_OUTPUT_VIEW, PLAIN_VIEW
+cdef int CUSTOM_FUNCTION_VIEW, CUSTOM_MULTI_VIEW, TORCH_LEAF, TORCH_BRIDGE
+cdef long long NOT_A_VIEW, CUSTOM_OUTPUTS
+
+cdef long long _stamp(object t) except? -2
+cpdef object node_of(object t)
+cpdef object kernel(object func, tuple args, dict kwargs, bint silent)
+cpdef object bind(object func, object rule, tuple args, dict kwargs)
+cpdef object slots(object rule, tuple values, object graph, object ref)
+cdef object _interned(tuple key)
+@cython.locals(node=Node)
+cdef bint _add_slot(object t, object graph, list nexts, list metas) except -1
+cpdef object keep_for(object rule, tuple nexts, tuple slot_pos)
+cpdef object needs_of(object rule, tuple nexts, tuple slot_pos)
+cpdef object record_inplace(object func, object rule, tuple args, dict kwargs, bint silent)
+cpdef object no_grad_view_op(object func, object rule, tuple args, dict kwargs)
+cpdef object unrecorded_view_op(object func, object rule, tuple args, dict kwargs)
+cpdef object note_view_outputs(Node node, object out, object rule, tuple args, dict kwargs)
+cpdef object stamp_view(Node node, object out)
+cpdef bint revived(object t) except -1
+cdef object _tag_views(object out, tuple args, dict kwargs, int tag)

@@ -1,0 +1,656 @@
+"""Which node a tensor's gradient goes to: edges to a call's inputs, views, in-place changes.
+
+A view shares its base's memory, so an in-place change of one changes the other, and
+autograd must follow, as torch's does:
+
+- a view's grad_fn is stamped with the view's version when it is made (``stamp_view``); a
+  different version at use means its base changed in place since, and ``current_node`` /
+  ``slots`` first rebuild it as an AsStridedBackward of the base's current grad_fn;
+- an in-place op on a view (``record_inplace``) gives the base a CopySlices grad_fn
+  (``rebase_history``), after torch's checks (``check_inplace``, ``view_target``);
+- views are tagged as torch tags them (``NO_GRAD_VIEW``, ``MULTI_OUTPUT_VIEW``, ...): some
+  may not be changed in place with grad mode on.
+
+``slots`` (a call's edges and input metadata) lives here too: finding an input's node may
+rebuild a view's, which needs ``slots`` again. The two view rules and ``ViewGeometry`` are in
+view_rules.py (pure Python: rules are read from their bytecode). Compiled by Cython.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+
+from . import _compat
+from .codes import (
+    CUSTOM_FUNCTION_VIEW,
+    CUSTOM_MULTI_VIEW,
+    CUSTOM_OUTPUTS,
+    KEEP_META,
+    KEEP_VALUE,
+    MULTI_OUTPUT_VIEW,
+    NO_GRAD_VIEW,
+    NO_VIEW_TAG,
+    NOT_A_VIEW,
+    PLAIN_VIEW,
+    TORCH_BRIDGE,
+    TORCH_LEAF,
+)
+from .graph import current_graph
+from .node import AccumulateGrad, new_node
+from .references import SavedResult, save_arguments
+from .rules import qualified_name
+from .view_rules import AS_STRIDED_RULE, COPY_SLICES_RULE, ViewGeometry
+from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
+
+__all__ = ["node_of", "torch_node", "current_node", "is_inplace", "slots", "bind", "keep_for",
+           "needs_of", "kernel", "record_inplace", "check_inplace", "view_target", "into_base",
+           "rebase_history", "note_reshaped", "note_view_outputs", "stamp_view",
+           "no_grad_view_op", "unrecorded_view_op", "view_tag_message", "base_requires_grad",
+           "revived"]
+
+_Disable = _compat.DisableTorchFunctionSubclass
+_grad_enabled = _compat.is_grad_enabled
+_set_grad_enabled = _compat.set_grad_enabled
+_shape = _compat.tensor_shape
+_dtype = _compat.tensor_dtype
+_device = _compat.tensor_device
+_ndim = _compat.tensor_ndim
+_same_size = _compat.tensor_same_size
+_device_index = _compat.tensor_device_index
+_version = _compat.tensor_version
+_is_view = _compat.tensor_is_view
+_torch_requires_grad = _compat.torch_requires_grad
+_torch_grad_fn = _compat.torch_grad_fn
+_has_internal_overlap = _compat.has_internal_overlap
+_get_base = torch.Tensor._base.__get__
+_PlainTensor = torch.Tensor
+_TENSOR_CLS = None  # graphgrad.Tensor (see wrap.on_tensor_class), read on the hot path
+_inplace_cache: dict = {}
+_NO_EDGE = (None, 0)
+_EMPTY = inspect.Parameter.empty
+_INTERNED: dict = {}
+
+
+def _take_tensor_class(cls) -> None:
+    global _TENSOR_CLS
+    _TENSOR_CLS = cls
+
+
+on_tensor_class(_take_tensor_class)
+
+
+def _stamp(t):
+    """The version stamp of view ``t`` now: its version counter + 1 (0 is ``NOT_A_VIEW``)."""
+    return _version(t) + 1
+
+
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                    "__irshift__", "__imatmul__", "__setitem__", "__idiv__"}
+
+
+def is_inplace(func) -> bool:
+    """``add_``, ``__iadd__``, ``__setitem__``: functions that write into their first argument."""
+    try:
+        return _inplace_cache[func]
+    except (KeyError, TypeError):
+        pass
+    name = getattr(func, "__name__", "")
+    result = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+    try:
+        _inplace_cache[func] = result
+    except TypeError:
+        pass
+    return result
+
+
+def node_of(t):
+    """The graph node of a tensor argument (None for one that needs no gradient).
+
+    A plain torch tensor with torch's own ``requires_grad=True`` is a leaf of graphgrad's
+    graph too (see ``torch_node``)."""
+    tp = type(t)
+    if tp is _TENSOR_CLS:
+        return t._gg_node
+    if _torch_requires_grad(t):
+        return torch_node(t)
+    return None if tp is _PlainTensor else getattr(t, "_gg_node", None)
+
+
+_BRIDGES = weakref.WeakValueDictionary()  # id(torch non-leaf) -> its bridge node, while alive
+
+
+def torch_node(t):
+    """The node of a tensor that torch's own autograd tracks (torch ``requires_grad=True``).
+
+    A torch leaf gets an AccumulateGrad, kept on the tensor as a graphgrad leaf keeps its
+    own: its gradient lands in its ``.grad`` as torch would put it there. A tensor that
+    torch's autograd computed (it has a torch ``grad_fn``) gets a bridge: its gradient is
+    handed to torch's own backward (see the executor). The bridge holds the tensor (its
+    torch graph must live until then) and the tensor does not hold the bridge, so no cycle.
+    """
+    if _torch_grad_fn(t) is None:
+        node = getattr(t, "_gg_torch_node", None)
+        if node is None:
+            node = AccumulateGrad(t, TORCH_LEAF)
+            t._gg_torch_node = node
+        return node
+    node = _BRIDGES.get(id(t))
+    if node is None or node.variable is not t:
+        node = AccumulateGrad(t, TORCH_BRIDGE)
+        _BRIDGES[id(t)] = node
+    return node
+
+
+def kernel(func, args, kwargs, silent):
+    """Run the torch function; ``silent``: with torch's grad mode off, because an argument
+    is tracked by torch's own autograd, which must not record what graphgrad records."""
+    if not silent:
+        return func(*args, **kwargs)
+    _set_grad_enabled(False)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _set_grad_enabled(True)
+
+
+def no_grad_view_op(func, rule, args, kwargs):
+    """A view op under no_grad: its views are marked (``NO_GRAD_VIEW``); an in-place shape
+    change (``unsqueeze_``) of a tensor with a grad_fn is remembered on that node, whose
+    gradient backward then sums down to the recorded shape, as torch's engine does."""
+    self = args[0] if args else None
+    node = node_of(self) if rule.inplace_of is not None and isinstance(self, _PlainTensor) else None
+    if node is None or type(node) is AccumulateGrad:
+        out = func(*args, **kwargs)
+        _tag_views(out, args, kwargs, NO_GRAD_VIEW)
+        return wrap_plain(out, args, kwargs)
+    shape = _shape(self)
+    out = func(*args, **kwargs)
+    if _shape(self) != shape:
+        note_reshaped(node, self._gg_nr, shape)
+    return out
+
+
+def note_reshaped(node, nr, shape) -> None:
+    """Output ``nr`` of ``node`` was recorded with ``shape`` and changed shape since, unrecorded."""
+    if node.out_shapes is None:
+        node.out_shapes = {}
+    node.out_shapes.setdefault(nr, shape)
+
+
+def bind(func, rule, args, kwargs):
+    """The call's arguments in the rule's parameter order (defaults filled in)."""
+    defaults = rule.defaults
+    if defaults is not None and not kwargs:
+        n = len(args)
+        if n == len(defaults):
+            return args
+        if n < len(defaults) and defaults[n] is not _EMPTY:  # the rest have defaults
+            return args + defaults[n:]
+    try:
+        return rule.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(
+            f"graphgrad's rule {rule.name} for {qualified_name(func)} could not take these "
+            f"arguments ({e}); the rule's signature must mirror torch's. Please report this."
+        ) from None
+
+
+def slots(rule, values, graph, ref):
+    """next_functions, the rule parameter of each, and input metadata for unbroadcasting.
+
+    ``ref`` is (output, its dtype, its device index, its ndim) for elementwise rules (None
+    for the others: they may return gradients the engine must reduce). When every tensor
+    argument has the output's dtype and no more dimensions than it, an input that also has
+    its size and device gets None as metadata: the rule's gradient for it needs no
+    unbroadcasting or cast (nothing kept, nothing done in backward). Otherwise a rule may
+    return a promoted or broadcast gradient (prelu's weight, a float32 weight under
+    autocast), so all are kept.
+    """
+    nexts = []
+    slot_pos = []
+    metas = []  # first the tensors themselves, then their metadata
+    n_required = rule.n_required
+    any_grad = False
+    cls = _TENSOR_CLS
+    uniform = ref is not None
+    n = len(values)
+    for i in range(n):
+        v = values[i]
+        tp = type(v)
+        if tp is cls or (tp is not list and tp is not tuple and isinstance(v, _PlainTensor)):
+            slot_pos.append(i)
+            if _add_slot(v, graph, nexts, metas):
+                any_grad = True
+            elif uniform and (_dtype(v) is not ref[1] or _ndim(v) > ref[3]):
+                uniform = False
+        elif tp is list or tp is tuple:
+            for j in range(len(v)):
+                item = v[j]
+                if isinstance(item, _PlainTensor):
+                    slot_pos.append((i, j))
+                    if _add_slot(item, graph, nexts, metas):
+                        any_grad = True
+                    elif uniform and (_dtype(item) is not ref[1] or _ndim(item) > ref[3]):
+                        uniform = False
+        elif i < n_required:
+            nexts.append(_NO_EDGE)
+            metas.append(None)
+            slot_pos.append(i)
+    if not any_grad:
+        return None
+    kept = False
+    for j in range(len(metas)):
+        t = metas[j]
+        if t is None:
+            continue
+        if uniform and _dtype(t) is ref[1] and _same_size(t, ref[0]) and _device_index(t) == ref[2]:
+            metas[j] = None
+        else:
+            metas[j] = (_shape(t), _dtype(t), _device(t))
+            kept = True
+            if uniform and (_dtype(t) is not ref[1] or _ndim(t) > ref[3]):
+                uniform = False
+    if ref is not None and kept and not uniform:  # a later input broke uniformity: redo
+        out = ref[0]
+        for j in range(len(metas)):
+            if metas[j] is None and nexts[j][0] is not None:
+                metas[j] = (_shape(out), _dtype(out), _device(out))
+    return (tuple(nexts), _interned(tuple(slot_pos)),
+            tuple(metas) if kept else _interned(tuple(metas)))
+
+
+def _interned(key):
+    """One shared copy of small recurring tuples (slot positions, all-None metadata)."""
+    try:
+        return _INTERNED[key]
+    except KeyError:
+        if len(_INTERNED) < 4096:
+            _INTERNED[key] = key
+        return key
+    except TypeError:
+        return key
+
+
+def _add_slot(t, graph, nexts, metas):
+    node = node_of(t)
+    if node is not None and node.view_version != NOT_A_VIEW and _stamp(t) != node.view_version:
+        node = _rebuild_view_node(t, graph)
+    if node is None:
+        nexts.append(_NO_EDGE)
+        metas.append(None)
+        return False
+    if node.graph is not graph and node.graph is not None:
+        _check_same_graph(node, graph)
+    nexts.append((node, t._gg_nr if type(t) is _TENSOR_CLS else getattr(t, "_gg_nr", 0)))
+    metas.append(t)
+    return True
+
+
+def keep_for(rule, nexts, slot_pos):
+    """What to save: what the rule reads, less what only unneeded gradients would use."""
+    if rule.saved_for is None:
+        return rule.keep
+    wanted = 0  # bit i: parameter i needs a gradient
+    for j in range(len(nexts)):
+        if nexts[j][0] is not None:
+            pos = slot_pos[j]
+            wanted |= 1 << (pos[0] if type(pos) is tuple else pos)
+    cache = rule.keep_cache
+    keep = cache.get(wanted)
+    if keep is None:
+        keep = list(rule.keep)
+        for i, users in rule.saved_for:
+            if keep[i]:
+                for u in users:
+                    if wanted >> u & 1:
+                        break
+                else:
+                    keep[i] = KEEP_META  # only its shape/dtype/device
+        keep = tuple(keep)
+        cache[wanted] = keep
+    return keep
+
+
+def needs_of(rule, nexts, slot_pos):
+    """One bool per rule parameter: does it need a gradient (for ``rule.saves``)?"""
+    needs = [False] * len(rule.params)
+    for j in range(len(nexts)):
+        if nexts[j][0] is not None:
+            pos = slot_pos[j]
+            needs[pos[0] if type(pos) is tuple else pos] = True
+    return tuple(needs)
+
+
+def _check_same_graph(node, graph):
+    g = node.graph
+    # another thread's default graph is never released: building on it is safe
+    if g is not None and g is not graph and g.active and not (g.is_default and graph.is_default):
+        raise RuntimeError(
+            f"this op mixes tensors from two live graphs: an input was recorded in {g!r} but "
+            f"the current graph is {graph!r}. Compute all inputs inside the same "
+            "AutogradGraph, or detach() the ones that come from the other graph."
+        )
+
+
+def record_inplace(func, rule, args, kwargs, silent):
+    """Record ``self.op_(...)``: self's grad_fn becomes the new node, whose input is self's old one.
+
+    On a view, the view's base changes too: it gets a CopySlices node (see ``_copy_slices``).
+    """
+    self = args[0]
+    is_view = check_inplace(qualified_name(func), self)
+    base_rule = rule.inplace_of or rule
+    values = bind(func, base_rule, args, kwargs)
+    graph = current_graph()
+    edges = slots(base_rule, values, graph, None)  # (rebuilds a stale view's grad_fn first)
+    if edges is None:
+        return kernel(func, args, kwargs, silent)
+    old = node_of(self)
+    target = view_target(qualified_name(func), base_rule.family, self) if is_view else None
+    nexts, slot_pos, metas = edges
+    if target is not None and nexts[0][0] is not None and target[1] is not None:
+        nexts = (into_base(target, graph),) + nexts[1:]
+    keep = keep_for(base_rule, nexts, slot_pos)
+    parts = None
+    if base_rule.saves is not None:
+        keep, parts = base_rule.saves(values, keep, needs_of(base_rule, nexts, slot_pos))
+    if keep and keep[0] == KEEP_VALUE:  # the rule reads the value before the op
+        copy = self.clone()
+        if old is not None and _grad_enabled():
+            copy = wrap_output(copy, old, getattr(self, "_gg_nr", 0))
+        values = (copy,) + tuple(values[1:])
+    saved, versions = save_arguments(keep, values)
+    out = kernel(func, args, kwargs, silent)
+    node = new_node(base_rule, nexts, slot_pos, metas, saved, versions, graph)
+    if base_rule.saves_result and parts != ():
+        node.result = SavedResult(self.detach())
+    if type(self) is _PlainTensor:
+        self.__class__ = _TENSOR_CLS
+    graph.record(node)
+    rebase_history(self, old, node, 0, target, graph)
+    return out
+
+
+def into_base(target, graph):
+    """The edge for the old value of a view changed in place: straight into its base's old
+    grad_fn (as torch's CopySlices does), not through the view's own grad_fn, which torch
+    never runs (so hooks on it do not fire)."""
+    base, base_node, base_nr, geometry = target
+    rule = AS_STRIDED_RULE
+    saved, versions = save_arguments(rule.keep, (base, geometry))
+    node = new_node(rule, ((base_node, base_nr),), (0,), (None,), saved, versions, graph)
+    graph.record(node)
+    return (node, 0)
+
+
+def check_inplace(name, self):
+    """torch's checks before an in-place change of ``self`` is recorded, in torch's order;
+    they raise before anything changes. Returns whether ``self`` is a view for autograd."""
+    tag = getattr(self, "_gg_view_tag", NO_VIEW_TAG)
+    if tag != NO_VIEW_TAG and tag != PLAIN_VIEW:
+        raise RuntimeError(view_tag_message(name, tag))
+    old = node_of(self)
+    if old is not None and type(old) is AccumulateGrad and old.torch_kind == TORCH_BRIDGE:
+        raise NotImplementedError(
+            f"{name}: an in-place op on a tensor that torch's own autograd "
+            "computed (it has a torch grad_fn), with graphgrad tensors among the arguments, "
+            "is not supported; use the out-of-place op (y = y.op(...)).")
+    if old is not None and old.graph is None:
+        raise RuntimeError(
+            f"a leaf Variable that requires grad is being used in an in-place operation "
+            f"({name}). Do it under gg.no_grad() (as optimizers do), or apply it to a clone() "
+            "of the tensor.")
+    # a view of one of its inputs (its grad_fn was stamped by a view op); an op output that
+    # is a view of a temporary of the op's own (max_pool2d's) is not one for autograd
+    is_view = self._is_view() and (old is None or old.view_version != NOT_A_VIEW)
+    if is_view:
+        base_node = node_of(_get_base(self))
+        # torch: a view that requires grad, of a leaf (one that requires grad or not)
+        if type(base_node) is AccumulateGrad or (old is not None and base_node is None):
+            raise RuntimeError(
+                f"a view of a leaf Variable that requires grad is being used in an in-place "
+                f"operation ({name}). Do it under gg.no_grad(), or apply it to a clone() of the "
+                "leaf.")
+    return is_view
+
+
+def rebase_history(self, old, node, nr, target, graph):
+    """``self`` (whose grad_fn was ``old``) is now output ``nr`` of ``node``, which changed it
+    in place; on a view (``target`` from ``view_target``), its base gets CopySlices."""
+    _move_retained(old, getattr(self, "_gg_nr", 0), node, nr)
+    self._gg_node = node
+    if nr:
+        self._gg_nr = nr
+    elif getattr(self, "_gg_nr", 0):
+        self._gg_nr = 0
+    if target is not None:
+        _copy_slices(target, node, graph)
+        # as in torch, the view's own grad_fn becomes AsStridedBackward of the base's new
+        # CopySlices at once (so hooks and retain_grad on the base see gradients of the
+        # view's uses), and the view's retain_grad moves there: the op's node runs inside
+        # CopySlices' share, not as the view's grad_fn
+        _rebuild_view_node(self, graph)
+
+
+def view_target(name, family, view):
+    """Check an in-place op on a view that will record, before anything changes; returns
+    (base, its node, its output number, the view's geometry in it) for ``_copy_slices``."""
+    if _has_internal_overlap(view) == 1:  # (1: yes; 2: cannot tell cheaply)
+        raise RuntimeError(
+            f"{name}: unsupported operation: more than one element of the written-to tensor "
+            "refers to a single memory location (an expand()ed view?), so this in-place op "
+            "has no gradient. Please clone() the tensor before performing the operation.")
+    if family == "shape":
+        raise NotImplementedError(
+            f"{name}: an in-place shape change of a view of a tensor that requires grad, or "
+            "with an argument that does, is not supported by graphgrad; use the out-of-place "
+            "op.")
+    base = _get_base(view)
+    if _dtype(base) is not _dtype(view):
+        raise RuntimeError(
+            f"{name}: in-place change of a view with dtype {_dtype(view)} of a {_dtype(base)} "
+            "tensor (x.real, view_as_real, x.view(dtype)) with gradients is not supported by "
+            "graphgrad; build the tensor out of place.")
+    return base, node_of(base), getattr(base, "_gg_nr", 0), ViewGeometry(base, view)
+
+
+def _copy_slices(target, view_node, graph):
+    """After an in-place op on a view, make the base's grad_fn torch's CopySlices.
+
+    The new base is the old base with the view's positions replaced by the op's output; so
+    its gradient goes to the base's old grad_fn with those positions zeroed, and, gathered
+    at those positions, to the op's node (which passes it on to the view's old grad_fn,
+    itself leading back to the base's old one, and to the op's other inputs).
+    """
+    base, base_node, base_nr, geometry = target
+    rule = COPY_SLICES_RULE
+    values = (base, None, geometry)
+    saved, versions = save_arguments(rule.keep, values)
+    nexts = (_NO_EDGE if base_node is None else (base_node, base_nr), (view_node, 0))
+    node = new_node(rule, nexts, (0, 1), (None, None), saved, versions, graph)
+    _move_retained(base_node, base_nr, node)
+    if type(base) is _PlainTensor:
+        base.__class__ = _TENSOR_CLS
+    base._gg_node = node
+    if base_nr:
+        base._gg_nr = 0
+    graph.record(node)
+
+
+def stamp_view(node, out):
+    """Remember the version a view had when ``node`` became its grad_fn (plus one: ``NOT_A_VIEW``
+    is 0). A different version at use means its base changed in place since."""
+    first = out
+    if not isinstance(out, _PlainTensor):
+        if not isinstance(out, (tuple, list)) or not out or not isinstance(out[0], _PlainTensor):
+            return
+        first = out[0]
+    if _is_view(first):
+        node.view_version = _stamp(first)
+
+
+def note_view_outputs(node, out, rule, args, kwargs):
+    """After a recorded op that may make views: stamp its views' grad_fn and tag them as
+    torch does (its view creation_meta, which views of views inherit)."""
+    stamp_view(node, out)
+    tag = getattr(args[0], "_gg_view_tag", NO_VIEW_TAG) if args else NO_VIEW_TAG
+    if tag == PLAIN_VIEW:
+        tag = NO_VIEW_TAG
+    if tag != NO_VIEW_TAG or rule.multi_output:
+        _tag_views(out, args, kwargs, MULTI_OUTPUT_VIEW if rule.multi_output else tag)
+
+
+def current_node(t):
+    """A tensor's node (grad_fn or AccumulateGrad), with a view's grad_fn rebuilt first if its
+    base was changed in place since the view was made (see ``_rebuild_view_node``)."""
+    node = node_of(t)
+    if node is not None and node.view_version != NOT_A_VIEW and _stamp(t) != node.view_version:
+        with _Disable():
+            node = _rebuild_view_node(t, current_graph())
+    elif node is None and getattr(t, "_gg_view_tag", NO_VIEW_TAG) == PLAIN_VIEW:
+        with _Disable():
+            if revived(t):
+                node = t._gg_node
+    return node
+
+
+def _rebuild_view_node(t, graph):
+    """Give view ``t`` a new grad_fn that reads its base's current one, as torch does.
+
+    The view's old grad_fn leads to the base's grad_fn from before the in-place op, which
+    would miss that op's derivative: a silently wrong gradient. Like torch's
+    ``AsStridedBackward``, the new node scatters the view's gradient onto the base by
+    position (from the two tensors' geometry), so any view geometry works, overlapping ones
+    included. A view with no grad_fn (a ``PLAIN_VIEW``) gets one if its base now has one.
+    """
+    old = t._gg_node
+    tag = getattr(t, "_gg_view_tag", NO_VIEW_TAG)
+    if tag >= CUSTOM_FUNCTION_VIEW:  # a Function's view: never rebuilt (it would bypass the
+        if old is not None and old.view_version == CUSTOM_OUTPUTS and \
+                _stamp(t) == t._gg_view_version:  # Function's backward): unchanged?
+            return old
+        raise _custom_view_changed(tag)
+    if old is not None and old.view_version == CUSTOM_OUTPUTS:  # another output of such a node
+        return old
+    base = _get_base(t)
+    if base is None:  # no longer a view (t.set_()): its grad_fn stays
+        if old is not None:
+            old.view_version = NOT_A_VIEW
+        return old
+    if _dtype(base) is not _dtype(t):
+        raise RuntimeError(
+            f"a view with dtype {_dtype(t)} of a {_dtype(base)} tensor (x.real, "
+            "view_as_real, x.view(dtype)) is used after its base was modified in place; "
+            "graphgrad cannot rebuild its grad_fn across a dtype change. Take the view again "
+            "after the in-place op.")
+    rule = AS_STRIDED_RULE
+    values = (base, ViewGeometry(base, t))
+    edges = slots(rule, values, graph, None)
+    node = None
+    if edges is not None:  # else the base no longer requires grad, and neither does the view
+        nexts, slot_pos, metas = edges
+        saved, versions = save_arguments(rule.keep, values)
+        node = new_node(rule, nexts, slot_pos, metas, saved, versions, graph)
+        node.view_version = _stamp(t)
+        _move_retained(old, t._gg_nr, node)
+        graph.record(node)
+    else:  # seen at this version: not to be looked at again until it changes
+        t._gg_view_version = _stamp(t)
+    t._gg_node = node
+    if t._gg_nr:
+        t._gg_nr = 0
+    return node
+
+
+def revived(t):
+    """Does a view that had no grad_fn require grad now? It does (as in torch) once its base
+    was changed in place by an op that made the base require grad."""
+    if _stamp(t) == t._gg_view_version:
+        return False
+    return _rebuild_view_node(t, current_graph()) is not None
+
+
+def _move_retained(old, nr, node, new_nr=0):
+    """retain_grad() follows the tensor to its new grad_fn (output ``new_nr`` of ``node``),
+    as in torch."""
+    if old is not None and old.retained is not None:
+        ref = old.retained.pop(nr, None)
+        if ref is not None:
+            if node.retained is None:
+                node.retained = {}
+            node.retained[new_nr] = ref
+
+
+def _tag_views(out, args, kwargs, tag):
+    """Mark the views among an op's outputs as torch marks them: ``NO_GRAD_VIEW`` for views
+    made in no-grad mode (and by split/chunk/unbind of a tensor that does not require grad),
+    ``MULTI_OUTPUT_VIEW`` for outputs of split/chunk/unbind (neither may be changed in place
+    with grad mode on); views of a marked view inherit its mark. ``PLAIN_VIEW``: a view made
+    with grad mode on of a tensor that required no grad, stamped with its version, so that it
+    requires grad once its base does (see ``_revived``)."""
+    if isinstance(out, _PlainTensor):
+        if _is_view(out) and not is_input(out, args, kwargs):
+            out._gg_view_tag = tag
+            if tag == PLAIN_VIEW:
+                out._gg_view_version = _stamp(out)
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, _PlainTensor) and _is_view(o) and not is_input(o, args, kwargs):
+                o._gg_view_tag = tag
+                if tag == PLAIN_VIEW:
+                    o._gg_view_version = _stamp(o)
+
+
+def unrecorded_view_op(func, rule, args, kwargs):
+    """An op that may make a view, or that reads a marked one, with grad mode on and no input
+    requiring grad: nothing is recorded, but views are marked as torch marks them."""
+    tag = getattr(args[0], "_gg_view_tag", NO_VIEW_TAG) if args else NO_VIEW_TAG
+    if tag != NO_VIEW_TAG and tag != PLAIN_VIEW and is_inplace(func) and base_requires_grad(args[0]):
+        raise RuntimeError(view_tag_message(qualified_name(func), tag))
+    out = func(*args, **kwargs)
+    if rule is not None and rule.may_view:
+        if tag == NO_VIEW_TAG or tag == PLAIN_VIEW:  # (torch: outputs of an unrecorded split count as
+            tag = NO_GRAD_VIEW if rule.multi_output else PLAIN_VIEW  # made under no_grad)
+        _tag_views(out, args, kwargs, tag)
+    return wrap_plain(out, args, kwargs)
+
+
+def view_tag_message(name, tag):
+    if tag == MULTI_OUTPUT_VIEW or tag == CUSTOM_MULTI_VIEW:
+        return (
+            f"{name}: this tensor is a view (or a view of one) of the outputs of a function that "
+            "returns multiple views (split, chunk, unbind, or a Function with several view "
+            "outputs) and is being modified inplace. Such outputs may not be modified in place "
+            "(as in torch): use the out-of-place op, or clone() the output first.")
+    if tag == CUSTOM_FUNCTION_VIEW:
+        return (
+            f"{name}: this tensor is a view (or a view of one) created inside a custom Function "
+            "(or an input the Function returned as is) and is being modified inplace: the "
+            "view+inplace logic would override the Function's custom backward, giving wrong "
+            "gradients, so this is forbidden (as in torch). clone() the output of the Function "
+            "first.")
+    return (
+        f"{name}: a view was created in no_grad mode and is being modified in place with grad "
+        "mode enabled. This case is ambiguous, so it is forbidden (as in torch): make the view "
+        "and the in-place op both inside the no_grad block (if the change should not be "
+        "tracked) or both outside it (if it should).")
+
+
+def _custom_view_changed(tag):
+    what = "of a function that returns multiple views" if tag == CUSTOM_MULTI_VIEW else \
+        "created inside a custom Function (or an input the Function returned as is)"
+    return RuntimeError(
+        f"this tensor is a view {what} (or a view of one), and its base or another view of "
+        "its base has been modified inplace since: its gradient would bypass the Function's "
+        "custom backward, so it may not be used any more (as in torch). clone() the output of "
+        "the Function before changing its base in place.")
+
+
+def base_requires_grad(view):
+    base = view._base
+    return base is not None and node_of(base) is not None
+
