@@ -4,13 +4,15 @@ The extensions are optional: without Cython or a C compiler, graphgrad installs 
 Python and runs the same code, more slowly (``graphgrad.compiled`` is then False).
 """
 
+import os
 import runpy
 
 from setuptools import setup
 
 # the engine module list and the flag reader, from the one place that defines them (read as a
 # file: importing the package would import torch)
-_CONFIG = runpy.run_path("src/graphgrad/_config.py")
+_CONFIG = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "src", "graphgrad",
+                                      "_config.py"))
 ENGINE_MODULES = _CONFIG["ENGINE_MODULES"]
 
 

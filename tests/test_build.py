@@ -1,16 +1,15 @@
 """The engine that is running is the one asked for: compiled after install, or pure Python."""
 
 import importlib.machinery
-import os
 import sys
 
 import pytest
 
 import graphgrad as gg
-from graphgrad.native import ENGINE_MODULES
+from graphgrad._config import ENGINE_MODULES, env_flag
 
-PURE = os.environ.get("GRAPHGRAD_PURE_PYTHON", "") not in ("", "0")
-REQUIRE_COMPILED = os.environ.get("GRAPHGRAD_REQUIRE_COMPILED", "") not in ("", "0")
+PURE = env_flag("GRAPHGRAD_PURE_PYTHON")
+REQUIRE_COMPILED = env_flag("GRAPHGRAD_REQUIRE_COMPILED")
 
 
 def _loaded_from_extension(name):
