@@ -122,12 +122,10 @@ def _rule_path(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', fn.__name__)}"
 
 
-def _cannot_tell(fn: Callable, what: str) -> RuntimeError:
+def _cannot_tell(fn: Callable, what: str, fix: str = "") -> RuntimeError:
     return RuntimeError(
         f"rule {_rule_path(fn)}: cannot tell which parameters it reads (so which to save for "
-        f"backward): {what}. Declare them with @derivative(..., reads=(\"input\", ...)), or, "
-        f"if the opcode is new in Python {sys.version_info.major}.{sys.version_info.minor}, "
-        "add it to _READS or _NOT_READS in graphgrad/rules.py.")
+        f"backward): {what}. Declare them with @derivative(..., reads=(\"input\", ...)){fix}.")
 
 
 def _names_read(fn: Callable) -> set[str]:
@@ -150,7 +148,10 @@ def _names_read(fn: Callable) -> set[str]:
             elif op in _NOT_READS:
                 continue
             elif ins.opcode in _LOCAL_OPCODES or any(s in op for s in _LOCAL_SPELLINGS):
-                raise _cannot_tell(fn, f"its bytecode uses {op}, an opcode graphgrad does not know")
+                raise _cannot_tell(
+                    fn, f"its bytecode uses {op}, an opcode graphgrad does not know",
+                    f", or, if {op} is new in Python {sys.version_info.major}."
+                    f"{sys.version_info.minor}, add it to _READS or _NOT_READS in graphgrad/rules.py")
             elif op in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in _READS_ALL_LOCALS:
                 raise _cannot_tell(fn, f"it calls {ins.argval}(), which reads locals unseen")
         # a name read only inside a nested function or comprehension is a cell of the outer one
