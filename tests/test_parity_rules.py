@@ -186,6 +186,13 @@ SAVED_LIKE_TORCH = {  # name: (inputs, op); each input and the output is changed
     "pow_tensor_const": (lambda lib: [_pos(lib), lib.const([1.5, -0.5, 2.0])], torch.pow),
     "pow_number_exponent": (lambda lib: [_pos(lib)], lambda x: x ** 3),
     "pow_number_base": (lambda lib: [_pos(lib)], lambda x: torch.pow(2.0, x)),
+    # once deliberate differences; torch's fused kernels made them the same (branch 'fused')
+    "max_pool1d": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]])], lambda x: F.max_pool1d(x, 2)),
+    "instance_norm_weight": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]]), lib.leaf([1.5])],
+                             lambda x, w: F.instance_norm(x, weight=w)),
+    "nll_loss": (lambda lib: [lib.leaf([[0.5, 1.0, 2.0]]), lib.const([1]).long()], F.nll_loss),
+    "layer_norm": (lambda lib: [lib.leaf([[0.5, 1.0, 2.0]]), lib.leaf([1.0, 2.0, 3.0]),
+                                lib.leaf([0.1, 0.2, 0.3])], lambda x, w, b: F.layer_norm(x, (3,), w, b)),
     "rpow": (lambda lib: [_pos(lib)], lambda x: 2 ** x),
     "rdiv": (lambda lib: [_pos(lib)], lambda x: 2 / x),
     "float_power": (lambda lib: [_pos(lib), lib.leaf([1.5, -0.5, 2.0])], torch.float_power),

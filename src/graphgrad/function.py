@@ -302,7 +302,7 @@ def _check_dirty(cls, recording, ctx, outs):
                         "Tensor, your Function cannot return more than one Tensor (as in torch). "
                         "clone() the input first, or split the Function in two: one that does "
                         "the in-place change and returns one tensor, one for the rest.")
-                targets[id(out)] = view_target(name, "user", out)
+                targets[id(out)] = view_target(name, False, out)
     return targets
 
 

@@ -1,9 +1,9 @@
 """The derivative-rule registry: from a torch function to the rule that differentiates it.
 
 A rule is an ordinary Python function written with torch ops, declared next to the torch
-functions it serves::
+functions it serves, with the traits the engine relies on::
 
-    @derivative(torch.sin, torch.Tensor.sin)
+    @derivative(torch.sin, torch.Tensor.sin, elementwise=True)
     def sin(grad, input):
         return grad * input.cos()
 
@@ -11,32 +11,54 @@ Its parameters after ``grad`` mirror the torch signature, so Python itself binds
 positional and keyword arguments to names. What a rule keeps alive is what its body reads:
 a parameter the body never uses is not saved, a parameter annotated ``Meta`` is saved as its
 shape/dtype/device only, and a keyword-only ``result`` parameter asks for the op's output.
-A keyword-only ``needs_input_grad`` receives one bool per parameter, so a rule can skip
-gradients nobody needs.
+What the body reads is found by disassembling it; an opcode this module cannot classify
+raises at registration (declare ``reads=`` then), so a new Python never makes a rule keep
+too little. A keyword-only ``needs_input_grad`` receives one bool per parameter, so a rule
+can skip gradients nobody needs.
 The rule returns one gradient per parameter, in order (a bare tensor for the first; trailing
 ones may be left out; ``None`` for no gradient). Broadcasting is undone by the engine.
+
+Traits are declared, never inferred from where a rule is written: ``elementwise``, ``view``
+and ``inplace_view`` (see ``derivative``). ``family`` only groups rules in docs/ops.md.
 """
 
 from __future__ import annotations
 
 import dis
 import inspect
+import linecache
 import sys
 from collections.abc import Callable
+from enum import IntEnum
 from typing import Any
 
 import torch
 
-__all__ = ["Meta", "Rule", "derivative", "node_name", "decomposition", "nondifferentiable", "RULES",
-           "rule_for"]
+__all__ = ["Meta", "Rule", "RuleKind", "derivative", "node_name", "decomposition",
+           "nondifferentiable", "RULES", "DIFFERENTIABLE", "DECOMPOSITION", "NONDIFFERENTIABLE",
+           "KEEP_NOTHING", "KEEP_VALUE", "KEEP_META", "qualified_name"]
 
 #: torch function (as it reaches ``__torch_function__``) -> Rule
 RULES: dict[Any, Rule] = {}
 
-# Rule kinds, read by dispatch.
-DIFFERENTIABLE = 0
-DECOMPOSITION = 1
-NONDIFFERENTIABLE = 2
+
+class RuleKind(IntEnum):
+    """What dispatch does with a call of a torch function that has a rule."""
+
+    DIFFERENTIABLE = 0     # record a node whose backward calls the rule
+    DECOMPOSITION = 1      # run the rule with recording on: the torch ops inside are recorded
+    NONDIFFERENTIABLE = 2  # run the op; its outputs require no grad
+
+
+DIFFERENTIABLE = RuleKind.DIFFERENTIABLE
+DECOMPOSITION = RuleKind.DECOMPOSITION
+NONDIFFERENTIABLE = RuleKind.NONDIFFERENTIABLE
+
+# What a node saves of one rule parameter: the codes in ``Rule.keep`` (plain ints: the
+# engine reads them per saved argument).
+KEEP_NOTHING = 0  # the body never reads it
+KEEP_VALUE = 1    # the value (a tensor is version-checked when unpacked)
+KEEP_META = 2     # its Meta: shape, dtype, device
 
 
 # the base class's getters (graphgrad.Tensor's own properties add a check per read)
@@ -76,20 +98,62 @@ class Meta:
         return f"Meta(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
 
-_LOADS = {"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_DEREF", "LOAD_CLOSURE",
-          "LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"}
+# -- what a rule's body reads ----------------------------------------------------------------
+# Every opcode that names a local or free variable, by what it does with it. Checked on CPython
+# 3.10 to 3.14. An opcode that names one (``dis.haslocal``/``dis.hasfree``, or spelled like
+# these) but is in neither set raises at registration: guessing could keep too little.
+_READS = frozenset({
+    "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST",
+    "LOAD_FAST_BORROW", "LOAD_FAST_BORROW_LOAD_FAST_BORROW", "LOAD_DEREF", "LOAD_CLOSURE",
+    "LOAD_CLASSDEREF", "LOAD_FROM_DICT_OR_DEREF",
+    "STORE_FAST_LOAD_FAST",  # argval (stored, loaded): only the second is read
+})
+_NOT_READS = frozenset({
+    "STORE_FAST", "STORE_FAST_STORE_FAST", "DELETE_FAST", "STORE_DEREF", "DELETE_DEREF",
+    "MAKE_CELL", "COPY_FREE_VARS",
+})
+_LOCAL_OPCODES = frozenset(dis.haslocal) | frozenset(dis.hasfree)
+_LOCAL_SPELLINGS = ("FAST", "DEREF", "CLOSURE", "CELL", "LOCALS")
+# builtins that read a frame's locals without naming them
+_READS_ALL_LOCALS = frozenset({"locals", "vars", "eval", "exec"})
+
+
+def _rule_path(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', fn.__name__)}"
+
+
+def _cannot_tell(fn: Callable, what: str, fix: str = "") -> RuntimeError:
+    return RuntimeError(
+        f"rule {_rule_path(fn)}: cannot tell which parameters it reads (so which to save for "
+        f"backward): {what}. Declare them with @derivative(..., reads=(\"input\", ...)){fix}.")
 
 
 def _names_read(fn: Callable) -> set[str]:
-    """The local names a function's body loads (its own code and nested code objects)."""
+    """The local names a function's body loads (its own code and nested code objects).
+
+    Fails closed: raises for an opcode that names a variable but is not classified above, and
+    for a call of ``locals()``/``vars()``/``eval()``/``exec()``, which read names unseen.
+    """
     names: set[str] = set()
     stack = [fn.__code__]
     while stack:
         code = stack.pop()
         for ins in dis.get_instructions(code):
-            if ins.opname in _LOADS:
+            op = ins.opname
+            if op in _READS:
                 val = ins.argval
+                if op == "STORE_FAST_LOAD_FAST":
+                    val = val[1:]
                 names.update(val if isinstance(val, tuple) else (val,))
+            elif op in _NOT_READS:
+                continue
+            elif ins.opcode in _LOCAL_OPCODES or any(s in op for s in _LOCAL_SPELLINGS):
+                raise _cannot_tell(
+                    fn, f"its bytecode uses {op}, an opcode graphgrad does not know",
+                    f", or, if {op} is new in Python {sys.version_info.major}."
+                    f"{sys.version_info.minor}, add it to _READS or _NOT_READS in graphgrad/rules.py")
+            elif op in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in _READS_ALL_LOCALS:
+                raise _cannot_tell(fn, f"it calls {ins.argval}(), which reads locals unseen")
         # a name read only inside a nested function or comprehension is a cell of the outer one
         names.update(code.co_cellvars)
         stack.extend(c for c in code.co_consts if hasattr(c, "co_code"))
@@ -108,23 +172,37 @@ def node_name(rule_name: str) -> str:
     return "".join(part[:1].upper() + part[1:] for part in rule_name.split("_") if part) + "Backward"
 
 
+def _module_family(fn: Callable) -> str:
+    """The ops module a rule function is defined in (``"shape"``), else ``"user"``: display only."""
+    module = getattr(fn, "__module__", "") or ""
+    return module.rsplit(".", 1)[-1] if module.startswith("graphgrad.ops.") else "user"
+
+
 class Rule:
     """One derivative rule and what the engine needs to call it cheaply.
 
     ``bind(*args, **kwargs)`` returns the call's arguments as a tuple in the rule's parameter
-    order (Python does the binding); ``keep[i]`` says whether parameter ``i`` is saved
-    (0: no, 1: the value, 2: its Meta); ``n_slots`` parameters are the op's inputs for
-    ``next_functions`` (those without defaults; later ones only when a tensor is passed).
+    order (Python does the binding); ``keep[i]`` says what is saved of parameter ``i``
+    (``KEEP_NOTHING``, ``KEEP_VALUE`` or ``KEEP_META``); ``n_required`` parameters are the
+    op's inputs for ``next_functions`` (those without defaults; later ones only when a tensor
+    is passed).
+
+    Traits, as declared (see ``derivative``): ``may_view`` (outputs may be views of inputs:
+    dispatch checks and tags them), ``elementwise`` (gradients come shaped like the output),
+    ``inplace_view`` (the in-place variants change a tensor's shape or strides, torch's
+    ``inplace_view`` tag). ``family`` is display only (docs/ops.md's grouping).
     """
 
     __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
                  "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for",
                  "family", "keep_cache", "elementwise", "defaults", "may_view", "saves",
-                 "differentiable_outputs")
+                 "differentiable_outputs", "view", "inplace_view")
 
-    def __init__(self, fn: Callable, kind: int, name: str | None = None,
+    def __init__(self, fn: Callable, kind: RuleKind, name: str | None = None,
                  multi_output: bool = False, saved_for: dict | None = None,
-                 saves: Callable | None = None, differentiable_outputs: int | None = None):
+                 saves: Callable | None = None, differentiable_outputs: int | None = None, *,
+                 view: bool | None = None, elementwise: bool = False, inplace_view: bool = False,
+                 family: str | None = None, reads: tuple[str, ...] | None = None):
         self.fn = fn
         self.kind = kind
         self.name = name or node_name(fn.__name__)
@@ -133,66 +211,94 @@ class Rule:
         self.inplace_of = None
         self.keep_cache: dict[int, tuple] = {}  # which params need grad (bits) -> keep
         self.saves = saves
-        module = getattr(fn, "__module__", "") or ""
-        self.family = module.rsplit(".", 1)[-1] if module.startswith("graphgrad.ops.") else "user"
-        # ops that can return a view of an input: dispatch checks their outputs (a view's
-        # grad_fn is rebuilt after its base changes in place; views made under no_grad are
-        # tagged). Views come from the shape and indexing families, or from user rules.
-        self.may_view = self.family in ("shape", "indexing", "user")
-        # elementwise rules return gradients shaped like the output (dispatch keeps no
-        # metadata for inputs shaped like it); other rules may rely on the engine's reduction
-        self.elementwise = self.family in ("elementwise", "activation")
-        if kind != DIFFERENTIABLE:
-            self.bind = None
-            self.defaults = None
-            self.keep = ()
+        self._set_traits(view, elementwise, inplace_view, family)
+        if kind != DIFFERENTIABLE:  # nothing is bound, saved or called at backward
+            self.bind = self.invoke = self.defaults = self.saved_for = None
+            self.keep = self.params = ()
             self.n_required = 0
-            self.saves_result = False
-            self.wants_needs = False
-            self.params = ()
-            self.invoke = None
-            self.saved_for = None
+            self.saves_result = self.wants_needs = False
             return
-        sig = inspect.signature(fn)
-        params = list(sig.parameters.values())[1:]  # drop grad
+        params = self._bind_signature(fn)
+        self.keep = _keep_codes(fn, params, reads)
+        self.saved_for = _saved_for_positions(fn, self.params, saved_for)
+
+    def _set_traits(self, view, elementwise, inplace_view, family) -> None:
+        """The declared traits; an undeclared ``view`` means "may make views" unless the rule
+        is elementwise, whose outputs are new tensors."""
+        self.view = view
+        self.elementwise = bool(elementwise)
+        self.may_view = (not self.elementwise) if view is None else bool(view)
+        self.inplace_view = bool(inplace_view)
+        self.family = family if family is not None else _module_family(self.fn)
+
+    def _bind_signature(self, fn: Callable) -> list[inspect.Parameter]:
+        """The rule's parameters after ``grad``, less the engine-given keyword-only ``result``
+        and ``needs_input_grad``; compiles the binder and invoker for them."""
+        params = list(inspect.signature(fn).parameters.values())[1:]  # drop grad
         engine_given = {p.name for p in params if p.kind is p.KEYWORD_ONLY
                         and p.name in ("result", "needs_input_grad")}
         self.saves_result = "result" in engine_given
         self.wants_needs = "needs_input_grad" in engine_given
         params = [p for p in params if not (p.kind is p.KEYWORD_ONLY and p.name in engine_given)]
         self.params = tuple(p.name for p in params)
-        read = _names_read(fn)
-        self.keep = tuple(
-            (2 if p.annotation in (Meta, "Meta") else 1) if p.name in read else 0 for p in params
-        )
         self.n_required = 0
         for p in params:
             if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY):
                 break
             self.n_required += 1
-        self.bind = _make_binder(fn.__name__, params)
+        self.bind = _make_binder(fn, params)
         # all parameters positional-or-keyword: a positional call binds as args + defaults[len(args):]
         self.defaults = None
         if all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params):
             self.defaults = tuple(p.default for p in params)  # p.empty marks required ones
-        self.invoke = _make_invoker(fn.__name__, params)
-        self.saved_for = None
-        if saved_for:
-            index = {name: i for i, name in enumerate(self.params)}
-            unknown = [n for n in saved_for if n not in index] + [
-                n for users in saved_for.values() for n in ((users,) if isinstance(users, str) else users)
-                if n not in index]
-            if unknown:
-                raise ValueError(f"{fn.__name__}: saved_for names unknown parameters {unknown}")
-            self.saved_for = tuple(
-                (index[name], tuple(index[u] for u in ((users,) if isinstance(users, str) else users)))
-                for name, users in saved_for.items())
+        self.invoke = _make_invoker(fn, params)
+        return params
 
     def __repr__(self) -> str:
         return f"<Rule {self.name}>"
 
 
-def _make_binder(name: str, params: list[inspect.Parameter]) -> Callable:
+def _keep_codes(fn: Callable, params: list[inspect.Parameter],
+                reads: tuple[str, ...] | None) -> tuple[int, ...]:
+    """``Rule.keep``: per parameter, nothing when the body never reads it, else its value, or
+    its Meta when annotated ``Meta``. ``reads`` (declared) replaces the disassembly."""
+    if reads is None:
+        read = _names_read(fn)
+    else:
+        read = {reads} if isinstance(reads, str) else set(reads)
+        unknown = sorted(read - {p.name for p in params})
+        if unknown:
+            raise ValueError(f"rule {_rule_path(fn)}: reads= names unknown parameters {unknown}")
+    return tuple(
+        (KEEP_META if p.annotation in (Meta, "Meta") else KEEP_VALUE) if p.name in read
+        else KEEP_NOTHING for p in params)
+
+
+def _saved_for_positions(fn: Callable, params: tuple[str, ...], saved_for: dict | None):
+    """``saved_for`` by parameter position: ((i, (users...)), ...), or None."""
+    if not saved_for:
+        return None
+    index = {name: i for i, name in enumerate(params)}
+
+    def users_of(users):
+        return (users,) if isinstance(users, str) else users
+
+    unknown = [n for n in saved_for if n not in index] + [
+        n for users in saved_for.values() for n in users_of(users) if n not in index]
+    if unknown:
+        raise ValueError(f"{fn.__name__}: saved_for names unknown parameters {unknown}")
+    return tuple((index[name], tuple(index[u] for u in users_of(users)))
+                 for name, users in saved_for.items())
+
+
+def _compile(src: str, filename: str, namespace: dict, name: str) -> Callable:
+    """Compile generated source under ``filename``, kept in linecache so tracebacks show it."""
+    exec(compile(src, filename, "exec"), namespace)  # noqa: S102 - built from a signature
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    return namespace[name]
+
+
+def _make_binder(fn: Callable, params: list[inspect.Parameter]) -> Callable:
     """Compile ``def bind(<the rule's parameters>): return (<them>,)`` once per rule."""
     namespace: dict[str, Any] = {}
     parts, names = [], []
@@ -212,12 +318,12 @@ def _make_binder(name: str, params: list[inspect.Parameter]) -> Callable:
             text += f"=_default{i}"
         parts.append(text)
         names.append(p.name)
-    src = f"def bind_{name}({', '.join(parts)}):\n    return ({''.join(n + ', ' for n in names)})\n"
-    exec(src, namespace)  # noqa: S102 - the source is built from a signature, not user text
-    return namespace[f"bind_{name}"]
+    name = f"bind_{fn.__name__}"
+    src = f"def {name}({', '.join(parts)}):\n    return ({''.join(n + ', ' for n in names)})\n"
+    return _compile(src, f"<graphgrad binder for rule {_rule_path(fn)}>", namespace, name)
 
 
-def _make_invoker(name: str, params: list[inspect.Parameter]) -> Callable:
+def _make_invoker(fn: Callable, params: list[inspect.Parameter]) -> Callable:
     """Compile ``def invoke(fn, grad, saved, extra): return fn(grad, saved[0], ..., **extra)``.
 
     Saved values are stored positionally; this puts each back the way the rule takes it.
@@ -233,10 +339,9 @@ def _make_invoker(name: str, params: list[inspect.Parameter]) -> Callable:
         else:
             parts.append(f"saved[{i}]")
     parts.append("**extra")
-    src = f"def invoke_{name}(fn, grad, saved, extra):\n    return fn({', '.join(parts)})\n"
-    namespace: dict[str, Any] = {}
-    exec(src, namespace)  # noqa: S102 - built from a signature
-    return namespace[f"invoke_{name}"]
+    name = f"invoke_{fn.__name__}"
+    src = f"def {name}(fn, grad, saved, extra):\n    return fn({', '.join(parts)})\n"
+    return _compile(src, f"<graphgrad invoker for rule {_rule_path(fn)}>", {}, name)
 
 
 def _register(funcs: tuple, rule: Rule) -> Rule:
@@ -248,25 +353,45 @@ def _register(funcs: tuple, rule: Rule) -> Rule:
 
 
 def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
+               elementwise: bool = False, view: bool | None = None, inplace_view: bool = False,
                multi_output: bool = False,
                saved_for: dict[str, str | tuple[str, ...]] | None = None,
-               saves: Callable | None = None,
-               differentiable_outputs: int | None = None) -> Callable[[Callable], Callable]:
+               saves: Callable | None = None, reads: tuple[str, ...] | None = None,
+               differentiable_outputs: int | None = None,
+               family: str | None = None) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the derivative rule of the torch functions ``funcs``.
 
     Its nodes are named ``node_name(fn.__name__)`` (``nll_loss`` -> ``NllLossBackward``)
     unless ``name`` is given.
 
     ``inplace`` lists in-place variants (``torch.Tensor.mul_``) that use the same rule: the
-    engine saves a copy of ``input`` first when the rule reads it. ``saved_for`` maps a
+    engine saves a copy of ``input`` first when the rule reads it.
+
+    Traits the engine relies on (declared, never inferred from the file a rule is in):
+
+    - ``elementwise=True``: the output is a new tensor shaped like the inputs broadcast
+      together, and the rule returns gradients shaped like the output (the engine then keeps
+      no shape record for inputs shaped like it, and reduces the others). Implies no views.
+    - ``view``: ``True`` when outputs may be views of an input (``view``, ``select``,
+      ``split``): the engine checks each output and tracks the views (rebuilding a view's
+      grad_fn after its base changes in place, marking views made under no_grad). ``False``:
+      never a view, which saves that check; an output that is a view of a kernel's temporary
+      is then detached from it. Left out (``None``): treated as ``True`` unless
+      ``elementwise`` -- the safe choice for rules written outside graphgrad.
+    - ``inplace_view=True``: the ``inplace`` variants change a tensor's shape or strides
+      (``t_``, ``squeeze_``: torch's ``inplace_view`` tag); on a view of a tensor that requires
+      grad they raise ``NotImplementedError``.
+
+    What is saved: the parameters the body reads (found by disassembly, or as declared by
+    ``reads=("input", ...)``), narrowed by ``saved_for`` and ``saves``. ``saved_for`` maps a
     parameter to the parameters whose gradients need it (``{"input": "other"}`` for mul): its
     values are saved only when one of those requires grad, otherwise only its ``Meta`` (so
     the rule must consult ``needs_input_grad`` before using its values).
 
     ``saves(values, keep, needs) -> (keep, result_parts)`` narrows what one call saves, for
     rules whose overloads need different things (``max(x, dim)`` needs only its indices):
-    ``values`` are the bound arguments, ``keep`` says per parameter 0 (nothing), 1 (the
-    value) or 2 (its ``Meta``), ``needs`` per parameter whether it needs a gradient, and
+    ``values`` are the bound arguments, ``keep`` says per parameter ``KEEP_NOTHING``,
+    ``KEEP_VALUE`` or ``KEEP_META``, ``needs`` per parameter whether it needs a gradient, and
     ``result_parts`` lists the outputs of a multi-output op that the rule reads (None: all;
     ``()``: none, for single-output ops too: the rule's ``result`` then defaults to None).
     What is not saved is not version-checked either, so an in-place change of it after the
@@ -275,15 +400,19 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     ``differentiable_outputs=k``: of a multi-output op, only the first ``k`` outputs carry
     gradients; the others (statistics a backward kernel reads, such as native_layer_norm's
     mean and rstd) require none, as torch's ``output_differentiability`` says.
+
+    ``family`` groups the functions in docs/ops.md (default: the ops module of ``fn``).
     """
 
     def register(fn: Callable) -> Callable:
-        rule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for, saves,
-                    differentiable_outputs)
-        _register(funcs, rule)
+        def make() -> Rule:
+            return Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for, saves,
+                        differentiable_outputs, view=view, elementwise=elementwise,
+                        inplace_view=inplace_view, family=family, reads=reads)
+
+        rule = _register(funcs, make())
         if inplace:
-            irule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for, saves,
-                         differentiable_outputs)
+            irule = make()
             irule.inplace_of = rule
             _register(inplace, irule)
         fn.rule = rule
@@ -292,29 +421,34 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     return register
 
 
-def decomposition(*funcs: Any) -> Callable[[Callable], Callable]:
-    """Register ``fn`` as a composite: it runs with recording on, so its primitives are recorded."""
+def decomposition(*funcs: Any, view: bool | None = None,
+                  family: str | None = None) -> Callable[[Callable], Callable]:
+    """Register ``fn`` as a composite: it runs with recording on, so its primitives are recorded.
+
+    ``view`` as for ``derivative``: ``False`` when the composite never returns a view of an
+    input (then no-grad calls skip view tracking). ``family`` groups it in docs/ops.md.
+    """
 
     def register(fn: Callable) -> Callable:
-        _register(funcs, Rule(fn, DECOMPOSITION, fn.__name__))
+        _register(funcs, Rule(fn, DECOMPOSITION, fn.__name__, view=view, family=family))
         return fn
 
     return register
 
 
-def nondifferentiable(*funcs: Any) -> None:
-    """Declare functions whose outputs never require grad (factories, ``*_like``, comparisons)."""
-    rule = Rule(lambda *a, **k: None, NONDIFFERENTIABLE, "nondifferentiable")
-    caller = sys._getframe(1).f_globals.get("__name__", "")
-    rule.family = caller.rsplit(".", 1)[-1] if caller.startswith("graphgrad.ops.") else "user"
-    rule.may_view = rule.family in ("shape", "indexing")
+def _no_rule(*args: Any, **kwargs: Any) -> None:
+    """The body of a nondifferentiable rule: never called."""
+
+
+def nondifferentiable(*funcs: Any, view: bool = False, family: str | None = None) -> None:
+    """Declare functions whose outputs never require grad (factories, ``*_like``, comparisons).
+
+    ``view=True`` when an output may be a view of an input (``detach``): views made under
+    no_grad are then marked as torch marks them. ``family`` groups them in docs/ops.md.
+    """
+    rule = Rule(_no_rule, NONDIFFERENTIABLE, "nondifferentiable", view=view, family=family)
     for f in funcs:
         RULES.setdefault(f, rule)
-
-
-def rule_for(func: Any) -> Rule | None:
-    """The rule registered for a torch function, or None."""
-    return RULES.get(func)
 
 
 # Where a torch function can be spelled, public namespaces first (F.conv2d is torch.conv2d:

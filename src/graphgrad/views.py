@@ -350,7 +350,7 @@ def record_inplace(func, rule, args, kwargs, silent):
     if edges is None:
         return kernel(func, args, kwargs, silent)
     old = node_of(self)
-    target = view_target(qualified_name(func), base_rule.family, self) if is_view else None
+    target = view_target(qualified_name(func), base_rule.inplace_view, self) if is_view else None
     nexts, slot_pos, metas = edges
     if target is not None and nexts[0][0] is not None and target[1] is not None:
         nexts = (into_base(target, graph),) + nexts[1:]
@@ -436,15 +436,17 @@ def rebase_history(self, old, node, nr, target, graph):
         _rebuild_view_node(self, graph)
 
 
-def view_target(name, family, view):
+def view_target(name, inplace_view, view):
     """Check an in-place op on a view that will record, before anything changes; returns
-    (base, its node, its output number, the view's geometry in it) for ``_copy_slices``."""
+    (base, its node, its output number, the view's geometry in it) for ``_copy_slices``.
+    ``inplace_view``: the op changes the view's shape or strides (``t_``, ``squeeze_``: the
+    rule's declared trait, torch's ``inplace_view`` tag)."""
     if _has_internal_overlap(view) == 1:  # (1: yes; 2: cannot tell cheaply)
         raise RuntimeError(
             f"{name}: unsupported operation: more than one element of the written-to tensor "
             "refers to a single memory location (an expand()ed view?), so this in-place op "
             "has no gradient. Please clone() the tensor before performing the operation.")
-    if family == "shape":
+    if inplace_view:
         raise NotImplementedError(
             f"{name}: an in-place shape change of a view of a tensor that requires grad, or "
             "with an argument that does, is not supported by graphgrad; use the out-of-place "

@@ -35,18 +35,18 @@ _GELU_KAPPA = 0.044715
 
 
 # -- relu family: the gradient passes where the output is strictly inside -------------------
-@derivative(torch.relu, T.relu, inplace=(torch.relu_, T.relu_))
+@derivative(torch.relu, T.relu, inplace=(torch.relu_, T.relu_), elementwise=True)
 def relu(grad, input, *, result):
     return _aten.threshold_backward.default(grad, result, 0)
 
 
-@derivative(_aten.threshold_backward, _aten.threshold_backward.default)
+@derivative(_aten.threshold_backward, _aten.threshold_backward.default, elementwise=True)
 def threshold_backward(grad, grad_output, input, threshold):
     """torch's fused ``grad_output * (input > threshold)``: linear in ``grad_output``."""
     return _aten.threshold_backward.default(grad, input, threshold), None
 
 
-@decomposition(F.relu)
+@decomposition(F.relu, view=False)
 def relu_function(input, inplace=False):
     return torch.relu_(input) if inplace else torch.relu(input)
 
@@ -57,74 +57,74 @@ def _hardtanh_grad(grad, input, min_val, max_val):
     return torch.where((input <= min_val) | (input >= max_val), 0.0, grad)
 
 
-@derivative(_nn.hardtanh, inplace=(_nn.hardtanh_,))
+@derivative(_nn.hardtanh, inplace=(_nn.hardtanh_,), elementwise=True)
 def hardtanh(grad, input, min_val=-1.0, max_val=1.0):
     return _hardtanh_grad(grad, input, min_val, max_val)
 
 
-@decomposition(F.hardtanh)
+@decomposition(F.hardtanh, view=False)
 def hardtanh_function(input, min_val=-1.0, max_val=1.0, inplace=False):
     if min_val > max_val:
         raise ValueError("min_val cannot be greater than max_val")
     return (_nn.hardtanh_ if inplace else _nn.hardtanh)(input, min_val, max_val)
 
 
-@derivative(_nn.relu6, inplace=(_nn.relu6_,))
+@derivative(_nn.relu6, inplace=(_nn.relu6_,), elementwise=True)
 def relu6(grad, input):
     return _hardtanh_grad(grad, input, 0.0, 6.0)
 
 
-@decomposition(F.relu6)
+@decomposition(F.relu6, view=False)
 def relu6_function(input, inplace=False):
     return _nn.relu6_(input) if inplace else _nn.relu6(input)
 
 
-@derivative(_nn.leaky_relu)
+@derivative(_nn.leaky_relu, elementwise=True)
 def leaky_relu(grad, input, negative_slope=0.01):
     return _aten.leaky_relu_backward.default(grad, input, negative_slope, False)
 
 
-@derivative(_nn.leaky_relu_, name="LeakyReluBackward")
+@derivative(_nn.leaky_relu_, name="LeakyReluBackward", elementwise=True)
 def leaky_relu_inplace(grad, input, negative_slope=0.01, *, result):
     """In place the input is gone; its sign is the output's when the slope is not negative (the
     kernel refuses a negative slope, with torch's message)."""
     return _aten.leaky_relu_backward.default(grad, result, negative_slope, True)
 
 
-@derivative(_aten.leaky_relu_backward.default)
+@derivative(_aten.leaky_relu_backward.default, elementwise=True)
 def leaky_relu_backward(grad, grad_output, input, negative_slope, self_is_result):
     """``grad_output * (input > 0 ? 1 : slope)``: linear in ``grad_output``."""
     return _aten.leaky_relu_backward.default(grad, input, negative_slope, False), None
 
 
-@decomposition(F.leaky_relu)
+@decomposition(F.leaky_relu, view=False)
 def leaky_relu_function(input, negative_slope=0.01, inplace=False):
     return (_nn.leaky_relu_ if inplace else _nn.leaky_relu)(input, negative_slope)
 
 
-@derivative(torch.threshold, inplace=(torch.threshold_,))
+@derivative(torch.threshold, inplace=(torch.threshold_,), elementwise=True)
 def threshold(grad, input, threshold, value):
     return torch.where(input <= threshold, 0.0, grad)
 
 
-@decomposition(F.threshold)
+@decomposition(F.threshold, view=False)
 def threshold_function(input, threshold, value, inplace=False):
     return (torch.threshold_ if inplace else torch.threshold)(input, threshold, value)
 
 
 # -- exponential linear units: torch's elu_backward -----------------------------------------
-@derivative(_nn.elu)
+@derivative(_nn.elu, elementwise=True)
 def elu(grad, input, alpha=1.0, scale=1.0, input_scale=1.0):
     return _aten.elu_backward.default(grad, alpha, scale, input_scale, False, input)
 
 
-@derivative(_nn.elu_, name="EluBackward")
+@derivative(_nn.elu_, name="EluBackward", elementwise=True)
 def elu_inplace(grad, input, alpha=1.0, scale=1.0, input_scale=1.0, *, result):
     """From the output (the kernel refuses a negative alpha here, with torch's message)."""
     return _aten.elu_backward.default(grad, alpha, scale, input_scale, True, result)
 
 
-@derivative(_aten.elu_backward.default)
+@derivative(_aten.elu_backward.default, elementwise=True)
 def elu_backward(grad, grad_output, alpha, scale, input_scale, is_result, self_or_result):
     """Linear in ``grad_output``; in its saved input or output only the negative side, where
     the slope is exponential, has a derivative (torch's ``elu_double_backward``)."""
@@ -139,49 +139,49 @@ def elu_backward(grad, grad_output, alpha, scale, input_scale, is_result, self_o
             None, None, None, None, g_saved)
 
 
-@decomposition(F.elu)
+@decomposition(F.elu, view=False)
 def elu_function(input, alpha=1.0, inplace=False):
     return (_nn.elu_ if inplace else _nn.elu)(input, alpha)
 
 
-@derivative(torch.selu)
+@derivative(torch.selu, elementwise=True)
 def selu(grad, input):
     return _aten.elu_backward.default(grad, _SELU_ALPHA, _SELU_SCALE, 1.0, False, input)
 
 
-@derivative(torch.selu_, name="SeluBackward")
+@derivative(torch.selu_, name="SeluBackward", elementwise=True)
 def selu_inplace(grad, input, *, result):
     return _aten.elu_backward.default(grad, _SELU_ALPHA, _SELU_SCALE, 1.0, True, result)
 
 
-@decomposition(F.selu)
+@decomposition(F.selu, view=False)
 def selu_function(input, inplace=False):
     return torch.selu_(input) if inplace else torch.selu(input)
 
 
-@derivative(torch.celu)
+@derivative(torch.celu, elementwise=True)
 def celu(grad, input, alpha=1.0):
     return _aten.elu_backward.default(grad, alpha, 1.0, 1.0 / alpha, False, input)
 
 
-@derivative(torch.celu_, name="CeluBackward")
+@derivative(torch.celu_, name="CeluBackward", elementwise=True)
 def celu_inplace(grad, input, alpha=1.0, *, result):
     return _aten.elu_backward.default(grad, alpha, 1.0, 1.0 / alpha, True, result)
 
 
-@decomposition(F.celu)
+@decomposition(F.celu, view=False)
 def celu_function(input, alpha=1.0, inplace=False):
     return (torch.celu_ if inplace else torch.celu)(input, alpha)
 
 
 # -- smooth activations ------------------------------------------------------------------------
-@derivative(_nn.gelu, inplace=(_nn.gelu_,))
+@derivative(_nn.gelu, inplace=(_nn.gelu_,), elementwise=True)
 def gelu(grad, input, *, approximate="none"):
     """Exact (erf) or tanh-approximated GELU: torch's ``gelu_backward``."""
     return _aten.gelu_backward.default(grad, input, approximate=approximate)
 
 
-@derivative(_aten.gelu_backward.default)
+@derivative(_aten.gelu_backward.default, elementwise=True)
 def gelu_backward(grad, grad_output, input, *, approximate="none"):
     """Linear in ``grad_output``; in the input it is ``grad * grad_output * gelu''(input)``
     (torch's ``gelu_double_backward``)."""
@@ -197,7 +197,7 @@ def gelu_backward(grad, grad_output, input, *, approximate="none"):
             grad * grad_output * second)
 
 
-@derivative(_nn.silu, inplace=(_nn.silu_,))
+@derivative(_nn.silu, inplace=(_nn.silu_,), elementwise=True)
 def silu(grad, input):
     """Swish, ``x * sigmoid(x)``: torch's ``silu_backward``, or under ``create_graph`` (as
     torch) its formula d/dx = s * (1 + x * (1 - s)) in recorded ops."""
@@ -207,12 +207,12 @@ def silu(grad, input):
     return grad * s * (1 + input * (1 - s))
 
 
-@decomposition(F.silu)
+@decomposition(F.silu, view=False)
 def silu_function(input, inplace=False):
     return _nn.silu_(input) if inplace else _nn.silu(input)
 
 
-@derivative(_nn.mish, inplace=(_nn.mish_,))
+@derivative(_nn.mish, inplace=(_nn.mish_,), elementwise=True)
 def mish(grad, input):
     """``x * tanh(softplus(x))``: torch's ``mish_backward``, or its formula under
     ``create_graph`` (as torch)."""
@@ -222,18 +222,18 @@ def mish(grad, input):
     return grad * (t + input * torch.sigmoid(input) * (1 - t * t))
 
 
-@decomposition(F.mish)
+@decomposition(F.mish, view=False)
 def mish_function(input, inplace=False):
     return _nn.mish_(input) if inplace else _nn.mish(input)
 
 
-@derivative(_nn.softplus)
+@derivative(_nn.softplus, elementwise=True)
 def softplus(grad, input, beta=1.0, threshold=20.0):
     """``log(1 + exp(beta x)) / beta``, linear where ``beta x > threshold``."""
     return _aten.softplus_backward.default(grad, input, beta, threshold)
 
 
-@derivative(_aten.softplus_backward.default)
+@derivative(_aten.softplus_backward.default, elementwise=True)
 def softplus_backward(grad, grad_output, input, beta, threshold):
     """Linear in ``grad_output``; in the input, sigmoid's derivative times ``beta`` below the
     threshold (torch's ``softplus_double_backward``)."""
@@ -243,46 +243,46 @@ def softplus_backward(grad, grad_output, input, beta, threshold):
     return _aten.softplus_backward.default(grad, input, beta, threshold), g_input
 
 
-@derivative(_nn.log_sigmoid)
+@derivative(_nn.log_sigmoid, elementwise=True)
 def logsigmoid(grad, input):
     return grad * torch.sigmoid(-input)
 
 
-@decomposition(F.softsign)
+@decomposition(F.softsign, view=False)
 def softsign(input):
     return input / (input.abs() + 1)
 
 
-@decomposition(F.tanhshrink)
+@decomposition(F.tanhshrink, view=False)
 def tanhshrink(input):
     return input - input.tanh()
 
 
 # -- piecewise linear ----------------------------------------------------------------------------
-@derivative(_nn.hardsigmoid, inplace=(_nn.hardsigmoid_,))
+@derivative(_nn.hardsigmoid, inplace=(_nn.hardsigmoid_,), elementwise=True)
 def hardsigmoid(grad, input):
     return _aten.hardsigmoid_backward.default(grad, input)
 
 
-@derivative(_aten.hardsigmoid_backward.default)
+@derivative(_aten.hardsigmoid_backward.default, elementwise=True)
 def hardsigmoid_backward(grad, grad_output, input):
     """``grad_output / 6`` inside (-3, 3): linear in ``grad_output``, flat in the input (torch
     has no rule for it; this one gives the input no gradient)."""
     return _aten.hardsigmoid_backward.default(grad, input), None
 
 
-@decomposition(F.hardsigmoid)
+@decomposition(F.hardsigmoid, view=False)
 def hardsigmoid_function(input, inplace=False):
     return _nn.hardsigmoid_(input) if inplace else _nn.hardsigmoid(input)
 
 
-@derivative(_nn.hardswish, inplace=(_nn.hardswish_,))
+@derivative(_nn.hardswish, inplace=(_nn.hardswish_,), elementwise=True)
 def hardswish(grad, input):
     """``x * relu6(x + 3) / 6``."""
     return _aten.hardswish_backward.default(grad, input)
 
 
-@derivative(_aten.hardswish_backward.default)
+@derivative(_aten.hardswish_backward.default, elementwise=True)
 def hardswish_backward(grad, grad_output, input):
     """Linear in ``grad_output``; in the input ``grad * grad_output / 3`` inside (-3, 3)."""
     inside = (input > -3) & (input < 3)
@@ -290,18 +290,18 @@ def hardswish_backward(grad, grad_output, input):
             torch.where(inside, grad * grad_output / 3, 0.0))
 
 
-@decomposition(F.hardswish)
+@decomposition(F.hardswish, view=False)
 def hardswish_function(input, inplace=False):
     return _nn.hardswish_(input) if inplace else _nn.hardswish(input)
 
 
-@derivative(torch.hardshrink, T.hardshrink, _nn.softshrink)
+@derivative(torch.hardshrink, T.hardshrink, _nn.softshrink, elementwise=True)
 def shrink(grad, input, lambd=0.5):
     """hardshrink and softshrink: the gradient passes outside [-lambd, lambd]."""
     return torch.where((input >= -lambd) & (input <= lambd), 0.0, grad)
 
 
-@derivative(torch.prelu, T.prelu, saved_for={"weight": "input"})
+@derivative(torch.prelu, T.prelu, saved_for={"weight": "input"}, elementwise=True)
 def prelu(grad, input, weight, *, needs_input_grad):
     """Slope ``weight`` (one, or one per channel: dim 1) where the input is negative."""
     positive = input > 0
@@ -322,7 +322,7 @@ def prelu(grad, input, weight, *, needs_input_grad):
 
 
 # -- gated ---------------------------------------------------------------------------------------
-@derivative(_nn.glu)
+@derivative(_nn.glu, elementwise=True)
 def glu(grad, input, dim=-1):
     """``a * sigmoid(b)`` for the two halves ``a, b`` of ``input`` along ``dim``."""
     a, b = input.chunk(2, dim)
@@ -330,7 +330,7 @@ def glu(grad, input, dim=-1):
     return torch.cat([grad * s, grad * a * s * (1 - s)], dim)
 
 
-@decomposition(F.glu)
+@decomposition(F.glu, view=False)
 def glu_function(input, dim=-1):
     if input.dim() == 0:
         raise RuntimeError("glu does not support scalars because halving size must be even")

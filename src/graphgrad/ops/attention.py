@@ -81,7 +81,7 @@ def _attention(query, key, value, attn_mask=None, is_causal=False, scale=None, e
                                           scale=scale, enable_gqa=enable_gqa)
 
 
-@derivative(_attention, name="ScaledDotProductAttentionBackward")
+@derivative(_attention, name="ScaledDotProductAttentionBackward", view=False)
 def attention(grad, query, key, value, attn_mask=None, is_causal=False, scale=None,
               enable_gqa=False, *, result, needs_input_grad):
     """Recomputes the probabilities P: dV = Pᵀg, dS = P ⊙ (g Vᵀ - rowsum(g ⊙ out)), dQ = dS K s,
@@ -133,7 +133,7 @@ def _additive_mask(attn_mask, dtype):
 
 
 @derivative(torch._scaled_dot_product_flash_attention_for_cpu, multi_output=True,
-            differentiable_outputs=1)
+            differentiable_outputs=1, view=False)
 def scaled_dot_product_flash_attention_for_cpu(grads, query, key, value, dropout_p=0.0,
                                                is_causal=False, *, attn_mask=None, scale=None,
                                                result, needs_input_grad):
@@ -149,7 +149,7 @@ def scaled_dot_product_flash_attention_for_cpu(grads, query, key, value, dropout
         scale=scale)
 
 
-@decomposition(F.scaled_dot_product_attention)
+@decomposition(F.scaled_dot_product_attention, view=False)
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     """torch's CPU flash kernel where torch would run it; else one recorded op without
@@ -172,4 +172,5 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return torch.dropout(probs, dropout_p, True) @ value
 
 
-decomposition(F.multi_head_attention_forward)(torch_body(F.multi_head_attention_forward))
+decomposition(F.multi_head_attention_forward, view=False, family="attention")(
+    torch_body(F.multi_head_attention_forward))

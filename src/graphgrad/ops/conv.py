@@ -95,7 +95,7 @@ def conv_weight_grad(grad_output, input, weight_shape, spec):
 
 
 @derivative(conv_weight_grad, name="ConvWeightGradBackward",
-            saved_for={"grad_output": "input", "input": "grad_output"})
+            saved_for={"grad_output": "input", "input": "grad_output"}, view=False)
 def conv_weight_grad_backward(grad, grad_output, input, weight_shape, spec, *, needs_input_grad):
     """Bilinear: each derivative is the convolution (or its adjoint) with ``grad`` as weight."""
     return (spec.forward(input, grad) if needs_input_grad[0] else None,
@@ -118,7 +118,7 @@ def _same_padding(weight_shape, dilation, nd):
 
 
 @derivative(torch.conv1d, torch.conv2d, torch.conv3d,
-            saved_for={"input": "weight", "weight": "input"})
+            saved_for={"input": "weight", "weight": "input"}, view=False)
 def conv(grad, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
          needs_input_grad):
     nd = weight.ndim - 2
@@ -145,7 +145,7 @@ def conv(grad, input, weight, bias=None, stride=1, padding=0, dilation=1, groups
 
 
 @derivative(torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d,
-            name="ConvTransposeBackward", saved_for={"input": "weight", "weight": "input"})
+            name="ConvTransposeBackward", saved_for={"input": "weight", "weight": "input"}, view=False)
 def conv_transpose(grad, input, weight, bias=None, stride=1, padding=0, output_padding=0,
                    groups=1, dilation=1, *, needs_input_grad):
     nd = weight.ndim - 2
@@ -157,7 +157,7 @@ def conv_transpose(grad, input, weight, bias=None, stride=1, padding=0, output_p
 
 @derivative(torch.bilinear, saved_for={"input1": ("input2", "weight"),
                                        "input2": ("input1", "weight"),
-                                       "weight": ("input1", "input2")})
+                                       "weight": ("input1", "input2")}, view=False)
 def bilinear(grad, input1, input2, weight, bias=None, *, needs_input_grad):
     """``y[..., o] = x1[..., i] W[o, i, j] x2[..., j] + b[o]``, with matmuls over flat batches."""
     n_out, n1, n2 = weight.shape

@@ -30,18 +30,18 @@ def _is_tensor(x) -> bool:
 
 
 # -- arithmetic --------------------------------------------------------------------------
-@derivative(torch.add, T.add, inplace=(T.add_,))
+@derivative(torch.add, T.add, inplace=(T.add_,), elementwise=True)
 def add(grad, input, other, *, alpha=1):
     return grad, grad if alpha == 1 else grad * alpha
 
 
 @derivative(torch.sub, T.sub, torch.subtract, T.subtract,
-            inplace=(T.sub_, T.subtract_))
+            inplace=(T.sub_, T.subtract_), elementwise=True)
 def sub(grad, input, other, *, alpha=1):
     return grad, -grad if alpha == 1 else grad * -alpha
 
 
-@derivative(torch.rsub, T.__rsub__)
+@derivative(torch.rsub, T.__rsub__, elementwise=True)
 def rsub(grad, input, other, *, alpha=1):
     """``other - alpha * input`` (``2 - x`` arrives as ``x.__rsub__(2)``)."""
     return (-grad if alpha == 1 else grad * -alpha), grad
@@ -49,7 +49,7 @@ def rsub(grad, input, other, *, alpha=1):
 
 @derivative(torch.mul, T.mul, torch.multiply, T.multiply,
             inplace=(T.mul_, T.multiply_),
-            saved_for={"input": "other", "other": "input"})
+            saved_for={"input": "other", "other": "input"}, elementwise=True)
 def mul(grad, input, other, *, needs_input_grad):
     return (grad * other if needs_input_grad[0] else None,
             grad * input if needs_input_grad[1] else None)
@@ -57,7 +57,7 @@ def mul(grad, input, other, *, needs_input_grad):
 
 @derivative(torch.div, T.div, torch.divide, T.divide, torch.true_divide,
             T.true_divide, inplace=(T.div_, T.divide_, T.true_divide_),
-            saved_for={"input": "other"})
+            saved_for={"input": "other"}, elementwise=True)
 def div(grad, input, other, *, rounding_mode=None, needs_input_grad):
     if rounding_mode is not None:  # floor/trunc division is piecewise constant
         return torch.zeros_like(grad), None
@@ -65,7 +65,7 @@ def div(grad, input, other, *, rounding_mode=None, needs_input_grad):
             -grad * input / (other * other) if needs_input_grad[1] else None)
 
 
-@decomposition(T.__rdiv__, T.__rtruediv__)
+@decomposition(T.__rdiv__, T.__rtruediv__, view=False)
 def rdiv(input, other):
     """``other / input`` (``2 / x`` arrives as ``x.__rdiv__(2)``): torch's is
     ``input.reciprocal() * other``, which keeps the reciprocal, not the input."""
@@ -73,7 +73,7 @@ def rdiv(input, other):
 
 
 @derivative(torch.addcmul, T.addcmul, inplace=(T.addcmul_,),
-            saved_for={"tensor1": "tensor2", "tensor2": "tensor1"})
+            saved_for={"tensor1": "tensor2", "tensor2": "tensor1"}, elementwise=True)
 def addcmul(grad, input, tensor1, tensor2, *, value=1, needs_input_grad):
     """``input + value * tensor1 * tensor2``."""
     return (grad,
@@ -81,7 +81,8 @@ def addcmul(grad, input, tensor1, tensor2, *, value=1, needs_input_grad):
             grad * tensor1 * value if needs_input_grad[2] else None)
 
 
-@derivative(torch.addcdiv, T.addcdiv, inplace=(T.addcdiv_,), saved_for={"tensor1": "tensor2"})
+@derivative(torch.addcdiv, T.addcdiv, inplace=(T.addcdiv_,), saved_for={"tensor1": "tensor2"},
+            elementwise=True)
 def addcdiv(grad, input, tensor1, tensor2, *, value=1, needs_input_grad):
     """``input + value * tensor1 / tensor2``."""
     return (grad,
@@ -90,7 +91,7 @@ def addcdiv(grad, input, tensor1, tensor2, *, value=1, needs_input_grad):
 
 
 @derivative(torch.lerp, T.lerp, inplace=(T.lerp_,),
-            saved_for={"input": "weight", "end": "weight", "weight": ("input", "end")})
+            saved_for={"input": "weight", "end": "weight", "weight": ("input", "end")}, elementwise=True)
 def lerp(grad, input, end, weight, *, needs_input_grad):
     """``input + weight * (end - input)``; ``weight`` is a number or a tensor."""
     if not _is_tensor(weight):
@@ -101,7 +102,7 @@ def lerp(grad, input, end, weight, *, needs_input_grad):
 
 
 @derivative(torch.fmod, T.fmod, inplace=(T.fmod_,),
-            saved_for={"input": "other", "other": "other"})
+            saved_for={"input": "other", "other": "other"}, elementwise=True)
 def fmod(grad, input, other, *, needs_input_grad):
     """``input - trunc(input / other) * other``. Only other's gradient reads the values (so,
     as torch, ``x % 2`` keeps no tensor and may run backward twice)."""
@@ -111,7 +112,7 @@ def fmod(grad, input, other, *, needs_input_grad):
 
 
 @derivative(torch.remainder, T.remainder, inplace=(T.remainder_,),
-            saved_for={"input": "other", "other": "other"})
+            saved_for={"input": "other", "other": "other"}, elementwise=True)
 def remainder(grad, input, other, *, needs_input_grad):
     """``input - floor(input / other) * other``."""
     if not _is_tensor(other) or not needs_input_grad[1]:
@@ -143,7 +144,7 @@ def _pow_saves(values, keep, needs):
     return keep, (None if _is_tensor(values[1]) else ())
 
 
-@derivative(torch.pow, T.pow, T.__pow__, inplace=(T.pow_, T.__ipow__), saves=_pow_saves)
+@derivative(torch.pow, T.pow, T.__pow__, inplace=(T.pow_, T.__ipow__), saves=_pow_saves, elementwise=True)
 def pow(grad, input, exponent, *, result=None, needs_input_grad):
     if not _is_tensor(exponent):
         if exponent == 0:
@@ -163,7 +164,7 @@ def _rpow_saves(values, keep, needs):
     return keep, (None if needs[0] else ())
 
 
-@derivative(T.__rpow__, saves=_rpow_saves)
+@derivative(T.__rpow__, saves=_rpow_saves, elementwise=True)
 def rpow(grad, input, other, *, result=None, needs_input_grad):
     """``other ** input`` (``2 ** x`` arrives as ``x.__rpow__(2)``): torch's pow(number,
     tensor) keeps the exponent and the result."""
@@ -172,7 +173,7 @@ def rpow(grad, input, other, *, result=None, needs_input_grad):
     return grad_input, grad_other
 
 
-@decomposition(torch.float_power, T.float_power)
+@decomposition(torch.float_power, T.float_power, view=False)
 def float_power(input, exponent):
     """``pow`` computed in double (complex double) precision, like torch's composite."""
     tensors = [t for t in (input, exponent) if _is_tensor(t)]
@@ -183,27 +184,28 @@ def float_power(input, exponent):
     return torch.pow(base, exp)
 
 
-@derivative(torch.square, T.square, inplace=(torch.square_, T.square_))
+@derivative(torch.square, T.square, inplace=(torch.square_, T.square_), elementwise=True)
 def square(grad, input):
     return grad * (2 * input)
 
 
-@derivative(torch.sqrt, T.sqrt, inplace=(torch.sqrt_, T.sqrt_))
+@derivative(torch.sqrt, T.sqrt, inplace=(torch.sqrt_, T.sqrt_), elementwise=True)
 def sqrt(grad, input, *, result):
     return grad / (2 * result)
 
 
-@derivative(torch.rsqrt, T.rsqrt, inplace=(torch.rsqrt_, T.rsqrt_))
+@derivative(torch.rsqrt, T.rsqrt, inplace=(torch.rsqrt_, T.rsqrt_), elementwise=True)
 def rsqrt(grad, input, *, result):
     return -0.5 * grad * result.pow(3)
 
 
-@derivative(torch.reciprocal, T.reciprocal, inplace=(torch.reciprocal_, T.reciprocal_))
+@derivative(torch.reciprocal, T.reciprocal, inplace=(torch.reciprocal_, T.reciprocal_), elementwise=True)
 def reciprocal(grad, input, *, result):
     return -grad * (result * result)
 
 
-@derivative(torch.hypot, T.hypot, inplace=(T.hypot_,), saved_for={"input": "input", "other": "other"})
+@derivative(torch.hypot, T.hypot, inplace=(T.hypot_,), saved_for={"input": "input", "other": "other"},
+            elementwise=True)
 def hypot(grad, input, other, *, result, needs_input_grad):
     return (grad * input / result if needs_input_grad[0] else None,
             grad * other / result if needs_input_grad[1] else None)
@@ -211,64 +213,64 @@ def hypot(grad, input, other, *, result, needs_input_grad):
 
 # -- sign and magnitude ----------------------------------------------------------------------
 @derivative(torch.neg, T.neg, T.__neg__, torch.negative, T.negative,
-            inplace=(torch.neg_, T.neg_, torch.negative_, T.negative_))
+            inplace=(torch.neg_, T.neg_, torch.negative_, T.negative_), elementwise=True)
 def neg(grad, input):
     return -grad
 
 
-@derivative(torch.positive, T.positive, T.__pos__)
+@derivative(torch.positive, T.positive, T.__pos__, elementwise=True)
 def positive(grad, input):
     return grad
 
 
 @derivative(torch.abs, T.abs, T.__abs__, torch.absolute, T.absolute,
-            inplace=(torch.abs_, T.abs_, T.absolute_))
+            inplace=(torch.abs_, T.abs_, T.absolute_), elementwise=True)
 def abs(grad, input):
     return grad * input.sgn()
 
 
 # -- exponentials and logarithms -----------------------------------------------------------
-@derivative(torch.exp, T.exp, inplace=(torch.exp_, T.exp_))
+@derivative(torch.exp, T.exp, inplace=(torch.exp_, T.exp_), elementwise=True)
 def exp(grad, input, *, result):
     return grad * result
 
 
-@derivative(torch.exp2, T.exp2, _special.special_exp2, inplace=(torch.exp2_, T.exp2_))
+@derivative(torch.exp2, T.exp2, _special.special_exp2, inplace=(torch.exp2_, T.exp2_), elementwise=True)
 def exp2(grad, input, *, result):
     return grad * (result * _LN2)
 
 
-@derivative(torch.expm1, T.expm1, _special.special_expm1, inplace=(torch.expm1_, T.expm1_))
+@derivative(torch.expm1, T.expm1, _special.special_expm1, inplace=(torch.expm1_, T.expm1_), elementwise=True)
 def expm1(grad, input, *, result):
     return grad * (result + 1)
 
 
-@derivative(torch.log, T.log, inplace=(torch.log_, T.log_))
+@derivative(torch.log, T.log, inplace=(torch.log_, T.log_), elementwise=True)
 def log(grad, input):
     return grad / input
 
 
-@derivative(torch.log1p, T.log1p, _special.special_log1p, inplace=(torch.log1p_, T.log1p_))
+@derivative(torch.log1p, T.log1p, _special.special_log1p, inplace=(torch.log1p_, T.log1p_), elementwise=True)
 def log1p(grad, input):
     return grad / (input + 1)
 
 
-@derivative(torch.log2, T.log2, inplace=(torch.log2_, T.log2_))
+@derivative(torch.log2, T.log2, inplace=(torch.log2_, T.log2_), elementwise=True)
 def log2(grad, input):
     return grad / (input * _LN2)
 
 
-@derivative(torch.log10, T.log10, inplace=(torch.log10_, T.log10_))
+@derivative(torch.log10, T.log10, inplace=(torch.log10_, T.log10_), elementwise=True)
 def log10(grad, input):
     return grad / (input * _LN10)
 
 
-@derivative(torch.logaddexp, T.logaddexp)
+@derivative(torch.logaddexp, T.logaddexp, elementwise=True)
 def logaddexp(grad, input, other):
     return grad / (1 + (other - input).exp()), grad / (1 + (input - other).exp())
 
 
-@derivative(torch.logit, T.logit, _special.special_logit, inplace=(torch.logit_, T.logit_))
+@derivative(torch.logit, T.logit, _special.special_logit, inplace=(torch.logit_, T.logit_), elementwise=True)
 def logit(grad, input, eps=None):
     """``log(x / (1 - x))`` of x clamped to [eps, 1 - eps]: zero gradient outside (NaN without eps)."""
     g = grad / (input * (1 - input))
@@ -278,40 +280,40 @@ def logit(grad, input, eps=None):
 
 
 # -- trigonometric and hyperbolic --------------------------------------------------------------
-@derivative(torch.sin, T.sin, inplace=(torch.sin_, T.sin_))
+@derivative(torch.sin, T.sin, inplace=(torch.sin_, T.sin_), elementwise=True)
 def sin(grad, input):
     return grad * input.cos()
 
 
-@derivative(torch.cos, T.cos, inplace=(torch.cos_, T.cos_))
+@derivative(torch.cos, T.cos, inplace=(torch.cos_, T.cos_), elementwise=True)
 def cos(grad, input):
     return -grad * input.sin()
 
 
-@derivative(torch.tan, T.tan, inplace=(torch.tan_, T.tan_))
+@derivative(torch.tan, T.tan, inplace=(torch.tan_, T.tan_), elementwise=True)
 def tan(grad, input, *, result):
     return grad * (1 + result * result)
 
 
 @derivative(torch.asin, T.asin, torch.arcsin, T.arcsin,
-            inplace=(torch.asin_, T.asin_, torch.arcsin_, T.arcsin_))
+            inplace=(torch.asin_, T.asin_, torch.arcsin_, T.arcsin_), elementwise=True)
 def asin(grad, input):
     return grad * (1 - input * input).rsqrt()
 
 
 @derivative(torch.acos, T.acos, torch.arccos, T.arccos,
-            inplace=(torch.acos_, T.acos_, torch.arccos_, T.arccos_))
+            inplace=(torch.acos_, T.acos_, torch.arccos_, T.arccos_), elementwise=True)
 def acos(grad, input):
     return grad * -(1 - input * input).rsqrt()
 
 
 @derivative(torch.atan, T.atan, torch.arctan, T.arctan,
-            inplace=(torch.atan_, T.atan_, torch.arctan_, T.arctan_))
+            inplace=(torch.atan_, T.atan_, torch.arctan_, T.arctan_), elementwise=True)
 def atan(grad, input):
     return grad / (input * input + 1)
 
 
-@derivative(torch.atan2, T.atan2, torch.arctan2, T.arctan2, inplace=(T.atan2_, T.arctan2_))
+@derivative(torch.atan2, T.atan2, torch.arctan2, T.arctan2, inplace=(T.atan2_, T.arctan2_), elementwise=True)
 def atan2(grad, input, other, *, needs_input_grad):
     recip = (input * input + other * other).reciprocal()
     recip = recip.masked_fill(recip.isinf(), 0.0)  # at (0, 0) torch's gradient is 0, not nan
@@ -319,23 +321,23 @@ def atan2(grad, input, other, *, needs_input_grad):
             grad * -input * recip if needs_input_grad[1] else None)
 
 
-@derivative(torch.sinh, T.sinh, inplace=(torch.sinh_, T.sinh_))
+@derivative(torch.sinh, T.sinh, inplace=(torch.sinh_, T.sinh_), elementwise=True)
 def sinh(grad, input):
     return grad * input.cosh()
 
 
-@derivative(torch.cosh, T.cosh, inplace=(torch.cosh_, T.cosh_))
+@derivative(torch.cosh, T.cosh, inplace=(torch.cosh_, T.cosh_), elementwise=True)
 def cosh(grad, input):
     return grad * input.sinh()
 
 
-@derivative(torch.tanh, T.tanh, inplace=(torch.tanh_, T.tanh_))
+@derivative(torch.tanh, T.tanh, inplace=(torch.tanh_, T.tanh_), elementwise=True)
 def tanh(grad, input, *, result):
     """torch's fused ``tanh_backward``: ``grad * (1 - result²)`` (conjugated for complex)."""
     return _aten.tanh_backward.default(grad, result)
 
 
-@derivative(_aten.tanh_backward.default)
+@derivative(_aten.tanh_backward.default, elementwise=True)
 def tanh_backward(grad, grad_output, output):
     """Linear in ``grad_output``; ``-2 grad * output * grad_output`` in the output."""
     output = output.conj() if output.is_complex() else output
@@ -345,30 +347,31 @@ def tanh_backward(grad, grad_output, output):
 
 
 @derivative(torch.asinh, T.asinh, torch.arcsinh, T.arcsinh,
-            inplace=(torch.asinh_, T.asinh_, torch.arcsinh_, T.arcsinh_))
+            inplace=(torch.asinh_, T.asinh_, torch.arcsinh_, T.arcsinh_), elementwise=True)
 def asinh(grad, input):
     return grad * (input * input + 1).rsqrt()
 
 
 @derivative(torch.acosh, T.acosh, torch.arccosh, T.arccosh,
-            inplace=(torch.acosh_, T.acosh_, torch.arccosh_, T.arccosh_))
+            inplace=(torch.acosh_, T.acosh_, torch.arccosh_, T.arccosh_), elementwise=True)
 def acosh(grad, input):
     return grad * (input * input - 1).rsqrt()
 
 
 @derivative(torch.atanh, T.atanh, torch.arctanh, T.arctanh,
-            inplace=(torch.atanh_, T.atanh_, torch.arctanh_, T.arctanh_))
+            inplace=(torch.atanh_, T.atanh_, torch.arctanh_, T.arctanh_), elementwise=True)
 def atanh(grad, input):
     return grad / (1 - input * input)
 
 
-@derivative(torch.sigmoid, T.sigmoid, _special.special_expit, inplace=(torch.sigmoid_, T.sigmoid_))
+@derivative(torch.sigmoid, T.sigmoid, _special.special_expit, inplace=(torch.sigmoid_, T.sigmoid_),
+            elementwise=True)
 def sigmoid(grad, input, *, result):
     """torch's fused ``sigmoid_backward``: ``grad * result * (1 - result)``."""
     return _aten.sigmoid_backward.default(grad, result)
 
 
-@derivative(_aten.sigmoid_backward.default)
+@derivative(_aten.sigmoid_backward.default, elementwise=True)
 def sigmoid_backward(grad, grad_output, output):
     """Linear in ``grad_output``; ``grad * grad_output * (1 - 2 output)`` in the output."""
     output = output.conj() if output.is_complex() else output
@@ -377,17 +380,17 @@ def sigmoid_backward(grad, grad_output, output):
 
 
 # -- error function ----------------------------------------------------------------------------
-@derivative(torch.erf, T.erf, _special.special_erf, inplace=(torch.erf_, T.erf_))
+@derivative(torch.erf, T.erf, _special.special_erf, inplace=(torch.erf_, T.erf_), elementwise=True)
 def erf(grad, input):
     return grad * (_TWO_OVER_SQRT_PI * (-input * input).exp())
 
 
-@derivative(torch.erfc, T.erfc, _special.special_erfc, inplace=(torch.erfc_, T.erfc_))
+@derivative(torch.erfc, T.erfc, _special.special_erfc, inplace=(torch.erfc_, T.erfc_), elementwise=True)
 def erfc(grad, input):
     return grad * (-_TWO_OVER_SQRT_PI * (-input * input).exp())
 
 
-@derivative(torch.xlogy, T.xlogy, _special.special_xlogy, inplace=(T.xlogy_,))
+@derivative(torch.xlogy, T.xlogy, _special.special_xlogy, inplace=(T.xlogy_,), elementwise=True)
 def xlogy(grad, input, other, *, needs_input_grad):
     """``input * log(other)``, 0 where input is 0: torch's formulas, NaN where they give it."""
     g_input = g_other = None
@@ -400,7 +403,7 @@ def xlogy(grad, input, other, *, needs_input_grad):
     return g_input, g_other
 
 
-@derivative(torch.erfinv, T.erfinv, _special.special_erfinv, inplace=(T.erfinv_,))
+@derivative(torch.erfinv, T.erfinv, _special.special_erfinv, inplace=(T.erfinv_,), elementwise=True)
 def erfinv(grad, input):
     """torch's formula recomputes erfinv from the input (and keeps the input, not the result)."""
     return grad * (_HALF_SQRT_PI * input.erfinv().pow(2).exp())
@@ -429,19 +432,19 @@ def _clamp_grads(grad, input, min, max, need_input, need_min, need_max):
 
 
 @derivative(torch.clamp, T.clamp, torch.clip, T.clip,
-            inplace=(torch.clamp_, T.clamp_, torch.clip_, T.clip_))
+            inplace=(torch.clamp_, T.clamp_, torch.clip_, T.clip_), elementwise=True)
 def clamp(grad, input, min=None, max=None, *, needs_input_grad):
     """Number or tensor bounds, either optional."""
     return _clamp_grads(grad, input, min, max, *needs_input_grad)
 
 
-@derivative(torch.clamp_min, T.clamp_min, inplace=(torch.clamp_min_, T.clamp_min_))
+@derivative(torch.clamp_min, T.clamp_min, inplace=(torch.clamp_min_, T.clamp_min_), elementwise=True)
 def clamp_min(grad, input, min, *, needs_input_grad):
     g_input, g_min, _ = _clamp_grads(grad, input, min, None, *needs_input_grad, False)
     return g_input, g_min
 
 
-@derivative(torch.clamp_max, T.clamp_max, inplace=(torch.clamp_max_, T.clamp_max_))
+@derivative(torch.clamp_max, T.clamp_max, inplace=(torch.clamp_max_, T.clamp_max_), elementwise=True)
 def clamp_max(grad, input, max, *, needs_input_grad):
     g_input, _, g_max = _clamp_grads(grad, input, None, max, needs_input_grad[0], False,
                                      needs_input_grad[1])
@@ -462,38 +465,38 @@ def minimum_grads(grad, input, other, needs=(True, True)):
             torch.where(input < other, 0.0, g) if needs[1] else None)
 
 
-@derivative(torch.maximum, T.maximum)
+@derivative(torch.maximum, T.maximum, elementwise=True)
 def maximum(grad, input, other, *, needs_input_grad):
     return maximum_grads(grad, input, other, needs_input_grad)
 
 
-@derivative(torch.minimum, T.minimum)
+@derivative(torch.minimum, T.minimum, elementwise=True)
 def minimum(grad, input, other, *, needs_input_grad):
     return minimum_grads(grad, input, other, needs_input_grad)
 
 
-@derivative(torch.fmax, T.fmax)
+@derivative(torch.fmax, T.fmax, elementwise=True)
 def fmax(grad, input, other):
     """NaN-ignoring maximum: the gradient goes to the operand that was taken."""
     take_input = (input >= other) | other.isnan()
     return torch.where(take_input, grad, 0.0), torch.where(take_input, 0.0, grad)
 
 
-@derivative(torch.fmin, T.fmin)
+@derivative(torch.fmin, T.fmin, elementwise=True)
 def fmin(grad, input, other):
     """NaN-ignoring minimum: the gradient goes to the operand that was taken."""
     take_input = (input <= other) | other.isnan()
     return torch.where(take_input, grad, 0.0), torch.where(take_input, 0.0, grad)
 
 
-@derivative(torch.where)
+@derivative(torch.where, elementwise=True)
 def where(grad, condition, input, other, *, needs_input_grad):
     return (None,
             torch.where(condition, grad, 0.0) if needs_input_grad[1] else None,
             torch.where(condition, 0.0, grad) if needs_input_grad[2] else None)
 
 
-@derivative(T.where, name="WhereBackward")
+@derivative(T.where, name="WhereBackward", elementwise=True)
 def where_method(grad, input, condition, other, *, needs_input_grad):
     """``input.where(condition, other)`` is ``torch.where(condition, input, other)``."""
     return (torch.where(condition, grad, 0.0) if needs_input_grad[0] else None,
@@ -501,7 +504,7 @@ def where_method(grad, input, condition, other, *, needs_input_grad):
             torch.where(condition, 0.0, grad) if needs_input_grad[2] else None)
 
 
-@derivative(torch.nan_to_num, T.nan_to_num, inplace=(torch.nan_to_num_, T.nan_to_num_))
+@derivative(torch.nan_to_num, T.nan_to_num, inplace=(torch.nan_to_num_, T.nan_to_num_), elementwise=True)
 def nan_to_num(grad, input, nan=0.0, posinf=None, neginf=None):
     """Replaced values are constants: zero gradient there (``grad * isfinite``, as torch: a
     NaN gradient stays NaN)."""
@@ -510,26 +513,26 @@ def nan_to_num(grad, input, nan=0.0, posinf=None, neginf=None):
 
 # -- copies and casts ----------------------------------------------------------------------------
 @derivative(T.to, T.double, T.float, T.half, T.bfloat16, T.cpu, T.cuda,
-            T.clone, torch.clone, T.contiguous)
+            T.clone, torch.clone, T.contiguous, elementwise=True)
 def to(grad, input, *args, **kwargs):
     """Copies and casts: the engine casts the gradient back to the input's dtype and device."""
     return grad
 
 
-@decomposition(T.type_as)
+@decomposition(T.type_as, view=False)
 def type_as(input, other):
     """``other`` gives only a dtype and device: as in torch's composite, no input of the node."""
     return input.to(dtype=other.dtype, device=other.device)
 
 
 # -- piecewise constant: zero gradient (like torch) -----------------------------------------
-@derivative(torch.sign, T.sign, inplace=(T.sign_,))
+@derivative(torch.sign, T.sign, inplace=(T.sign_,), elementwise=True)
 def sign(grad, input: Meta):
     """Piecewise constant: zero gradient (like torch)."""
     return torch.zeros_like(grad)
 
 
-@derivative(torch.sgn, T.sgn, inplace=(T.sgn_,))
+@derivative(torch.sgn, T.sgn, inplace=(T.sgn_,), elementwise=True)
 def sgn(grad, input, *, result):
     """torch's sgn_backward: the derivative of z/|z| for complex tensors; for real ones a
     known zero (torch's efficient zero tensor: it stays zero through the rules before, so
@@ -550,16 +553,16 @@ for _name, _funcs, _inplace in (
         ("Floor", (torch.floor, T.floor), (torch.floor_, T.floor_)),
         ("Ceil", (torch.ceil, T.ceil), (torch.ceil_, T.ceil_)),
         ("Trunc", (torch.trunc, T.trunc, torch.fix, T.fix), (torch.trunc_, T.trunc_, torch.fix_, T.fix_))):
-    derivative(*_funcs, inplace=_inplace, name=_name + "Backward")(_zero_gradient)
+    derivative(*_funcs, inplace=_inplace, name=_name + "Backward", elementwise=True)(_zero_gradient)
 
 
-@derivative(torch.round, T.round, _special.special_round, inplace=(torch.round_, T.round_))
+@derivative(torch.round, T.round, _special.special_round, inplace=(torch.round_, T.round_), elementwise=True)
 def round(grad, input: Meta, *, decimals=0):
     """Piecewise constant at any number of decimals: zero gradient."""
     return torch.zeros_like(grad)
 
 
-@derivative(torch.frac, T.frac, inplace=(torch.frac_, T.frac_))
+@derivative(torch.frac, T.frac, inplace=(torch.frac_, T.frac_), elementwise=True)
 def frac(grad, input: Meta):
     """``x - trunc(x)``: gradient 1."""
     return grad

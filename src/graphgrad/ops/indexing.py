@@ -89,7 +89,7 @@ def _getitem_backward(grad, input: Meta, index):
     return _add_at_positions(grad, input, _positions(input)[index])
 
 
-@derivative(T.__getitem__)
+@derivative(T.__getitem__, view=True)
 def getitem(grad, input: Meta, index):
     if _is_advanced(index):
         return _getitem_backward(grad, input, index)
@@ -98,7 +98,7 @@ def getitem(grad, input: Meta, index):
     return zeros
 
 
-@derivative(T.__setitem__)
+@derivative(T.__setitem__, view=True)
 def setitem(grad, input: Meta, index, value: Meta, *, needs_input_grad):
     """``input[index] = value``: the overwritten part of ``input`` gets no gradient."""
     grad_input = None
@@ -109,7 +109,7 @@ def setitem(grad, input: Meta, index, value: Meta, *, needs_input_grad):
     return grad_input, None, grad_value
 
 
-@derivative(T.copy_)
+@derivative(T.copy_, view=True)
 def copy_(grad, input: Meta, src: Meta, non_blocking=False, *, needs_input_grad):
     """``input.copy_(src)``: the old values get a zero gradient (torch's ``zeros_like``: it
     reaches the leaves, and makes 0 * inf = NaN on the way as torch's does); the engine sums
@@ -117,7 +117,7 @@ def copy_(grad, input: Meta, src: Meta, non_blocking=False, *, needs_input_grad)
     return torch.zeros_like(grad) if needs_input_grad[0] else None, grad
 
 
-@derivative(T.fill_, T.zero_)
+@derivative(T.fill_, T.zero_, view=True)
 def fill_(grad, input: Meta, value=None, *, needs_input_grad):
     """``fill_`` / ``zero_``: a zero gradient for the old values (as torch), the sum for a
     tensor ``value``."""
@@ -125,7 +125,7 @@ def fill_(grad, input: Meta, value=None, *, needs_input_grad):
             grad.sum() if needs_input_grad[1] else None)
 
 
-@derivative(torch.index_put, T.index_put, inplace=(T.index_put_, torch.index_put_))
+@derivative(torch.index_put, T.index_put, inplace=(T.index_put_, torch.index_put_), view=True)
 def index_put(grad, input, indices, values: Meta, accumulate=False, *, needs_input_grad):
     """``indices`` is a tuple of optional tensors; ``None`` there means a full slice."""
     grad_input = grad if accumulate else grad.index_put(indices, grad.new_zeros(()))
@@ -135,12 +135,12 @@ def index_put(grad, input, indices, values: Meta, accumulate=False, *, needs_inp
     return grad_input, None, _like_value(picked, values)
 
 
-@derivative(torch.index_select, T.index_select)
+@derivative(torch.index_select, T.index_select, view=True)
 def index_select(grad, input: Meta, dim, index):
     return grad.new_zeros(input.shape).index_add(dim, index, grad)
 
 
-@derivative(torch.index_add, T.index_add, inplace=(T.index_add_,), saved_for={"index": "source"})
+@derivative(torch.index_add, T.index_add, inplace=(T.index_add_,), saved_for={"index": "source"}, view=True)
 def index_add(grad, input, dim, index, source, *, alpha=1, needs_input_grad):
     if not needs_input_grad[3]:
         return grad
@@ -148,25 +148,25 @@ def index_add(grad, input, dim, index, source, *, alpha=1, needs_input_grad):
     return grad, None, None, grad_source if alpha == 1 else grad_source * alpha
 
 
-@derivative(torch.index_copy, T.index_copy, inplace=(T.index_copy_,))
+@derivative(torch.index_copy, T.index_copy, inplace=(T.index_copy_,), view=True)
 def index_copy(grad, input, dim, index, source, *, needs_input_grad):
     return (grad.index_fill(dim, index, 0.0) if needs_input_grad[0] else None, None, None,
             grad.index_select(dim, index) if needs_input_grad[3] else None)
 
 
-@derivative(torch.index_fill, T.index_fill, inplace=(T.index_fill_,))
+@derivative(torch.index_fill, T.index_fill, inplace=(T.index_fill_,), view=True)
 def index_fill(grad, input, dim, index, value: Meta, *, needs_input_grad):
     """A repeated index fills its place once, so ``value`` collects each place's gradient once."""
     grad_value = grad.index_select(dim, index.unique()).sum() if needs_input_grad[3] else None
     return grad.index_fill(dim, index, 0.0), None, None, grad_value
 
 
-@derivative(torch.gather, T.gather)
+@derivative(torch.gather, T.gather, view=True)
 def gather(grad, input: Meta, dim, index, *, sparse_grad=False):
     return grad.new_zeros(input.shape).scatter_add(dim, index, grad)
 
 
-@derivative(torch.scatter, T.scatter, inplace=(T.scatter_,))
+@derivative(torch.scatter, T.scatter, inplace=(T.scatter_,), view=True)
 def scatter(grad, input, dim, index, src: Meta = None, *, value=None, reduce=None, needs_input_grad):
     """``src`` may be a tensor or (positionally) a number; ``reduce=`` has no gradient here."""
     if reduce is not None:
@@ -176,18 +176,18 @@ def scatter(grad, input, dim, index, src: Meta = None, *, value=None, reduce=Non
     return grad.scatter(dim, index, 0.0) if needs_input_grad[0] else None, None, None, grad_src
 
 
-@derivative(torch.scatter_add, T.scatter_add, inplace=(T.scatter_add_,))
+@derivative(torch.scatter_add, T.scatter_add, inplace=(T.scatter_add_,), view=True)
 def scatter_add(grad, input, dim, index, src, *, needs_input_grad):
     return grad, None, None, grad.gather(dim, index) if needs_input_grad[3] else None
 
 
-@derivative(torch.take, T.take)
+@derivative(torch.take, T.take, view=True)
 def take(grad, input: Meta, index):
     """Negative indices count from the end of the flattened input."""
     return _add_at_positions(grad, input, index % max(input.numel(), 1))
 
 
-@derivative(torch.take_along_dim, T.take_along_dim)
+@derivative(torch.take_along_dim, T.take_along_dim, view=True)
 def take_along_dim(grad, input: Meta, indices, dim=None):
     positions = _positions(input)
     if dim is None:
@@ -195,25 +195,25 @@ def take_along_dim(grad, input: Meta, indices, dim=None):
     return _add_at_positions(grad, input, positions.take_along_dim(indices, dim))
 
 
-@derivative(T.unfold)
+@derivative(T.unfold, view=True)
 def unfold(grad, input: Meta, dimension, size, step):
     """Windows may overlap: each element collects the gradient of every window it is in."""
     return _add_at_positions(grad, input, _positions(input).unfold(dimension, size, step))
 
 
-@derivative(torch.masked_fill, T.masked_fill, inplace=(T.masked_fill_,))
+@derivative(torch.masked_fill, T.masked_fill, inplace=(T.masked_fill_,), view=True)
 def masked_fill(grad, input, mask, value: Meta, *, needs_input_grad):
     grad_value = torch.where(mask, grad, 0.0).sum() if needs_input_grad[2] else None
     return grad.masked_fill(mask, 0.0) if needs_input_grad[0] else None, None, grad_value
 
 
-@derivative(torch.masked_select, T.masked_select)
+@derivative(torch.masked_select, T.masked_select, view=True)
 def masked_select(grad, input: Meta, mask):
     shape = torch.broadcast_shapes(input.shape, mask.shape)
     return grad.new_zeros(shape).masked_scatter(mask.expand(shape), grad)
 
 
-@derivative(torch.masked_scatter, T.masked_scatter, inplace=(T.masked_scatter_,))
+@derivative(torch.masked_scatter, T.masked_scatter, inplace=(T.masked_scatter_,), view=True)
 def masked_scatter(grad, input, mask, source: Meta, *, needs_input_grad):
     """``source``'s first ``mask.sum()`` elements fill the masked places, in order; the rest are unused."""
     if not needs_input_grad[2]:

@@ -25,7 +25,7 @@ def _scaled(t, s):
 
 # -- products ------------------------------------------------------------------------------
 @derivative(torch.matmul, T.matmul, torch.linalg.matmul,
-            saved_for={"input": "other", "other": "input"})
+            saved_for={"input": "other", "other": "input"}, view=False)
 def matmul(grad, input, other, *, needs_input_grad):
     a, b = input, other
     if a.dim() == 1 and b.dim() == 1:
@@ -56,51 +56,51 @@ def matmul(grad, input, other, *, needs_input_grad):
     return ga, gb
 
 
-@derivative(T.__rmatmul__, saved_for={"input": "other", "other": "input"})
+@derivative(T.__rmatmul__, saved_for={"input": "other", "other": "input"}, view=False)
 def rmatmul(grad, input, other, *, needs_input_grad):
     """``other @ input``."""
     g_other, g_input = matmul(grad, other, input, needs_input_grad=needs_input_grad[::-1])
     return g_input, g_other
 
 
-@derivative(torch.mm, T.mm, torch.bmm, T.bmm, saved_for={"input": "mat2", "mat2": "input"})
+@derivative(torch.mm, T.mm, torch.bmm, T.bmm, saved_for={"input": "mat2", "mat2": "input"}, view=False)
 def mm(grad, input, mat2, *, needs_input_grad):
     return (grad @ mat2.mT if needs_input_grad[0] else None,
             input.mT @ grad if needs_input_grad[1] else None)
 
 
-@derivative(torch.mv, T.mv, saved_for={"input": "vec", "vec": "input"})
+@derivative(torch.mv, T.mv, saved_for={"input": "vec", "vec": "input"}, view=False)
 def mv(grad, input, vec, *, needs_input_grad):
     return (grad.outer(vec) if needs_input_grad[0] else None,
             input.mT.mv(grad) if needs_input_grad[1] else None)
 
 
-@derivative(torch.dot, T.dot, saved_for={"input": "tensor", "tensor": "input"})
+@derivative(torch.dot, T.dot, saved_for={"input": "tensor", "tensor": "input"}, view=False)
 def dot(grad, input, tensor, *, needs_input_grad):
     return (grad * tensor if needs_input_grad[0] else None,
             grad * input if needs_input_grad[1] else None)
 
 
-@derivative(torch.vdot, T.vdot, saved_for={"input": "other", "other": "input"})
+@derivative(torch.vdot, T.vdot, saved_for={"input": "other", "other": "input"}, view=False)
 def vdot(grad, input, other, *, needs_input_grad):
     """``sum(conj(input) * other)``; real inputs only (complex tensors have no graphgrad rules)."""
     return (grad * other if needs_input_grad[0] else None,
             grad * input if needs_input_grad[1] else None)
 
 
-@derivative(torch.outer, T.outer, torch.ger, T.ger, saved_for={"input": "vec2", "vec2": "input"})
+@derivative(torch.outer, T.outer, torch.ger, T.ger, saved_for={"input": "vec2", "vec2": "input"}, view=False)
 def outer(grad, input, vec2, *, needs_input_grad):
     return (grad.mv(vec2) if needs_input_grad[0] else None,
             grad.mT.mv(input) if needs_input_grad[1] else None)
 
 
-@decomposition(torch.linalg.vecdot)
+@decomposition(torch.linalg.vecdot, view=False)
 def vecdot(x, y, *, dim=-1):
     """``sum(conj(x) * y, dim)`` with broadcasting; real inputs."""
     return (x * y).sum(dim)
 
 
-@decomposition(torch.inner, T.inner)
+@decomposition(torch.inner, T.inner, view=False)
 def inner(input, other):
     """Sums over the last dimension of both: a reshaped matrix product (or a plain product)."""
     if input.dim() == 0 or other.dim() == 0:
@@ -111,7 +111,7 @@ def inner(input, other):
     return out.reshape(input.shape[:-1] + other.shape[:-1])
 
 
-@derivative(torch.addmm, T.addmm, inplace=(T.addmm_,), saved_for={"mat1": "mat2", "mat2": "mat1"})
+@derivative(torch.addmm, T.addmm, inplace=(T.addmm_,), saved_for={"mat1": "mat2", "mat2": "mat1"}, view=False)
 def addmm(grad, input, mat1, mat2, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * mat1 @ mat2``."""
     return (_scaled(grad, beta),
@@ -119,7 +119,7 @@ def addmm(grad, input, mat1, mat2, *, beta=1, alpha=1, needs_input_grad):
             _scaled(mat1.mT.mm(grad), alpha) if needs_input_grad[2] else None)
 
 
-@derivative(torch.addmv, T.addmv, inplace=(T.addmv_,), saved_for={"mat": "vec", "vec": "mat"})
+@derivative(torch.addmv, T.addmv, inplace=(T.addmv_,), saved_for={"mat": "vec", "vec": "mat"}, view=False)
 def addmv(grad, input, mat, vec, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * mat @ vec``."""
     return (_scaled(grad, beta),
@@ -127,7 +127,7 @@ def addmv(grad, input, mat, vec, *, beta=1, alpha=1, needs_input_grad):
             _scaled(mat.mT.mv(grad), alpha) if needs_input_grad[2] else None)
 
 
-@derivative(torch.addr, T.addr, inplace=(T.addr_,), saved_for={"vec1": "vec2", "vec2": "vec1"})
+@derivative(torch.addr, T.addr, inplace=(T.addr_,), saved_for={"vec1": "vec2", "vec2": "vec1"}, view=False)
 def addr(grad, input, vec1, vec2, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * outer(vec1, vec2)``."""
     return (_scaled(grad, beta),
@@ -136,7 +136,7 @@ def addr(grad, input, vec1, vec2, *, beta=1, alpha=1, needs_input_grad):
 
 
 @derivative(torch.baddbmm, T.baddbmm, inplace=(T.baddbmm_,),
-            saved_for={"batch1": "batch2", "batch2": "batch1"})
+            saved_for={"batch1": "batch2", "batch2": "batch1"}, view=False)
 def baddbmm(grad, input, batch1, batch2, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * batch1 @ batch2`` (batched)."""
     return (_scaled(grad, beta),
@@ -145,7 +145,7 @@ def baddbmm(grad, input, batch1, batch2, *, beta=1, alpha=1, needs_input_grad):
 
 
 @derivative(torch.addbmm, T.addbmm, inplace=(T.addbmm_,),
-            saved_for={"batch1": "batch2", "batch2": "batch1"})
+            saved_for={"batch1": "batch2", "batch2": "batch1"}, view=False)
 def addbmm(grad, input, batch1, batch2, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * sum_b batch1[b] @ batch2[b]``."""
     g = None
@@ -156,7 +156,7 @@ def addbmm(grad, input, batch1, batch2, *, beta=1, alpha=1, needs_input_grad):
             _scaled(batch1.mT.bmm(g), alpha) if needs_input_grad[2] else None)
 
 
-@derivative(F.linear, saved_for={"input": "weight", "weight": "input"})
+@derivative(F.linear, saved_for={"input": "weight", "weight": "input"}, view=False)
 def linear(grad, input, weight, bias=None, *, needs_input_grad):
     """``input @ weight.T + bias``; the bias gradient is the engine's unbroadcast of ``grad``."""
     grad_input = grad_weight = None
@@ -209,7 +209,7 @@ def _einsum_labels(equation: str, operands) -> tuple[list[list[str]], list[str]]
     return labels, expand(rhs, n_ellipsis + len(rhs.replace("...", "")))
 
 
-@derivative(torch.einsum)
+@derivative(torch.einsum, view=False)
 def einsum(grad, equation, *operands, needs_input_grad):
     """Each operand's gradient is another einsum: ``grad`` times the other operands.
 
@@ -297,7 +297,7 @@ def _svd_backward(gU, gS, gVh, U, S, Vh):
     return U @ (inner @ Vh) if m >= n else (U @ inner) @ Vh
 
 
-@derivative(torch.linalg.svd, multi_output=True)
+@derivative(torch.linalg.svd, multi_output=True, view=False)
 def svd(grads, A, full_matrices=True, *, driver=None, result):
     """``(U, S, Vh)``; with ``full_matrices`` only the first ``k`` singular vectors matter."""
     gU, gS, gVh = grads
@@ -310,7 +310,7 @@ def svd(grads, A, full_matrices=True, *, driver=None, result):
     return _svd_backward(gU, gS, gVh, U, S, Vh)
 
 
-@derivative(torch.svd, T.svd, multi_output=True, name="SvdBackward")
+@derivative(torch.svd, T.svd, multi_output=True, name="SvdBackward", view=False)
 def svd_legacy(grads, input, some=True, compute_uv=True, *, result):
     """``torch.svd``: ``(U, S, V)`` with V (not V^H); ``some=False`` gives full U and V."""
     gU, gS, gV = grads
@@ -327,7 +327,7 @@ def svd_legacy(grads, input, some=True, compute_uv=True, *, result):
     return _svd_backward(gU, gS, gVh, U, S, V.mT)
 
 
-@derivative(torch.linalg.svdvals)
+@derivative(torch.linalg.svdvals, view=False)
 def svdvals(grad, A, *, driver=None):
     """``U diag(grad) V^H`` from a reduced SVD (recorded under create_graph, for 2nd order)."""
     U, S, Vh = torch.linalg.svd(A, full_matrices=False, driver=driver)
@@ -347,7 +347,7 @@ def _check_like_torch(fn, input, *args, **kwargs):
     fn(torch.empty(input.shape, dtype=input.dtype, device="meta"), *args, **kwargs)
 
 
-@decomposition(torch.linalg.matrix_norm)
+@decomposition(torch.linalg.matrix_norm, view=False)
 def matrix_norm(input, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=None):
     """torch's own composite: vector norms, amax/amin, and svdvals for 2, -2 and 'nuc'."""
     _check_no_out("torch.linalg.matrix_norm", out)
@@ -378,7 +378,7 @@ def matrix_norm(input, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, ou
     return res.amax(d1, keepdim) if ord > 0 else res.amin(d1, keepdim)
 
 
-@decomposition(torch.linalg.norm)
+@decomposition(torch.linalg.norm, view=False)
 def linalg_norm(input, ord=None, dim=None, keepdim=False, *, out=None, dtype=None):
     """A matrix norm for a given ord over 2 dims (or a 2-D input), else a vector norm."""
     _check_no_out("torch.linalg.norm", out)
@@ -392,7 +392,7 @@ def linalg_norm(input, ord=None, dim=None, keepdim=False, *, out=None, dtype=Non
     return torch.linalg.vector_norm(input, 2 if ord is None else ord, dim, keepdim, dtype=dtype)
 
 
-@derivative(torch.trace, T.trace)
+@derivative(torch.trace, T.trace, view=False)
 def trace(grad, input: Meta):
     """The gradient is ``grad`` on the diagonal of a matrix of the input's shape."""
     return torch.eye(input.shape[0], input.shape[1], dtype=grad.dtype, device=grad.device) * grad

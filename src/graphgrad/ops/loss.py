@@ -123,7 +123,7 @@ def _mean_scaled(g, input, reduction):
     return g / input.numel() if reduction == _MEAN else g
 
 
-@derivative(F.mse_loss)
+@derivative(F.mse_loss, view=False)
 def mse_loss(grad, input, target, size_average=None, reduce=None, reduction="mean", weight=None,
              *, needs_input_grad):
     reduction = _reduction(size_average, reduce, reduction)
@@ -136,7 +136,7 @@ def mse_loss(grad, input, target, size_average=None, reduce=None, reduction="mea
     return g_input, g_target, None, None, None, g_weight
 
 
-@derivative(_aten.mse_loss_backward.default)
+@derivative(_aten.mse_loss_backward.default, view=False)
 def mse_loss_backward(grad, grad_output, input, target, reduction):
     """Linear in ``grad_output``; in input and target ``±2 grad grad_output`` (/ n for "mean"):
     torch's ``mse_loss_double_backward``."""
@@ -144,7 +144,7 @@ def mse_loss_backward(grad, grad_output, input, target, reduction):
     return _aten.mse_loss_backward.default(grad, input, target, reduction), g, -g
 
 
-@decomposition(F.l1_loss)
+@decomposition(F.l1_loss, view=False)
 def l1_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
     """torch's composite ``|input - target|`` (broadcast first) and the reduction, so it keeps
     what torch keeps: the difference, not the inputs. torch (2.13) drops ``weight`` before
@@ -171,7 +171,7 @@ def _reduce(loss, reduction):
     return loss
 
 
-@derivative(F.smooth_l1_loss)
+@derivative(F.smooth_l1_loss, view=False)
 def smooth_l1_loss(grad, input, target, size_average=None, reduce=None, reduction="mean",
                    beta=1.0, *, needs_input_grad):
     """torch's kernel; with ``beta=0`` torch computes l1_loss, differentiated as such."""
@@ -182,7 +182,7 @@ def smooth_l1_loss(grad, input, target, size_average=None, reduce=None, reductio
                                   reduction, (beta,), needs_input_grad)
 
 
-@derivative(_aten.smooth_l1_loss_backward.default)
+@derivative(_aten.smooth_l1_loss_backward.default, view=False)
 def smooth_l1_loss_backward(grad, grad_output, input, target, reduction, beta):
     """Linear in ``grad_output``; in input and target ``±grad grad_output / beta`` where
     ``|input - target| < beta`` (torch's ``smooth_l1_loss_double_backward``)."""
@@ -191,7 +191,7 @@ def smooth_l1_loss_backward(grad, grad_output, input, target, reduction, beta):
     return _aten.smooth_l1_loss_backward.default(grad, input, target, reduction, beta), g, -g
 
 
-@derivative(F.huber_loss)
+@derivative(F.huber_loss, view=False)
 def huber_loss(grad, input, target, reduction="mean", delta=1.0, weight=None, *, needs_input_grad):
     if weight is None:
         return _fused_pointwise_grads(_aten.huber_loss_backward.default, grad, input, target,
@@ -202,7 +202,7 @@ def huber_loss(grad, input, target, reduction="mean", delta=1.0, weight=None, *,
     return g_input, g_target, None, None, g_weight
 
 
-@derivative(_aten.huber_loss_backward.default)
+@derivative(_aten.huber_loss_backward.default, view=False)
 def huber_loss_backward(grad, grad_output, input, target, reduction, delta):
     """torch's ``huber_loss_double_backward`` (input, target) and ``..._grad_output``."""
     if reduction == _REDUCTIONS.index("none"):
@@ -244,7 +244,7 @@ def _nll_grads(grad, input, target, weight, reduction, ignore_index, needs):
     return g_input, g_weight
 
 
-@decomposition(F.nll_loss)
+@decomposition(F.nll_loss, view=False)
 def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
              reduction="mean"):
     """torch's ``nll_loss_nd``: 1-d and 2-d inputs through ``nll_loss_forward``, 4-d ones
@@ -299,7 +299,7 @@ for _forward, _backward, _name in [
         (_aten.nll_loss_forward.default, _aten.nll_loss_backward.default, "NllLossBackward"),
         (_aten.nll_loss2d_forward.default, _aten.nll_loss2d_backward.default, "NllLoss2dBackward")]:
     derivative(_forward, name=_name, multi_output=True, saves=_total_weight_only,
-               differentiable_outputs=1)(_nll_loss_rule(_backward))
+               differentiable_outputs=1, view=False)(_nll_loss_rule(_backward))
 
 
 def _nll_loss_backward_rule(forward_kernel):
@@ -312,13 +312,13 @@ def _nll_loss_backward_rule(forward_kernel):
     return nll_loss_backward
 
 
-derivative(_aten.nll_loss_backward.default, name="NllLossBackwardBackward")(
+derivative(_aten.nll_loss_backward.default, name="NllLossBackwardBackward", view=False)(
     _nll_loss_backward_rule(_aten.nll_loss_forward.default))
-derivative(_aten.nll_loss2d_backward.default, name="NllLoss2dBackwardBackward")(
+derivative(_aten.nll_loss2d_backward.default, name="NllLoss2dBackwardBackward", view=False)(
     _nll_loss_backward_rule(_aten.nll_loss2d_forward.default))
 
 
-@decomposition(F.cross_entropy)
+@decomposition(F.cross_entropy, view=False)
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                   reduction="mean", label_smoothing=0.0):
     """log_softmax over the class dimension, then nll_loss (class indices) or the weighted sum
@@ -367,7 +367,7 @@ def _clamped_log(x):
     return x.log().clamp_min(-100.0)
 
 
-@derivative(F.binary_cross_entropy)
+@derivative(F.binary_cross_entropy, view=False)
 def binary_cross_entropy(grad, input, target, weight=None, size_average=None, reduce=None,
                          reduction="mean", *, needs_input_grad):
     """torch's backward: (x - t) / max(x (1 - x), 1e-12) for the input, -logit(x) for the target."""
@@ -412,7 +412,7 @@ def _bce_with_logits_grads(grad, input, target, weight, pos_weight, reduction, n
     return g_input, g_target, g_weight, g_pos_weight
 
 
-@derivative(F.binary_cross_entropy_with_logits)
+@derivative(F.binary_cross_entropy_with_logits, view=False)
 def binary_cross_entropy_with_logits(grad, input, target, weight=None, size_average=None,
                                      reduce=None, reduction="mean", pos_weight=None, *,
                                      needs_input_grad):
@@ -424,7 +424,7 @@ def binary_cross_entropy_with_logits(grad, input, target, weight=None, size_aver
     return g_input, g_target, g_weight, None, None, None, g_pos_weight
 
 
-@derivative(torch.binary_cross_entropy_with_logits, name="BinaryCrossEntropyWithLogitsBackward")
+@derivative(torch.binary_cross_entropy_with_logits, name="BinaryCrossEntropyWithLogitsBackward", view=False)
 def binary_cross_entropy_with_logits_enum(
         grad, input, target, weight=None, pos_weight=None,
         reduction=_default_reduction(torch.binary_cross_entropy_with_logits, 2), *, needs_input_grad):
@@ -434,7 +434,7 @@ def binary_cross_entropy_with_logits_enum(
 
 
 # -- distributions and ranking: torch's composites, so they keep what torch keeps -----------
-@decomposition(torch.kl_div)
+@decomposition(torch.kl_div, view=False)
 def kl_div_enum(input, target, reduction=_default_reduction(torch.kl_div, 2), *, log_target=False):
     """``e^t (t - x)`` for a log target, ``xlogy(t, t) - t x`` otherwise; the reduction is
     torch's enum."""
@@ -445,7 +445,7 @@ def kl_div_enum(input, target, reduction=_default_reduction(torch.kl_div, 2), *,
     return _reduce(loss, _REDUCTIONS[reduction])
 
 
-@decomposition(F.kl_div)
+@decomposition(F.kl_div, view=False)
 def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
     """"batchmean" sums, then divides by the batch size, as ``F.kl_div`` does."""
     legacy = _reduction(size_average, reduce, reduction)
@@ -456,14 +456,14 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
     return reduced
 
 
-@decomposition(torch.margin_ranking_loss)
+@decomposition(torch.margin_ranking_loss, view=False)
 def margin_ranking_loss_enum(input1, input2, target, margin=0.0,
                              reduction=_default_reduction(torch.margin_ranking_loss, 3)):
     """``max(0, -target (x1 - x2) + margin)``, then torch's enum reduction."""
     return _reduce((-target * (input1 - input2) + margin).clamp_min(0), _REDUCTIONS[reduction])
 
 
-@decomposition(F.margin_ranking_loss)
+@decomposition(F.margin_ranking_loss, view=False)
 def margin_ranking_loss(input1, input2, target, margin=0, size_average=None, reduce=None,
                         reduction="mean"):
     if input1.dim() != input2.dim() or input1.dim() != target.dim():

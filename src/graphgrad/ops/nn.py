@@ -8,7 +8,6 @@ Dropout draws its mask exactly as torch does (on CPU ``empty_like(input).bernoul
 
 from __future__ import annotations
 
-import sys
 import types
 
 import torch
@@ -36,7 +35,7 @@ def torch_body(fn):
     body = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
     body.__kwdefaults__ = fn.__kwdefaults__
     body.__doc__ = f"torch's {fn.__module__}.{fn.__qualname__}, with its inner ops recorded."
-    body.__module__ = sys._getframe(1).f_globals.get("__name__", __name__)  # the registering family
+    body.__module__ = __name__  # made here (a decomposition elsewhere declares its family)
     return body
 
 
@@ -129,54 +128,54 @@ def _dropout(input, p, train, feature=False, alpha=False, inplace=False):
     return input.mul_(noise) if inplace else input * noise
 
 
-@decomposition(torch.dropout)
+@decomposition(torch.dropout, view=False)
 def dropout(input, p, train):
     if train and 0 < p < 1 and input.numel() and _fused_dropout_ok(input):
         return torch.native_dropout(input, p, True)[0]
     return _dropout(input, p, train)
 
 
-@decomposition(torch.dropout_)
+@decomposition(torch.dropout_, view=False)
 def dropout_(input, p, train):
     return _dropout(input, p, train, inplace=True)
 
 
-@decomposition(torch.feature_dropout)
+@decomposition(torch.feature_dropout, view=False)
 def feature_dropout(input, p, train):
     return _dropout(input, p, train, feature=True)
 
 
-@decomposition(torch.feature_dropout_)
+@decomposition(torch.feature_dropout_, view=False)
 def feature_dropout_(input, p, train):
     return _dropout(input, p, train, feature=True, inplace=True)
 
 
-@decomposition(torch.alpha_dropout)
+@decomposition(torch.alpha_dropout, view=False)
 def alpha_dropout(input, p, train):
     return _dropout(input, p, train, alpha=True)
 
 
-@decomposition(torch.alpha_dropout_)
+@decomposition(torch.alpha_dropout_, view=False)
 def alpha_dropout_(input, p, train):
     return _dropout(input, p, train, alpha=True, inplace=True)
 
 
-@decomposition(torch.feature_alpha_dropout)
+@decomposition(torch.feature_alpha_dropout, view=False)
 def feature_alpha_dropout(input, p, train):
     return _dropout(input, p, train, feature=True, alpha=True)
 
 
-@decomposition(torch.feature_alpha_dropout_)
+@decomposition(torch.feature_alpha_dropout_, view=False)
 def feature_alpha_dropout_(input, p, train):
     return _dropout(input, p, train, feature=True, alpha=True, inplace=True)
 
 
 for _f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
            F.feature_alpha_dropout):
-    decomposition(_f)(torch_body(_f))
+    decomposition(_f, view=False)(torch_body(_f))
 
 
-@derivative(torch.native_dropout, name="NativeDropoutBackward", multi_output=True)
+@derivative(torch.native_dropout, name="NativeDropoutBackward", multi_output=True, view=False)
 def native_dropout(grad, input, p, train, *, result):
     """``(output, mask)``: the kept elements, scaled by ``1 / (1 - p)`` when training."""
     if grad[0] is None:
@@ -189,7 +188,7 @@ def native_dropout(grad, input, p, train, *, result):
 _embedding_body = torch_body(F.embedding)
 
 
-@decomposition(F.embedding)
+@decomposition(F.embedding, view=False)
 def embedding_function(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
                        scale_grad_by_freq=False, sparse=False):
     """torch's F.embedding (max_norm renormalizes ``weight`` in place under no_grad, as torch)."""
@@ -200,7 +199,7 @@ def embedding_function(input, weight, padding_idx=None, max_norm=None, norm_type
                            sparse)
 
 
-@derivative(torch.embedding)
+@derivative(torch.embedding, view=False)
 def embedding(grad, weight: Meta, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """torch's ``embedding_dense_backward``: rows of ``grad`` added into the rows they were read
     from (``padding_idx`` gets none; divided by each index's count with ``scale_grad_by_freq``)."""
@@ -208,7 +207,7 @@ def embedding(grad, weight: Meta, indices, padding_idx=-1, scale_grad_by_freq=Fa
                                                            padding_idx, scale_grad_by_freq)
 
 
-@derivative(torch.ops.aten.embedding_dense_backward.default)
+@derivative(torch.ops.aten.embedding_dense_backward.default, view=False)
 def embedding_dense_backward(grad, grad_output, indices, num_weights, padding_idx,
                              scale_grad_by_freq):
     """Linear in ``grad_output``: its adjoint reads ``grad``'s rows at the indices, zero at
@@ -224,14 +223,14 @@ def embedding_dense_backward(grad, grad_output, indices, num_weights, padding_id
     return rows.view(tuple(indices.shape) + (-1,))
 
 
-nondifferentiable(F.one_hot)
+nondifferentiable(F.one_hot, family="nn")
 
 
 # -- distances ---------------------------------------------------------------------------
-decomposition(F.normalize)(torch_body(F.normalize))
+decomposition(F.normalize, view=False)(torch_body(F.normalize))
 
 
-@decomposition(torch.cosine_similarity)
+@decomposition(torch.cosine_similarity, view=False)
 def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     """ATen's formula: each input over its norm, the norms clamped to ``eps`` outside autograd."""
     shape = torch.broadcast_shapes(x1.shape, x2.shape)
@@ -244,7 +243,7 @@ def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     return ((x1 / n1) * (x2 / n2)).sum(dim)
 
 
-@decomposition(torch.pairwise_distance)
+@decomposition(torch.pairwise_distance, view=False)
 def pairwise_distance(x1, x2, p=2.0, eps=1e-6, keepdim=False):
     """``‖x1 - x2 + eps‖_p`` over the last dimension (ATen's formula)."""
     return torch.linalg.vector_norm(x1 - x2 + eps, p, max(x1.dim(), x2.dim()) - 1, keepdim)

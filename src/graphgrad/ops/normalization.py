@@ -70,7 +70,7 @@ def _check_batch_norm(input, weight, bias, running_mean, running_var, training):
             raise RuntimeError(f"{name} should contain {features} elements not {t.numel()}")
 
 
-@decomposition(torch.batch_norm)
+@decomposition(torch.batch_norm, view=False)
 def batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps,
                cudnn_enabled):
     """torch's ``_batch_norm_impl_index``: checks, then ``native_batch_norm`` (torch's CPU path;
@@ -88,11 +88,11 @@ def batch_norm(input, weight, bias, running_mean, running_var, training, momentu
                         running_mean, running_var, training, momentum, eps)[0]
 
 
-decomposition(F.batch_norm)(torch_body(F.batch_norm))
+decomposition(F.batch_norm, view=False, family="normalization")(torch_body(F.batch_norm))
 
 
 @derivative(torch.native_batch_norm, name="NativeBatchNormBackward", multi_output=True,
-            saves=_stats_only, differentiable_outputs=1)
+            saves=_stats_only, differentiable_outputs=1, view=False)
 def native_batch_norm(grads, input, weight, bias, running_mean, running_var, training, momentum,
                       eps, *, result, needs_input_grad):
     """torch's fused kernel, on the batch statistics the forward saved (training) or on the
@@ -109,7 +109,7 @@ def _sum_but_channels(t, keepdim=True):
 
 
 @derivative(_aten.native_batch_norm_backward.default, name="NativeBatchNormBackwardBackward",
-            multi_output=True)
+            multi_output=True, view=False)
 def native_batch_norm_backward(grads, grad_out, input, weight, running_mean, running_var, save_mean,
                                save_invstd, train, eps, output_mask, *, needs_input_grad):
     """torch's ``batchnorm_double_backward``: the kernel's (grad_input, grad_weight, grad_bias)
@@ -172,7 +172,7 @@ def native_batch_norm_backward(grads, grad_out, input, weight, running_mean, run
 
 
 # -- instance_norm: torch's composite over batch_norm ------------------------------------
-@decomposition(torch.instance_norm)
+@decomposition(torch.instance_norm, view=False)
 def instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
                   cudnn_enabled):
     """batch_norm of the (1, N*C, ...) view with the parameters and buffers repeated N times,
@@ -192,11 +192,11 @@ def instance_norm(input, weight, bias, running_mean, running_var, use_input_stat
     return out.view(input.shape)
 
 
-decomposition(F.instance_norm)(torch_body(F.instance_norm))
+decomposition(F.instance_norm, view=False, family="normalization")(torch_body(F.instance_norm))
 
 
 # -- layer_norm: native_layer_norm and its backward kernel --------------------------------
-@decomposition(F.layer_norm, torch.layer_norm)
+@decomposition(F.layer_norm, torch.layer_norm, view=False)
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
     """``native_layer_norm``, after autocast's float32 casts where it has them (CUDA)."""
     if isinstance(normalized_shape, int):
@@ -208,7 +208,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_
 
 
 @derivative(torch.native_layer_norm, name="NativeLayerNormBackward", multi_output=True,
-            saves=_stats_only, differentiable_outputs=1)
+            saves=_stats_only, differentiable_outputs=1, view=False)
 def native_layer_norm(grads, input, normalized_shape, weight, bias, eps, *, result,
                       needs_input_grad):
     """torch's fused kernel on the saved mean and inverse standard deviation."""
@@ -219,7 +219,7 @@ def native_layer_norm(grads, input, normalized_shape, weight, bias, eps, *, resu
 
 
 @derivative(_aten.native_layer_norm_backward.default, name="NativeLayerNormBackwardBackward",
-            multi_output=True)
+            multi_output=True, view=False)
 def native_layer_norm_backward(grads, grad_out, input, normalized_shape, mean, rstd, weight, bias,
                                output_mask, *, needs_input_grad):
     """torch's ``layer_norm_double_backward`` (bias has no part in the kernel's gradients)."""
@@ -288,7 +288,7 @@ def _memory_format(t):
     return torch.contiguous_format
 
 
-@decomposition(torch.group_norm)
+@decomposition(torch.group_norm, view=False)
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
     """torch's ``at::group_norm``: ``native_group_norm`` on (N, C, H*W), after autocast's
     float32 casts where it has them (CUDA)."""
@@ -303,11 +303,11 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enable
                         prod(input.shape[2:]), num_groups, eps)[0]
 
 
-decomposition(F.group_norm)(torch_body(F.group_norm))
+decomposition(F.group_norm, view=False, family="normalization")(torch_body(F.group_norm))
 
 
 @derivative(torch.native_group_norm, name="NativeGroupNormBackward", multi_output=True,
-            saves=_stats_only)
+            saves=_stats_only, view=False)
 def native_group_norm(grads, input, weight, bias, N, C, HxW, group, eps, *, result,
                       needs_input_grad):
     """As torch: the fused kernel when no higher derivative is wanted; otherwise torch's
@@ -377,7 +377,7 @@ def _rms_eps(eps, dtype):
 
 
 @derivative(F.rms_norm, torch.rms_norm, name="RmsNormBackward",
-            saved_for={"input": ("input", "weight"), "weight": "input"})
+            saved_for={"input": ("input", "weight"), "weight": "input"}, view=False)
 def rms_norm(grad, input, normalized_shape, weight=None, eps=None, *, needs_input_grad):
     """``x / sqrt(mean(x²) + eps) * weight``; ``eps=None`` is the dtype's machine epsilon."""
     dims = _trailing(normalized_shape, input)

@@ -37,7 +37,7 @@ def linear_adjoint(grad, forward, adjoint):
     return adjoint(grad)
 
 
-@derivative(linear_adjoint, name="LinearAdjointBackward")
+@derivative(linear_adjoint, name="LinearAdjointBackward", view=False)
 def linear_adjoint_backward(grad, input: Meta, forward, adjoint):
     return forward(grad)
 
@@ -65,7 +65,7 @@ def _single(value) -> int:
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
-@derivative(_nn.max_pool2d_with_indices, multi_output=True, saves=_indices_only)
+@derivative(_nn.max_pool2d_with_indices, multi_output=True, saves=_indices_only, view=False)
 def max_pool2d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
                             ceil_mode=False, *, result):
     """torch's ``max_pool2d_with_indices_backward``: each gradient to where its maximum was
@@ -74,14 +74,14 @@ def max_pool2d_with_indices(grads, input, kernel_size, stride=(), padding=0, dil
         grads[0], input, kernel_size, stride, padding, dilation, ceil_mode, result[1])
 
 
-@derivative(_nn.max_pool3d_with_indices, multi_output=True, saves=_indices_only)
+@derivative(_nn.max_pool3d_with_indices, multi_output=True, saves=_indices_only, view=False)
 def max_pool3d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
                             ceil_mode=False, *, result):
     return _aten.max_pool3d_with_indices_backward.default(
         grads[0], input, kernel_size, stride, padding, dilation, ceil_mode, result[1])
 
 
-@derivative(torch.max_pool1d_with_indices, multi_output=True, saves=_indices_only)
+@derivative(torch.max_pool1d_with_indices, multi_output=True, saves=_indices_only, view=False)
 def max_pool1d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
                             ceil_mode=False, *, result):
     """torch pools in 1-d with its 2-d kernel on a height of 1, and so does the backward."""
@@ -93,17 +93,17 @@ def max_pool1d_with_indices(grads, input, kernel_size, stride=(), padding=0, dil
         [1, _single(dilation)], ceil_mode, result[1].unsqueeze(-2)).squeeze(-2)
 
 
-@derivative(_nn.adaptive_max_pool2d, multi_output=True, saves=_indices_only)
+@derivative(_nn.adaptive_max_pool2d, multi_output=True, saves=_indices_only, view=False)
 def adaptive_max_pool2d(grads, input, output_size, *, result):
     return _aten.adaptive_max_pool2d_backward.default(grads[0], input, result[1])
 
 
-@derivative(_nn.adaptive_max_pool3d, multi_output=True, saves=_indices_only)
+@derivative(_nn.adaptive_max_pool3d, multi_output=True, saves=_indices_only, view=False)
 def adaptive_max_pool3d(grads, input, output_size, *, result):
     return _aten.adaptive_max_pool3d_backward.default(grads[0], input, result[1])
 
 
-@derivative(torch.adaptive_max_pool1d, multi_output=True, saves=_indices_only)
+@derivative(torch.adaptive_max_pool1d, multi_output=True, saves=_indices_only, view=False)
 def adaptive_max_pool1d(grads, input, output_size, *, result):
     """Through the 2-d kernel on a height of 1, as torch's forward."""
     return _aten.adaptive_max_pool2d_backward.default(
@@ -123,7 +123,7 @@ for _nd, _kernel, _at in [(2, _aten.max_pool2d_with_indices_backward.default, 5)
                           (3, _aten.max_pool3d_with_indices_backward.default, 5),
                           (2, _aten.adaptive_max_pool2d_backward.default, 0),
                           (3, _aten.adaptive_max_pool3d_backward.default, 0)]:
-    derivative(_kernel, name=node_name(_kernel.__name__.split(".")[0]))(
+    derivative(_kernel, name=node_name(_kernel.__name__.split(".")[0]), view=False)(
         _max_pool_backward_rule(_nd, _at))
 
 
@@ -155,16 +155,16 @@ for _f, _f_pair, _torch, _torch_pair in [
     (F.max_pool2d, F.max_pool2d_with_indices, torch.max_pool2d, _nn.max_pool2d_with_indices),
     (F.max_pool3d, F.max_pool3d_with_indices, torch.max_pool3d, _nn.max_pool3d_with_indices),
 ]:
-    decomposition(_f)(_max_pool_function(_f_pair, 5))
-    decomposition(_f_pair)(torch_body(_f_pair))
-    decomposition(_torch)(_max_pool_values(_torch_pair))
+    decomposition(_f, view=False)(_max_pool_function(_f_pair, 5))
+    decomposition(_f_pair, view=False, family="pooling")(torch_body(_f_pair))
+    decomposition(_torch, view=False)(_max_pool_values(_torch_pair))
 for _f, _f_pair in [
     (F.adaptive_max_pool1d, F.adaptive_max_pool1d_with_indices),
     (F.adaptive_max_pool2d, F.adaptive_max_pool2d_with_indices),
     (F.adaptive_max_pool3d, F.adaptive_max_pool3d_with_indices),
 ]:
-    decomposition(_f)(_max_pool_function(_f_pair, 1))
-    decomposition(_f_pair)(torch_body(_f_pair))
+    decomposition(_f, view=False)(_max_pool_function(_f_pair, 1))
+    decomposition(_f_pair, view=False, family="pooling")(torch_body(_f_pair))
 
 
 def _max_unpool_rule(nd):
@@ -177,7 +177,7 @@ def _max_unpool_rule(nd):
 
 
 for _nd, _f in [(1, F.max_unpool1d), (2, F.max_unpool2d), (3, F.max_unpool3d)]:
-    derivative(_f, name=f"MaxUnpool{_nd}dBackward")(_max_unpool_rule(_nd))
+    derivative(_f, name=f"MaxUnpool{_nd}dBackward", view=False)(_max_unpool_rule(_nd))
 
 
 # -- average pooling: linear, its gradient is torch's adjoint kernel ----------------------
@@ -211,21 +211,21 @@ def _avg_pool_grad(grad, input_shape, nd, forward_fn, *options):
     return linear_adjoint(grad, forward, _avg_pool_adjoint(tuple(input_shape), nd, *options))
 
 
-@derivative(torch.avg_pool1d, name="AvgPool1dBackward")
+@derivative(torch.avg_pool1d, name="AvgPool1dBackward", view=False)
 def avg_pool1d(grad, input: Meta, kernel_size, stride=None, padding=0, ceil_mode=False,
                count_include_pad=True):
     return _avg_pool_grad(grad, input.shape, 1, torch.avg_pool1d, kernel_size, stride, padding,
                           ceil_mode, count_include_pad)
 
 
-@derivative(_nn.avg_pool2d, name="AvgPool2dBackward")
+@derivative(_nn.avg_pool2d, name="AvgPool2dBackward", view=False)
 def avg_pool2d(grad, input: Meta, kernel_size, stride=None, padding=0, ceil_mode=False,
                count_include_pad=True, divisor_override=None):
     return _avg_pool_grad(grad, input.shape, 2, _nn.avg_pool2d, kernel_size, stride, padding,
                           ceil_mode, count_include_pad, divisor_override)
 
 
-@derivative(_nn.avg_pool3d, name="AvgPool3dBackward")
+@derivative(_nn.avg_pool3d, name="AvgPool3dBackward", view=False)
 def avg_pool3d(grad, input: Meta, kernel_size, stride=None, padding=0, ceil_mode=False,
                count_include_pad=True, divisor_override=None):
     return _avg_pool_grad(grad, input.shape, 3, _nn.avg_pool3d, kernel_size, stride, padding,
@@ -250,7 +250,7 @@ def _lp_pool_decomposition(nd, max_pool, avg_pool):
 for _nd, _f, _max, _avg in [(1, F.lp_pool1d, F.max_pool1d, F.avg_pool1d),
                             (2, F.lp_pool2d, F.max_pool2d, F.avg_pool2d),
                             (3, F.lp_pool3d, F.max_pool3d, F.avg_pool3d)]:
-    decomposition(_f)(_lp_pool_decomposition(_nd, _max, _avg))
+    decomposition(_f, view=False)(_lp_pool_decomposition(_nd, _max, _avg))
 
 
 # -- adaptive average pooling ------------------------------------------------------------
@@ -278,16 +278,16 @@ def adaptive_avg_pool_grad(grad, input_shape, nd):
     return linear_adjoint(grad, forward, _adaptive_avg_pool_adjoint(tuple(input_shape), nd))
 
 
-@derivative(torch.adaptive_avg_pool1d, name="AdaptiveAvgPool1dBackward")
+@derivative(torch.adaptive_avg_pool1d, name="AdaptiveAvgPool1dBackward", view=False)
 def adaptive_avg_pool1d(grad, input: Meta, output_size):
     return adaptive_avg_pool_grad(grad, input.shape, 1)
 
 
-@derivative(F.adaptive_avg_pool2d, _nn.adaptive_avg_pool2d, name="AdaptiveAvgPool2dBackward")
+@derivative(F.adaptive_avg_pool2d, _nn.adaptive_avg_pool2d, name="AdaptiveAvgPool2dBackward", view=False)
 def adaptive_avg_pool2d(grad, input: Meta, output_size):
     return adaptive_avg_pool_grad(grad, input.shape, 2)
 
 
-@derivative(F.adaptive_avg_pool3d, _nn.adaptive_avg_pool3d, name="AdaptiveAvgPool3dBackward")
+@derivative(F.adaptive_avg_pool3d, _nn.adaptive_avg_pool3d, name="AdaptiveAvgPool3dBackward", view=False)
 def adaptive_avg_pool3d(grad, input: Meta, output_size):
     return adaptive_avg_pool_grad(grad, input.shape, 3)

@@ -52,18 +52,18 @@ def _count(shape, dims) -> int:
     return n
 
 
-@derivative(torch.sum, T.sum)
+@derivative(torch.sum, T.sum, view=False)
 def sum(grad, input: Meta, dim=None, keepdim=False, *, dtype=None):
     return expand_reduced(grad, input, dim, keepdim)
 
 
-@derivative(torch.mean, T.mean)
+@derivative(torch.mean, T.mean, view=False)
 def mean(grad, input: Meta, dim=None, keepdim=False, *, dtype=None):
     count = _count(input.shape, reduced_dims(dim, input.ndim))
     return expand_reduced(grad, input, dim, keepdim) / max(count, 1)
 
 
-@derivative(T.sum_to_size)
+@derivative(T.sum_to_size, view=False)
 def sum_to_size(grad, input: Meta, *size):
     return grad.expand(input.shape)
 
@@ -93,7 +93,7 @@ def _prod_grad(grad, input, result, dim: int):
     return grad * (before * after)
 
 
-@derivative(torch.prod, T.prod)
+@derivative(torch.prod, T.prod, view=False)
 def prod(grad, input, dim=None, keepdim=False, *, dtype=None, result):
     """Zeros in the input are handled like torch (the product of the other elements)."""
     if input.dim() == 0:
@@ -118,12 +118,12 @@ def _amax_grad(grad, input, dim, keepdim, result):
     return (grad / mask.sum(dims, keepdim=True)) * mask
 
 
-@derivative(torch.amax, T.amax)
+@derivative(torch.amax, T.amax, view=False)
 def amax(grad, input, dim=(), keepdim=False, *, result):
     return _amax_grad(grad, input, dim, keepdim, result)
 
 
-@derivative(torch.amin, T.amin)
+@derivative(torch.amin, T.amin, view=False)
 def amin(grad, input, dim=(), keepdim=False, *, result):
     return _amax_grad(grad, input, dim, keepdim, result)
 
@@ -165,13 +165,13 @@ def _max_min_saves(values, keep, needs):
     return (2,) + tuple(keep[1:]), (1,)
 
 
-@derivative(torch.max, T.max, multi_output=True, name="MaxBackward", saves=_max_min_saves)
+@derivative(torch.max, T.max, multi_output=True, name="MaxBackward", saves=_max_min_saves, view=False)
 def max_rule(grads, input, dim=None, keepdim=False, *, other=None, result=None, needs_input_grad):
     """``max(x)``, ``max(x, dim, keepdim)`` -> (values, indices), and ``max(x, other)``."""
     return _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, True)
 
 
-@derivative(torch.min, T.min, multi_output=True, name="MinBackward", saves=_max_min_saves)
+@derivative(torch.min, T.min, multi_output=True, name="MinBackward", saves=_max_min_saves, view=False)
 def min_rule(grads, input, dim=None, keepdim=False, *, other=None, result=None, needs_input_grad):
     """``min(x)``, ``min(x, dim, keepdim)`` -> (values, indices), and ``min(x, other)``."""
     return _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, False)
@@ -218,13 +218,13 @@ def _std_to_var_grad(grad, std):
     return (grad / (std * 2)).masked_fill(std == 0, 0)
 
 
-@derivative(torch.var, T.var)
+@derivative(torch.var, T.var, view=False)
 def var(grad, input, *args, **kwargs):
     """All overloads: ``dim``, ``unbiased`` or ``correction``, ``keepdim``."""
     return _var_grad(grad, input, *_var_options(args, kwargs))
 
 
-@derivative(torch.std, T.std)
+@derivative(torch.std, T.std, view=False)
 def std(grad, input, *args, result, **kwargs):
     return _var_grad(_std_to_var_grad(grad, result), input, *_var_options(args, kwargs))
 
@@ -244,7 +244,7 @@ def _var_mean_grad(grads, input, args, kwargs, std=None):
     return out
 
 
-@derivative(torch.var_mean, multi_output=True)
+@derivative(torch.var_mean, multi_output=True, view=False)
 def var_mean(grads, input, *args, **kwargs):
     return _var_mean_grad(grads, input, args, kwargs)
 
@@ -254,13 +254,13 @@ def _std_only(values, keep, needs):
     return keep, (0,)
 
 
-@derivative(torch.std_mean, multi_output=True, saves=_std_only)
+@derivative(torch.std_mean, multi_output=True, saves=_std_only, view=False)
 def std_mean(grads, input, *args, result, **kwargs):
     return _var_mean_grad(grads, input, args, kwargs, std=result[0])
 
 
 # -- norms ---------------------------------------------------------------------------------
-@derivative(torch.linalg.vector_norm)
+@derivative(torch.linalg.vector_norm, view=False)
 def vector_norm(grad, input, ord=2, dim=None, keepdim=False, *, dtype=None, result):
     """torch's ``norm_backward``: the gradient is 0 where the norm is 0 (ord > 1)."""
     p = float(ord)
@@ -287,7 +287,7 @@ def vector_norm(grad, input, ord=2, dim=None, keepdim=False, *, dtype=None, resu
     return scaled * (grad / norm.pow(p - 1)).masked_fill(norm == 0, 0)
 
 
-@decomposition(torch.norm)
+@decomposition(torch.norm, view=False)
 def norm(input, p="fro", dim=None, keepdim=False, out=None, dtype=None):
     """``torch.norm``: a Python function that calls linalg.vector_norm or linalg.matrix_norm."""
     extra = {} if out is None else {"out": out}
@@ -302,13 +302,13 @@ def norm(input, p="fro", dim=None, keepdim=False, out=None, dtype=None):
                                     **extra)
 
 
-@decomposition(T.norm)
+@decomposition(T.norm, view=False)
 def tensor_norm(input, p="fro", dim=None, keepdim=False, dtype=None):
     return norm(input, p, dim, keepdim, dtype=dtype)
 
 
 # -- logsumexp cumsum softmax ---------------------------------------------------------------
-@derivative(torch.logsumexp, T.logsumexp, torch.special.logsumexp)
+@derivative(torch.logsumexp, T.logsumexp, torch.special.logsumexp, view=False)
 def logsumexp(grad, input, dim, keepdim=False, *, result):
     dims = reduced_dims(dim, input.dim())
     grad = restore_reduced(grad, dims, input.dim(), keepdim)
@@ -316,7 +316,7 @@ def logsumexp(grad, input, dim, keepdim=False, *, result):
     return grad * (input - result).exp()
 
 
-@derivative(torch.cumsum, T.cumsum, inplace=(T.cumsum_,))
+@derivative(torch.cumsum, T.cumsum, inplace=(T.cumsum_,), view=False)
 def cumsum(grad, input: Meta, dim, *, dtype=None):
     """The reversed cumulative sum of the gradient."""
     if grad.dim() == 0 or grad.shape[dim] <= 1:
@@ -324,7 +324,7 @@ def cumsum(grad, input: Meta, dim, *, dtype=None):
     return grad.flip(dim).cumsum(dim).flip(dim)
 
 
-@derivative(torch.softmax, T.softmax, torch._softmax, torch.special.softmax)
+@derivative(torch.softmax, T.softmax, torch._softmax, torch.special.softmax, view=False)
 def softmax(grad, input, dim, dtype=None, *, result):
     """torch's fused kernel (one rounding in low precision, as torch's own backward rounds);
     recorded under ``create_graph`` like any op, with its own rule below."""
@@ -333,7 +333,7 @@ def softmax(grad, input, dim, dtype=None, *, result):
     return torch._softmax_backward_data(grad, result, dim, result.dtype)
 
 
-@derivative(torch._softmax_backward_data)
+@derivative(torch._softmax_backward_data, view=False)
 def softmax_backward_data(grad, grad_output, output, dim, input_dtype):
     """y = output * (grad_output - sum(grad_output * output)): torch's softmax_double_backward."""
     grad = grad.to(output.dtype)
@@ -342,7 +342,7 @@ def softmax_backward_data(grad, grad_output, output, dim, input_dtype):
     return torch._softmax_backward_data(grad, output, dim, output.dtype), g_output
 
 
-@derivative(torch.log_softmax, T.log_softmax, torch._log_softmax, torch.special.log_softmax)
+@derivative(torch.log_softmax, T.log_softmax, torch._log_softmax, torch.special.log_softmax, view=False)
 def log_softmax(grad, input, dim, dtype=None, *, result):
     """torch's fused kernel, as for softmax."""
     if grad.dtype != result.dtype:
@@ -350,7 +350,7 @@ def log_softmax(grad, input, dim, dtype=None, *, result):
     return torch._log_softmax_backward_data(grad, result, dim, result.dtype)
 
 
-@derivative(torch._log_softmax_backward_data)
+@derivative(torch._log_softmax_backward_data, view=False)
 def log_softmax_backward_data(grad, grad_output, output, dim, input_dtype):
     """y = grad_output - exp(output) * sum(grad_output)."""
     grad = grad.to(output.dtype)
@@ -359,21 +359,21 @@ def log_softmax_backward_data(grad, grad_output, output, dim, input_dtype):
     return g_grad_output, g_output
 
 
-@decomposition(F.softmax)
+@decomposition(F.softmax, view=False)
 def softmax_function(input, dim=None, _stacklevel=3, dtype=None):
     if dim is None:
         dim = F._get_softmax_dim("softmax", input.dim(), _stacklevel)
     return torch.softmax(input, dim, dtype=dtype)
 
 
-@decomposition(F.log_softmax)
+@decomposition(F.log_softmax, view=False)
 def log_softmax_function(input, dim=None, _stacklevel=3, dtype=None):
     if dim is None:
         dim = F._get_softmax_dim("log_softmax", input.dim(), _stacklevel)
     return torch.log_softmax(input, dim, dtype=dtype)
 
 
-@decomposition(F.softmin)
+@decomposition(F.softmin, view=False)
 def softmin_function(input, dim=None, _stacklevel=3, dtype=None):
     """``softmax(-input)``."""
     if dim is None:

@@ -34,7 +34,7 @@ def _source_index(mode, size, left, right, device):
     raise NotImplementedError(f"F.pad(mode={mode!r}) has no graphgrad rule")
 
 
-@derivative(F.pad, torch._C._nn.pad)
+@derivative(F.pad, torch._C._nn.pad, view=False)
 def pad(grad, input: Meta, pad, mode="constant", value=None):
     if mode == "constant":
         return F.pad(grad, [-p for p in pad])
@@ -48,7 +48,7 @@ def pad(grad, input: Meta, pad, mode="constant", value=None):
     return grad
 
 
-@derivative(torch.constant_pad_nd, name="ConstantPadNdBackward")
+@derivative(torch.constant_pad_nd, name="ConstantPadNdBackward", view=False)
 def constant_pad_nd(grad, input: Meta, pad, value=0):
     return torch.constant_pad_nd(grad, [-p for p in pad])
 
@@ -89,7 +89,7 @@ def _upsample_adjoint(mode, input_shape, align_corners, scales, antialias):
     return adjoint
 
 
-@derivative(F.interpolate)
+@derivative(F.interpolate, view=False)
 def interpolate(grad, input: Meta, size=None, scale_factor=None, mode="nearest",
                 align_corners=None, recompute_scale_factor=None, antialias=False):
     nd = input.ndim - 2
@@ -109,21 +109,21 @@ def interpolate(grad, input: Meta, size=None, scale_factor=None, mode="nearest",
 
 
 # -- pixel shuffle, unfold / fold: pairs of adjoint rearrangements -------------------------
-@derivative(torch.pixel_shuffle, name="PixelShuffleBackward")
+@derivative(torch.pixel_shuffle, name="PixelShuffleBackward", view=False)
 def pixel_shuffle(grad, input, upscale_factor):
     return torch.pixel_unshuffle(grad, upscale_factor)
 
 
-@derivative(torch.pixel_unshuffle, name="PixelUnshuffleBackward")
+@derivative(torch.pixel_unshuffle, name="PixelUnshuffleBackward", view=False)
 def pixel_unshuffle(grad, input, downscale_factor):
     return torch.pixel_shuffle(grad, downscale_factor)
 
 
-@derivative(F.unfold)
+@derivative(F.unfold, view=False)
 def unfold(grad, input: Meta, kernel_size, dilation=1, padding=0, stride=1):
     return F.fold(grad, tuple(input.shape[-2:]), kernel_size, dilation, padding, stride)
 
 
-@derivative(F.fold)
+@derivative(F.fold, view=False)
 def fold(grad, input, output_size, kernel_size, dilation=1, padding=0, stride=1):
     return F.unfold(grad, kernel_size, dilation, padding, stride)

@@ -26,60 +26,62 @@ def _sizes(first, more) -> tuple:
 
 # -- reshaping ----------------------------------------------------------------------------
 @derivative(torch.reshape, T.reshape, T.flatten, torch.flatten, torch.squeeze, T.squeeze,
-            torch.unflatten, T.unflatten, torch.ravel, T.ravel, inplace=(T.squeeze_,))
+            torch.unflatten, T.unflatten, torch.ravel, T.ravel, inplace=(T.squeeze_,), view=True,
+            inplace_view=True)
 def reshape(grad, input: Meta, *args, **kwargs):
     """Any op that only changes the shape: reshape the gradient back."""
     return grad.reshape(input.shape)
 
 
-@derivative(T.view)
+@derivative(T.view, view=True)
 def view(grad, input: Meta, *shape, **kwargs):
     if shape and isinstance(shape[0], torch.dtype) and shape[0] != input.dtype:
         raise NotImplementedError("view(dtype) reinterprets memory; graphgrad has no gradient for it")
     return grad.reshape(input.shape)
 
 
-@decomposition(T.view_as)
+@decomposition(T.view_as, view=True)
 def view_as(input, other):
     """``other`` gives only a shape: as in torch's composite, it is no input of the node."""
     return input.view(other.shape)
 
 
-@decomposition(T.reshape_as)
+@decomposition(T.reshape_as, view=True)
 def reshape_as(input, other):
     return input.reshape(other.shape)
 
 
-@decomposition(T.expand_as)
+@decomposition(T.expand_as, view=True)
 def expand_as(input, other):
     return input.expand(other.shape)
 
 
-@derivative(torch.unsqueeze, T.unsqueeze, inplace=(T.unsqueeze_,))
+@derivative(torch.unsqueeze, T.unsqueeze, inplace=(T.unsqueeze_,), view=True,
+            inplace_view=True)
 def unsqueeze(grad, input, dim):
     return grad.squeeze(dim)
 
 
 # -- permuting ----------------------------------------------------------------------------
 @derivative(torch.transpose, T.transpose, torch.swapaxes, T.swapaxes, torch.swapdims, T.swapdims,
-            inplace=(T.transpose_, T.swapaxes_, T.swapdims_))
+            inplace=(T.transpose_, T.swapaxes_, T.swapdims_), view=True, inplace_view=True)
 def transpose(grad, input, dim0, dim1):
     return grad.transpose(dim0, dim1)
 
 
-@derivative(T.T.__get__)
+@derivative(T.T.__get__, view=True)
 def reverse_dims(grad, input):
     """``.T``: reverses all dimensions (deprecated for ndim != 2 but still allowed)."""
     return grad.permute(*range(grad.dim() - 1, -1, -1))
 
 
-@derivative(torch.t, T.t, T.mT.__get__, inplace=(T.t_,))
+@derivative(torch.t, T.t, T.mT.__get__, inplace=(T.t_,), view=True, inplace_view=True)
 def t(grad, input):
     """2-D transpose (``.T`` of a matrix, ``.mT``: the last two dims)."""
     return grad.transpose(-2, -1) if grad.dim() >= 2 else grad
 
 
-@derivative(torch.permute, T.permute)
+@derivative(torch.permute, T.permute, view=True)
 def permute(grad, input, dims, *more):
     dims = _sizes(dims, more)
     n = len(dims)
@@ -89,13 +91,13 @@ def permute(grad, input, dims, *more):
     return grad.permute(inverse)
 
 
-@derivative(torch.movedim, T.movedim, torch.moveaxis, T.moveaxis)
+@derivative(torch.movedim, T.movedim, torch.moveaxis, T.moveaxis, view=True)
 def movedim(grad, input, source, destination):
     return grad.movedim(destination, source)
 
 
 # -- broadcasting and tiling ----------------------------------------------------------------
-@derivative(T.expand, torch.broadcast_to, T.broadcast_to)
+@derivative(T.expand, torch.broadcast_to, T.broadcast_to, view=True)
 def expand(grad, input, *args, **kwargs):
     """The engine sums the gradient back to the input's shape."""
     return grad
@@ -112,12 +114,12 @@ def _sum_tiles(grad, input: Meta, repeats: tuple):
     return grad.reshape(split).sum(tuple(range(0, len(split), 2))).reshape(input.shape)
 
 
-@derivative(T.repeat)
+@derivative(T.repeat, view=True)
 def repeat(grad, input: Meta, repeats, *more):
     return _sum_tiles(grad, input, _sizes(repeats, more))
 
 
-@derivative(torch.tile, T.tile)
+@derivative(torch.tile, T.tile, view=True)
 def tile(grad, input: Meta, dims, *more):
     """``tile`` is ``repeat`` with the repeats padded on the left to the input's rank."""
     dims = _sizes(dims, more)
@@ -136,17 +138,17 @@ def _split_like_cat(grad, tensors, dim):
     return ([grad.new_zeros((0,)) if skip else next(pieces) for skip in legacy],)
 
 
-@derivative(torch.cat, torch.concat)
+@derivative(torch.cat, torch.concat, view=True)
 def cat(grad, tensors: Meta, dim=0):
     return _split_like_cat(grad, tensors, dim)
 
 
-@derivative(torch.concatenate, name="CatBackward")
+@derivative(torch.concatenate, name="CatBackward", view=True)
 def concatenate(grad, tensors: Meta, axis=0):
     return _split_like_cat(grad, tensors, axis)
 
 
-@derivative(torch.stack)
+@derivative(torch.stack, view=True)
 def stack(grad, tensors, dim=0):
     return (list(grad.unbind(dim)),)
 
@@ -178,41 +180,41 @@ def _at_least_all(tensors, ndim):
     return tuple(_at_least(t, ndim) for t in tensors)
 
 
-@decomposition(torch.atleast_1d, _VF.atleast_1d)
+@decomposition(torch.atleast_1d, _VF.atleast_1d, view=True)
 def atleast_1d(*tensors):
     return _at_least_all(tensors, 1)
 
 
-@decomposition(torch.atleast_2d, _VF.atleast_2d)
+@decomposition(torch.atleast_2d, _VF.atleast_2d, view=True)
 def atleast_2d(*tensors):
     return _at_least_all(tensors, 2)
 
 
-@decomposition(torch.atleast_3d, _VF.atleast_3d)
+@decomposition(torch.atleast_3d, _VF.atleast_3d, view=True)
 def atleast_3d(*tensors):
     return _at_least_all(tensors, 3)
 
 
-@decomposition(torch.hstack)
+@decomposition(torch.hstack, view=True)
 def hstack(tensors, *, out=None):
     _no_out("hstack", out)
     tensors = [_at_least(t, 1) for t in tensors]
     return torch.cat(tensors, 0 if tensors[0].dim() == 1 else 1)
 
 
-@decomposition(torch.vstack, torch.row_stack)
+@decomposition(torch.vstack, torch.row_stack, view=True)
 def vstack(tensors, *, out=None):
     _no_out("vstack", out)
     return torch.cat([_at_least(t, 2) for t in tensors], 0)
 
 
-@decomposition(torch.dstack)
+@decomposition(torch.dstack, view=True)
 def dstack(tensors, *, out=None):
     _no_out("dstack", out)
     return torch.cat([_at_least(t, 3) for t in tensors], 2)
 
 
-@decomposition(torch.column_stack)
+@decomposition(torch.column_stack, view=True)
 def column_stack(tensors, *, out=None):
     _no_out("column_stack", out)
     return torch.cat([t.reshape(-1, 1) if t.dim() <= 1 else t for t in tensors], 1)
@@ -233,24 +235,24 @@ def _plain(arg):
     return arg.tolist() if isinstance(arg, torch.Tensor) else arg
 
 
-@derivative(T.split, T.unsafe_split, torch.unsafe_split, multi_output=True)
+@derivative(T.split, T.unsafe_split, torch.unsafe_split, multi_output=True, view=True)
 def split(grads, input: Meta, split_size, dim=0):
     return _join(grads, [o.shape for o in _meta(input).split(split_size, dim)], dim)
 
 
-@derivative(torch.split, multi_output=True, name="SplitBackward")
+@derivative(torch.split, multi_output=True, name="SplitBackward", view=True)
 def split_function(grads, tensor: Meta, split_size_or_sections, dim=0):
     """``torch.split`` is a Python function in torch.functional, so it arrives as itself."""
     return split(grads, tensor, split_size_or_sections, dim)
 
 
 @derivative(T.split_with_sizes, torch.split_with_sizes, T.unsafe_split_with_sizes,
-            torch.unsafe_split_with_sizes, multi_output=True)
+            torch.unsafe_split_with_sizes, multi_output=True, view=True)
 def split_with_sizes(grads, input: Meta, split_sizes, dim=0):
     return split(grads, input, split_sizes, dim)
 
 
-@derivative(torch.chunk, T.chunk, torch.unsafe_chunk, T.unsafe_chunk, multi_output=True)
+@derivative(torch.chunk, T.chunk, torch.unsafe_chunk, T.unsafe_chunk, multi_output=True, view=True)
 def chunk(grads, input: Meta, chunks, dim=0):
     return _join(grads, [o.shape for o in _meta(input).chunk(chunks, dim)], dim)
 
@@ -285,27 +287,27 @@ def _slices(input, torch_fn, indices_or_sections, dim, *args):
                  for start, end in _split_bounds(input.shape[dim], indices_or_sections))
 
 
-@decomposition(torch.tensor_split, T.tensor_split)
+@decomposition(torch.tensor_split, T.tensor_split, view=True)
 def tensor_split(input, indices_or_sections, dim=0):
     return _slices(input, torch.tensor_split, indices_or_sections, dim, dim)
 
 
-@decomposition(torch.hsplit, T.hsplit)
+@decomposition(torch.hsplit, T.hsplit, view=True)
 def hsplit(input, indices_or_sections):
     return _slices(input, torch.hsplit, indices_or_sections, 1 if input.dim() > 1 else 0)
 
 
-@decomposition(torch.vsplit, T.vsplit)
+@decomposition(torch.vsplit, T.vsplit, view=True)
 def vsplit(input, indices_or_sections):
     return _slices(input, torch.vsplit, indices_or_sections, 0)
 
 
-@decomposition(torch.dsplit, T.dsplit)
+@decomposition(torch.dsplit, T.dsplit, view=True)
 def dsplit(input, indices_or_sections):
     return _slices(input, torch.dsplit, indices_or_sections, 2)
 
 
-@derivative(torch.unbind, T.unbind, multi_output=True)
+@derivative(torch.unbind, T.unbind, multi_output=True, view=True)
 def unbind(grads, input: Meta, dim=0):
     """Also ``for row in x`` (``Tensor.__iter__`` unbinds dim 0)."""
     shape = list(input.shape)
@@ -315,7 +317,7 @@ def unbind(grads, input: Meta, dim=0):
 
 
 # -- slicing views and their scatter inverses ---------------------------------------------
-@derivative(torch.narrow, T.narrow, torch.narrow_copy, T.narrow_copy)
+@derivative(torch.narrow, T.narrow, torch.narrow_copy, T.narrow_copy, view=True)
 def narrow(grad, input: Meta, dim, start, length):
     dim = dim % input.ndim
     start = int(start)
@@ -324,67 +326,67 @@ def narrow(grad, input: Meta, dim, start, length):
     return torch.slice_scatter(grad.new_zeros(input.shape), grad, dim, start, start + length)
 
 
-@derivative(torch.select, T.select)
+@derivative(torch.select, T.select, view=True)
 def select(grad, input: Meta, dim, index):
     return torch.select_scatter(grad.new_zeros(input.shape), grad, dim, index)
 
 
-@derivative(torch.diagonal, T.diagonal)
+@derivative(torch.diagonal, T.diagonal, view=True)
 def diagonal(grad, input: Meta, offset=0, dim1=0, dim2=1):
     return torch.diagonal_scatter(grad.new_zeros(input.shape), grad, offset, dim1, dim2)
 
 
-@derivative(torch.slice_scatter, T.slice_scatter)
+@derivative(torch.slice_scatter, T.slice_scatter, view=True)
 def slice_scatter(grad, input, src: Meta, dim=0, start=None, end=None, step=1):
     src_grad = grad[(slice(None),) * (dim % grad.dim()) + (slice(start, end, step),)]
     return torch.slice_scatter(grad, grad.new_zeros(src.shape), dim, start, end, step), src_grad
 
 
-@derivative(torch.select_scatter, T.select_scatter)
+@derivative(torch.select_scatter, T.select_scatter, view=True)
 def select_scatter(grad, input, src: Meta, dim, index):
     return (torch.select_scatter(grad, grad.new_zeros(src.shape), dim, index),
             grad.select(dim, index))
 
 
-@derivative(torch.diagonal_scatter, T.diagonal_scatter)
+@derivative(torch.diagonal_scatter, T.diagonal_scatter, view=True)
 def diagonal_scatter(grad, input, src: Meta, offset=0, dim1=0, dim2=1):
     return (torch.diagonal_scatter(grad, grad.new_zeros(src.shape), offset, dim1, dim2),
             grad.diagonal(offset, dim1, dim2))
 
 
 # -- reordering and masking the elements ----------------------------------------------------
-@derivative(torch.flip, T.flip)
+@derivative(torch.flip, T.flip, view=True)
 def flip(grad, input, dims, *more):
     return grad.flip(_sizes(dims, more))
 
 
-@derivative(torch.fliplr, T.fliplr)
+@derivative(torch.fliplr, T.fliplr, view=True)
 def fliplr(grad, input):
     return grad.fliplr()
 
 
-@derivative(torch.flipud, T.flipud)
+@derivative(torch.flipud, T.flipud, view=True)
 def flipud(grad, input):
     return grad.flipud()
 
 
-@derivative(torch.roll, T.roll)
+@derivative(torch.roll, T.roll, view=True)
 def roll(grad, input, shifts, dims=None):
     back = -shifts if isinstance(shifts, int) else [-s for s in shifts]
     return grad.roll(back) if dims is None else grad.roll(back, dims)
 
 
-@derivative(torch.rot90, T.rot90)
+@derivative(torch.rot90, T.rot90, view=True)
 def rot90(grad, input, k=1, dims=(0, 1)):
     return grad.rot90(-k, dims)
 
 
-@derivative(torch.tril, T.tril, inplace=(T.tril_,))
+@derivative(torch.tril, T.tril, inplace=(T.tril_,), view=True)
 def tril(grad, input, diagonal=0):
     return grad.tril(diagonal)
 
 
-@derivative(torch.triu, T.triu, inplace=(T.triu_,))
+@derivative(torch.triu, T.triu, inplace=(T.triu_,), view=True)
 def triu(grad, input, diagonal=0):
     return grad.triu(diagonal)
 
@@ -393,5 +395,5 @@ nondifferentiable(
     torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
     torch.randn_like, torch.randint_like, T.new_zeros, T.new_ones, T.new_empty, T.new_full,
     T.new_tensor, T.new_empty_strided, torch.detach, T.detach, T.argmax, T.argmin, torch.argmax,
-    torch.argmin,
+    torch.argmin, view=True, family="shape",
 )
