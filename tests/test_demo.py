@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from graphgrad.__main__ import main
-from graphgrad.demo import DemoConfig, loss_figure, run_demo
+from graphgrad.apps.demo import DemoConfig, loss_figure, run_demo
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -33,7 +33,7 @@ from distributed_worker import (
     branches,
     mlp,
 )
-from graphgrad.bench_distributed import run_distributed_bench
+from graphgrad.apps.bench_distributed import run_distributed_bench
 from graphgrad.distributed import assign_buckets
 from test_demo import assert_parity
 

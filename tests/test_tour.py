@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import graphgrad as gg
-from graphgrad.tour import walkthrough
+from graphgrad.apps.tour import walkthrough
 
 
 def _message(fn):

@@ -14,6 +14,7 @@ from . import (  # noqa: E402,F401
     dispatch as _dispatch,
 )
 from . import (  # noqa: E402
+    distributed,  # noqa: F401  (gg.distributed: init_process_group, destroy_process_group)
     functional,
     nn,
     ops,  # noqa: E402,F401  (registers the derivative rules)

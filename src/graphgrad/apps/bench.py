@@ -407,7 +407,7 @@ def _spawn(task: dict[str, Any], pure: bool | None, timeout: float) -> dict[str,
         env["GRAPHGRAD_PURE_PYTHON"] = "1"
     elif pure is False:
         env.pop("GRAPHGRAD_PURE_PYTHON", None)
-    code = "import sys; from graphgrad.bench import _worker; sys.exit(_worker(sys.argv[1:]))"
+    code = "import sys; from graphgrad.apps.bench import _worker; sys.exit(_worker(sys.argv[1:]))"
     try:
         proc = subprocess.run([sys.executable, "-c", code, json.dumps(task)], capture_output=True,
                               text=True, env=env, timeout=timeout)

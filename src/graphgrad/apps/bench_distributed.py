@@ -10,8 +10,8 @@ median over the timed rounds:
 * ``torch DDP``: ``torch.nn.parallel.DistributedDataParallel`` on torch.autograd, same buckets;
 * ``local``: graphgrad without any communication (what the step costs on one process).
 
-``run_distributed_bench()`` returns rows shaped like ``graphgrad.bench``'s; ``python -m
-graphgrad.bench_distributed`` prints them.
+``run_distributed_bench()`` returns rows shaped like ``graphgrad.apps.bench``'s; ``python -m
+graphgrad.apps.bench_distributed`` prints them.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def run_distributed_bench(world_size: int = 2, steps: int = 20, warmup: int = 3,
                           timeout: float = 300.0) -> dict[str, Any]:
     """Spawn ``world_size`` CPU processes on loopback; return ``{"rows": [...], "extra": {...}}``.
 
-    Rows follow ``graphgrad.bench``: ``workload``, ``metric``, ``unit`` (ms), ``graphgrad`` and
+    Rows follow ``graphgrad.apps.bench``: ``workload``, ``metric``, ``unit`` (ms), ``graphgrad`` and
     ``torch`` medians with their ``*_samples``. ``quick`` runs a smaller model and fewer steps.
     On failure the result holds ``"error"`` (and no rows) instead of raising.
     """
@@ -111,7 +111,7 @@ def run_distributed_bench(world_size: int = 2, steps: int = 20, warmup: int = 3,
             "steps": min(steps, 8) if quick else steps, "warmup": min(warmup, 2) if quick else warmup,
             "timeout": 60}
     port = _free_port()
-    code = ("import json, sys; from graphgrad.bench_distributed import _worker; "
+    code = ("import json, sys; from graphgrad.apps.bench_distributed import _worker; "
             "print('BENCH-JSON ' + json.dumps(_worker(json.loads(sys.argv[1]))))")
     procs = []
     for rank in range(world_size):
@@ -177,7 +177,7 @@ def format_rows(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m graphgrad.bench_distributed", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m graphgrad.apps.bench_distributed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)

@@ -14,9 +14,9 @@ from typing import TypeVar
 
 import torch
 
-from .tensor import Tensor, _rebuild_as
+from ..tensor import Tensor, _rebuild_as
 
-__all__ = ["Parameter", "adopt", "is_adopted", "DataParallel"]
+__all__ = ["Parameter", "adopt", "is_adopted"]
 
 M = TypeVar("M", bound=torch.nn.Module)
 _Disable = torch._C.DisableTorchFunctionSubclass
@@ -96,5 +96,3 @@ def is_adopted(module: torch.nn.Module) -> bool:
     """True if every parameter of ``module`` is a graphgrad leaf."""
     return all(isinstance(p, Tensor) for p in module.parameters())
 
-
-from .distributed import DataParallel  # noqa: E402  (data-parallel training; imports adopt lazily)

@@ -311,7 +311,7 @@ def _init_distributed(device: str) -> tuple[int, int, str]:
 
     import torch.distributed as dist
 
-    from .distributed import init_process_group
+    from ..distributed import init_process_group
 
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
