@@ -1,4 +1,4 @@
-"""One rank of the multi-process gg.nn.DataParallel tests (tests/test_distributed.py starts it).
+"""One rank of the multi-process gg.nn.DataParallel tests (tests/api/test_distributed.py starts it).
 
 ``python distributed_worker.py OUT_DIR SCENARIO[,SCENARIO...]`` with RANK, WORLD_SIZE, MASTER_ADDR
 and MASTER_PORT in the environment. Each scenario saves what the test checks to

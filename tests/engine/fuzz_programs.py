@@ -1,9 +1,9 @@
-"""The fuzzer's programs and their interpreter (tests/test_fuzz.py says what it checks).
+"""The fuzzer's programs and their interpreter (tests/engine/test_fuzz.py says what it checks).
 
 A program is ``{"base": (a, b), "leaves": [(shape code, requires_grad)], "seed", "quantized",
 "special", "steps": [(step, under_no_grad)]}``; tensor indices in steps count back from the
 newest tensor, modulo the number of tensors, so any list of steps is a valid program.
-Custom Functions, checkpoints and hooks are in tests/fuzz_autograd.py.
+Custom Functions, checkpoints and hooks are in tests/engine/fuzz_autograd.py.
 """
 
 import collections
@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 import graphgrad as gg
 from fuzz_autograd import assert_same_log, checkpoint, fn, register, saved_tensors_hooks
+from helpers import TOL_NAN as TOL
+from helpers import plain_view as plain
 
 DT = torch.float64
-TOL = {"rtol": 1e-7, "atol": 1e-7, "equal_nan": True}
 STATS: collections.Counter = collections.Counter()  # figures, read by the test
 
 
@@ -41,7 +42,7 @@ UNARY = {
     "avg_pool": lambda t: F.avg_pool1d(t.reshape(1, 1, -1), 1),
     # (not over no elements: torch's path then keeps nothing, graphgrad the input; documented)
     "instance_norm": lambda t: F.instance_norm(t.reshape(1, 1, -1)) if t.numel() > 1 else t * 1,
-    # custom Functions (tests/fuzz_autograd.py): saving inputs or outputs, two outputs
+    # custom Functions (tests/engine/fuzz_autograd.py): saving inputs or outputs, two outputs
     "fn_square": lambda t: fn("Square", t).apply(t), "fn_exp": lambda t: fn("Exp", t).apply(t),
     "fn_two": lambda t: fn("Two", t).apply(t)[0], "fn_two_nondiff": lambda t: fn("Two", t).apply(t)[1],
     "ckpt": lambda t: checkpoint(lambda a: a.sin() * a, t),
@@ -120,7 +121,7 @@ class Side:
     def __init__(self, program, is_gg):
         self.is_gg = is_gg
         self.env, self.leaves = [], []
-        self.log = []  # hook calls (tests/fuzz_autograd.py)
+        self.log = []  # hook calls (tests/engine/fuzz_autograd.py)
         a, b = program["base"]
         shapes = [(a, b), (b,), (1, b), (a, 1), (), (0,), (a, 0)]
         gen = torch.Generator().manual_seed(program["seed"])
@@ -134,10 +135,6 @@ class Side:
                  else data.requires_grad_(requires_grad))
             self.env.append(t)
             self.leaves.append(t)
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor)
 
 
 def kind_of(exc):
@@ -345,7 +342,7 @@ class Interpreter:
                 raise StopProgram from e
             if "modified by an inplace operation" in text and self.kept_only_by_torch:
                 # an op whose input torch keeps for its shape only (KEPT_ONLY_BY_TORCH in
-                # tests/test_parity_rules.py) had that input changed in place
+                # tests/engine/test_parity_rules.py) had that input changed in place
                 STATS["stopped_where_torch_kept_a_shape_only_input"] += 1
                 raise StopProgram from e
             if "ZeroTensors are immutable" in text:
@@ -519,7 +516,7 @@ class Interpreter:
                 self.push(have.clone(), want.clone())
 
     def hook(self, kind, i, modify):
-        """Register a hook of ``kind`` on tensor i (tests/fuzz_autograd.py) on both sides."""
+        """Register a hook of ``kind`` on tensor i (tests/engine/fuzz_autograd.py) on both sides."""
         picked = self.args(i)
         if picked is None:
             return

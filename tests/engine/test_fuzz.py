@@ -1,11 +1,11 @@
 """Fuzzing with hypothesis: random programs, run on graphgrad and on torch.autograd (float64).
 
-A program (tests/fuzz_programs.py) is a list of steps, built once and interpreted twice: on
+A program (tests/engine/fuzz_programs.py) is a list of steps, built once and interpreted twice: on
 graphgrad tensors and on plain torch tensors with requires_grad. Steps are registered ops over
 broadcasting shapes (leaves may have no elements, be 0-d, hold NaN or infinities), views,
 in-place ops (on non-leaf tensors, leaves and tensors that do not require grad; ``copy_`` and
 ``zero_`` too), ``detach`` and ``detach_``, ``no_grad`` regions, ``retain_grad``,
-``requires_grad_``, custom Functions (tests/fuzz_autograd.py: saving inputs or outputs,
+``requires_grad_``, custom Functions (tests/engine/fuzz_autograd.py: saving inputs or outputs,
 ``mark_dirty``, returning an input as is or a view of it, ``mark_non_differentiable``,
 ``set_materialize_grads(False)``, two outputs), ``gg.checkpoint`` (nested too), ops whose
 output is a view of a temporary of the kernel's own (einsum, avg_pool1d, instance_norm),

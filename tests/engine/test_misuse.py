@@ -1,7 +1,7 @@
-"""The bad-input catalogue, part two (part one: tests/test_errors.py).
+"""The bad-input catalogue, part two (part one: tests/engine/test_errors.py).
 
-Misuses that tests/test_errors.py does not cover, and every divergence from torch.autograd
-the fuzzer (tests/test_fuzz.py) and the soak/concurrency tests found. Each test checks the
+Misuses that tests/engine/test_errors.py does not cover, and every divergence from torch.autograd
+the fuzzer (tests/engine/test_fuzz.py) and the soak/concurrency tests found. Each test checks the
 exception type and message and that state is intact afterwards: accumulated gradients are
 preserved and a retained graph is still usable. Where graphgrad silently computed something
 else than torch (a wrong gradient, a dropped one), the test asks for torch's result.
@@ -11,20 +11,10 @@ import pytest
 import torch
 
 import graphgrad as gg
+from helpers import TOL, pair, plain
 from test_saved_hooks import Square
 
 DT = torch.float64
-TOL = {"rtol": 1e-7, "atol": 1e-7}
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor).clone()
-
-
-def pair(values=(0.5, -1.5, 2.0)):
-    """The same leaf on graphgrad and on torch.autograd."""
-    data = torch.tensor(values, dtype=DT)
-    return gg.as_tensor(data.clone(), requires_grad=True), data.clone().requires_grad_()
 
 
 def leaf(values=(0.5, -1.5, 2.0)):
@@ -204,7 +194,7 @@ def test_custom_function_returning_a_gradient_of_the_wrong_shape():
     assert_same(x.grad, before)
 
 
-# -- found by the fuzzer and the soak/concurrency tests (fixed; tests/test_views.py has more) ---
+# -- found by the fuzzer and the soak/concurrency tests (fixed; tests/engine/test_views.py has more) ---
 def test_view_used_after_its_base_was_modified_in_place():
     """torch regenerates a view's grad_fn after its base changes in place; graphgrad kept the
     view's old grad_fn and silently returned x.grad = [1, 1, 0] instead of [2, 2, 0]."""

@@ -8,13 +8,7 @@ import pytest
 import torch
 
 import graphgrad as gg
-
-TOL = {"rtol": 1e-7, "atol": 1e-7}
-F64 = torch.float64
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor).clone()
+from helpers import F64, TOL, plain
 
 
 def leaf(values=(0.5, -1.5, 2.0)):

@@ -9,6 +9,7 @@ import rustworkx as rx
 import torch
 
 import graphgrad as gg
+from helpers import plain
 
 DT = torch.float64
 
@@ -16,10 +17,6 @@ DT = torch.float64
 def leaf(*shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     return gg.as_tensor(torch.randn(*shape, dtype=DT, generator=g), requires_grad=True)
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor).clone()
 
 
 def names(nodes):

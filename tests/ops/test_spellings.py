@@ -22,11 +22,12 @@ import torch
 import graphgrad as gg
 from graphgrad import dispatch
 from graphgrad.rules import RULES, qualified_name
+from helpers import F64
+from helpers import TOL_NAN as TOL
+from helpers import plain_view as plain
 
 T = torch.Tensor
-F64 = torch.float64
 _nn = torch._C._nn
-TOL = dict(rtol=1e-7, atol=1e-7, equal_nan=True)
 SEED = 1234
 
 
@@ -80,10 +81,6 @@ def arrivals():
         yield seen
     finally:
         dispatch.observe_calls(previous)
-
-
-def plain(t):
-    return t.detach().as_subclass(T)
 
 
 def flat(out):

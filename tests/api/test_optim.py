@@ -16,14 +16,10 @@ import torch.nn.functional as F
 from torch import optim
 
 import graphgrad as gg
+from helpers import TOL, plain
 
 DT = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7)
 STEPS = 20
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor).clone()
 
 
 def make_model():

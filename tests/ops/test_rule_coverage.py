@@ -1,4 +1,4 @@
-"""Every registered torch function is reached by the suite (runs last: files run in name order).
+"""Every registered torch function is reached by the suite (runs last: conftest.py moves it).
 
 ``conftest.py`` records each registered function that reaches graphgrad's dispatch while the
 tests run. A rule nobody calls is a rule nobody checked.

@@ -15,13 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphgrad as gg
+from helpers import TOL, plain
 
 DT = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7)
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor).clone()
 
 
 def make_pair(dtype=DT):

@@ -7,13 +7,9 @@ import pytest
 import torch
 
 import graphgrad as gg
+from helpers import TOL, plain
 
-TOL = {"rtol": 1e-7, "atol": 1e-7}
 VALUES = ([0.5, -1.25, 2.0], [1.5, 0.75, -0.5])
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor).clone()
 
 
 def leaves(*values):

@@ -1,6 +1,6 @@
 """Custom Functions and gg.checkpoint against torch.autograd (issue 18, items 1, 2, 5, 6, 13).
 
-Each test runs one program on both libraries (tests/parity.py): values, gradients, None vs
+Each test runs one program on both libraries (tests/engine/parity.py): values, gradients, None vs
 zero, hook calls, versions and errors must agree.
 """
 

@@ -1,4 +1,4 @@
-"""Concurrency at 8 threads (tests/test_threads.py covers the basics with fewer).
+"""Concurrency at 8 threads (tests/engine/test_threads.py covers the basics with fewer).
 
 Each thread records into its own default graph (or its own ``AutogradGraph`` scopes); the
 results must be bit-for-bit those of the same work done in one thread, and agree with
@@ -10,21 +10,18 @@ import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
+from helpers import plain
 from test_threads import run_threads as _run_threads
 
 DT = torch.float64
 N_THREADS = 8
 TIMEOUT = 120
-TOL = {"rtol": 1e-7, "atol": 1e-9}
+TOL = {"rtol": 1e-7, "atol": 1e-9}  # not helpers.TOL: a tighter atol
 
 
 def run_threads(target, n=N_THREADS):
     """Run ``target(k, barrier)`` in n threads (test_threads' runner, with 8 by default)."""
     return _run_threads(target, n)
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor).clone()
 
 
 def data(seed, n=12):

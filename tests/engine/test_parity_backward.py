@@ -1,7 +1,7 @@
 """The backward pass against torch.autograd: which hooks run, in what order, with what, and
 what ``grad``/``backward`` return (issue 18, items 4, 7, 10, 11, 14, 17, 18, 19).
 
-Each test runs one program on both libraries (tests/parity.py) and compares everything it
+Each test runs one program on both libraries (tests/engine/parity.py) and compares everything it
 returns, hook call logs included.
 """
 

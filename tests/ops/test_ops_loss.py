@@ -12,6 +12,7 @@ from torch.testing._internal.opinfo.core import SampleInput
 from torch.utils import _pytree as pytree
 
 import graphgrad as gg
+from helpers import F64
 from opdb_harness import check_sample, opdb_test
 
 pytestmark = [
@@ -39,7 +40,6 @@ test_opdb = opdb_test(REFERENCE, unsupported)
 
 
 # -- hand-written cases ---------------------------------------------------------------------
-F64 = torch.float64
 _gen = torch.Generator().manual_seed(3)
 
 

@@ -10,17 +10,13 @@ import pytest
 import torch
 
 import graphgrad as gg
+from helpers import pair
 
 D = torch.float64
 THIS_FILE = "test_anomaly.py"
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled"),
               pytest.mark.filterwarnings("ignore:Error detected in")]  # torch's own report
-
-
-def pair(values):
-    return (gg.tensor(values, dtype=D, requires_grad=True),
-            torch.tensor(values, dtype=D, requires_grad=True))
 
 
 @pytest.fixture(autouse=True)

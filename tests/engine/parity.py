@@ -15,9 +15,10 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import graphgrad as gg
+from helpers import plain_view as plain
 
 DT = torch.float64
-TOL = {"rtol": 1e-10, "atol": 1e-10, "equal_nan": True}
+TOL = {"rtol": 1e-10, "atol": 1e-10, "equal_nan": True}  # tighter than helpers.TOL_NAN
 
 
 class Lib:
@@ -42,10 +43,6 @@ class Lib:
         if self.is_gg:
             return gg.checkpoint(fn, *args, **kwargs)
         return torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
-
-
-def plain(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().as_subclass(torch.Tensor)
 
 
 def assert_same(have, want, where: str = "result") -> None:

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
+from helpers import F64
 
-F64 = torch.float64
 W = torch.tensor([1.0, 2.0, 0.5], dtype=F64)
 
 

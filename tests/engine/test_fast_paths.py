@@ -6,9 +6,9 @@ from torch.overrides import TorchFunctionMode
 
 import graphgrad as gg
 from graphgrad import dispatch
+from helpers import F64
 
 T = torch.Tensor
-F64 = torch.float64
 
 
 def leaf(*shape):

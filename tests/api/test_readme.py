@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 TEXT = README.read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, flags=re.S)
@@ -45,7 +45,7 @@ def _ops_rows():
 
 
 def test_the_op_counts_are_those_of_docs_ops():
-    rows = _ops_rows()  # tests/test_ops_doc.py keeps docs/ops.md current
+    rows = _ops_rows()  # tests/api/test_ops_doc.py keeps docs/ops.md current
     no_grad = [r for r in rows if r[0] == "no gradient"]
     differentiable = [r for r in rows if r[0] != "no gradient"]
     decompositions = [r for r in rows if r[0] == "decomposition"]

@@ -272,7 +272,7 @@ def test_torchrun_demo_distributed(tmp_path):
 
 
 def test_torchrun_example_script(tmp_path):
-    example = Path(__file__).resolve().parents[1] / "examples" / "train_distributed.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "train_distributed.py"
     proc = torchrun(str(example), "--epochs", "1", "--accumulate", "2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 process(es)" in proc.stdout and "replicas identical: True" in proc.stdout

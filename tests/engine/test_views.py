@@ -15,7 +15,7 @@ import torch
 import graphgrad as gg
 
 DT = torch.float64
-TOL = {"rtol": 1e-10, "atol": 1e-10}
+TOL = {"rtol": 1e-10, "atol": 1e-10}  # tighter than helpers.TOL
 
 
 def leaves(lib, n=2, size=6, seed=0):

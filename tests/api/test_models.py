@@ -14,15 +14,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphgrad as gg
+from helpers import TOL, plain
 
 DT = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7)
 STEPS = 20
 VOCAB, SEQ = 13, 7
-
-
-def plain(t):
-    return t.detach().as_subclass(torch.Tensor).clone()
 
 
 class CNN(nn.Module):

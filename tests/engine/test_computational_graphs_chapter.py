@@ -9,19 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
-
-TOL = {"rtol": 1e-7, "atol": 1e-7}
-
-
-def plain(t):
-    """A plain torch copy of a graphgrad tensor's values."""
-    return t.detach().as_subclass(torch.Tensor).clone()
-
-
-def pair(values):
-    """The same float64 leaf on graphgrad and on torch.autograd."""
-    data = torch.as_tensor(values, dtype=torch.float64)
-    return gg.as_tensor(data.clone(), requires_grad=True), data.clone().requires_grad_()
+from helpers import TOL, pair, plain
 
 
 # -- Dynamic graph construction ---------------------------------------------------------------

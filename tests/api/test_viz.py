@@ -19,7 +19,7 @@ HOT = viz._HOT
 HAVE_DOT = shutil.which("dot") is not None
 needs_dot = pytest.mark.skipif(not HAVE_DOT, reason="Graphviz `dot` is not installed "
                                "(apt-get install graphviz) — rendered formats cannot be checked")
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 
 
 def leaf(*shape, seed=0):

@@ -1,7 +1,7 @@
 """The ```python examples of docs/*.md run as written.
 
 Each page's blocks run in order, concatenated into one script, in a fresh interpreter whose
-working directory is a temporary folder. docs/graphs.md is run by tests/test_viz.py (which also checks
+working directory is a temporary folder. docs/graphs.md is run by tests/api/test_viz.py (which also checks
 its committed picture), so it is left out here.
 """
 
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-RUN_ELSEWHERE = {"graphs.md"}  # tests/test_viz.py
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
+RUN_ELSEWHERE = {"graphs.md"}  # tests/api/test_viz.py
 BLOCK = re.compile(r"```python\n(.*?)```", flags=re.S)
 PAGES = sorted(p.name for p in DOCS.glob("*.md")
                if p.name not in RUN_ELSEWHERE and BLOCK.search(p.read_text()))
