@@ -87,7 +87,7 @@ def w2():
 
 
 def cnn(optimizer="adam"):
-    from graphgrad.demo import build_model
+    from graphgrad.apps.demo import build_model
     torch.manual_seed(1)
     x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
     factory = {"adam": lambda p: torch.optim.Adam(p, lr=3e-3),

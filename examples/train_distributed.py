@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import graphgrad as gg
-from graphgrad.demo import build_model, load_digits
+from graphgrad.apps.demo import build_model, load_digits
 from graphgrad.distributed import destroy_process_group, init_process_group
 
 

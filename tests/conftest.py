@@ -1,4 +1,5 @@
-"""Shared test options: ``--run-slow`` for long variants; CUDA tests skip without a GPU."""
+"""Shared test options: ``--run-slow`` for long variants; CUDA tests skip without a GPU; the tests
+that check what the whole suite did run last."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ torch.set_num_threads(1)
 
 
 # Every registered torch function must be reached by some test: a spy on dispatch records
-# which ones are (tests/test_zz_rule_coverage.py checks at the end of a whole-suite run).
+# which ones are (tests/ops/test_rule_coverage.py checks at the end of a whole-suite run).
 REACHED: set = set()
 
 
@@ -44,9 +45,14 @@ def pytest_addoption(parser):
                      help="also run the long variants marked @pytest.mark.slow")
 
 
+# Files whose tests check what all the others did: run after every other test.
+RUN_LAST = {"test_rule_coverage.py"}
+
+
 def pytest_collection_modifyitems(config, items):
-    files = {item.path.name for item in items}
-    config.whole_suite = all(p.name in files for p in (config.rootpath / "tests").glob("test_*.py"))
+    files = {item.path for item in items}
+    config.whole_suite = all(p in files for p in (config.rootpath / "tests").rglob("test_*.py"))
+    items.sort(key=lambda item: item.path.name in RUN_LAST)  # stable: the others keep their order
     skip_slow = pytest.mark.skip(reason="long variant: run with --run-slow")
     skip_cuda = pytest.mark.skip(reason="no CUDA device on this machine")
     for item in items:

@@ -19,22 +19,15 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 import graphgrad as gg
+import helpers
+from helpers import F64, TOL_NAN, plain  # noqa: F401  (F64, plain: re-exported)
 
 T = torch.Tensor
-F64 = torch.float64
-TOL = dict(rtol=1e-7, atol=1e-7, equal_nan=True)  # a NaN where the other has a NaN is equal
-TOL_NAN_FAILS = dict(rtol=1e-7, atol=1e-7)  # any NaN fails
+TOL = TOL_NAN  # here TOL is helpers.TOL_NAN: a NaN where the other has a NaN is equal
+TOL_NAN_FAILS = helpers.TOL  # any NaN fails
 
 
-# -- comparing ---------------------------------------------------------------------------------
-def plain(t):
-    """A detached plain-torch copy of a tensor; containers element-wise, anything else (None
-    included) as it is."""
-    if isinstance(t, (tuple, list)):
-        return type(t)(plain(i) for i in t)
-    return t.detach().as_subclass(T).clone() if isinstance(t, T) else t
-
-
+# -- comparing (plain: helpers.plain) ----------------------------------------------------------
 def assert_grads_close(have, want, what="gradient", tol=TOL):
     """Gradient lists equal; ``None`` and an all-zero tensor count as the same."""
     assert len(have) == len(want), f"{what}: {len(have)} vs {len(want)} gradients"

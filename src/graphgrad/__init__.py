@@ -10,13 +10,14 @@ from .native import load_engine as _load_engine
 
 _load_engine(__name__, _os.path.dirname(__file__))
 
-from . import fastpaths as _fastpaths  # noqa: E402
 from . import (  # noqa: E402
+    distributed,  # noqa: F401  (gg.distributed: init_process_group, destroy_process_group)
     functional,
     nn,
     ops,  # noqa: E402,F401  (registers the derivative rules)
     viz,
 )
+from . import fastpaths as _fastpaths  # noqa: E402
 from .autograd import (  # noqa: E402
     backward,
     detect_anomaly,

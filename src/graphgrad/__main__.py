@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
-        from .demo import DemoConfig, run_demo
+        from .apps.demo import DemoConfig, run_demo
 
         _check_device(args.device)
         _check_folder(args.out, "--out")
@@ -158,13 +158,13 @@ def _run(args: argparse.Namespace) -> int:
                                       distributed=args.distributed, threads=args.threads))
         return 0 if summary["parity"]["max_relative_gradient_difference_one_batch"] < 1e-4 else 1
     if args.command == "tour":
-        from .tour import run_tour
+        from .apps.tour import run_tour
 
         result = run_tour(steps=args.steps)
         return 0 if result["max_rel_grad_diff"] < 1e-4 else 1
     if args.command == "bench":
-        from .bench import BenchConfig
-        from .bench import main as run_bench
+        from .apps.bench import BenchConfig
+        from .apps.bench import main as run_bench
 
         _check_device(args.device)
         if args.json:

@@ -132,7 +132,7 @@ for _func, _answer in _SPECIAL.items():
 
 
 # -- fast paths: methods and operators that skip the torch-function protocol -------------
-# operator -> the function the protocol passes for it (checked by tests/test_fast_paths.py)
+# operator -> the function the protocol passes for it (checked by tests/engine/test_fast_paths.py)
 _OPERATORS = {
     "__add__": torch.Tensor.add, "__radd__": torch.Tensor.add,
     "__sub__": torch.Tensor.sub, "__rsub__": torch.Tensor.__rsub__,

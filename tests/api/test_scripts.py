@@ -1,0 +1,52 @@
+"""scripts/test.sh runs both engine modes even when the first fails, and its exit status says
+whether either failed. The set-up is skipped (GRAPHGRAD_NO_SETUP=1: this interpreter is used)
+and pytest is given a one-test file that fails in the mode a variable names."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+MODE_TEST = '''
+import os
+
+
+def test_fails_where_asked():
+    mode = "pure" if os.environ.get("GRAPHGRAD_PURE_PYTHON") == "1" else "compiled"
+    assert mode not in os.environ["FAIL_IN"].split(","), f"failing on purpose in the {mode} run"
+'''
+
+
+def run_test_sh(tmp_path, fail_in):
+    (tmp_path / "test_mode.py").write_text(MODE_TEST)
+    env = dict(os.environ, GRAPHGRAD_NO_SETUP="1", FAIL_IN=fail_in,
+               GRAPHGRAD_PURE_PYTHON="1",  # exported by the caller: must not reach the compiled run
+               PATH=os.pathsep.join([str(pathlib.Path(sys.executable).parent), os.environ["PATH"]]))
+    return subprocess.run(["bash", str(ROOT / "scripts" / "test.sh"), str(tmp_path / "test_mode.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("fail_in, status_zero", [
+    ("", True), ("compiled", False), ("pure", False), ("compiled,pure", False)])
+def test_both_modes_run_and_the_status_says_if_either_failed(tmp_path, fail_in, status_zero):
+    done = run_test_sh(tmp_path, fail_in)
+    out = done.stdout
+    assert (done.returncode == 0) == status_zero, out + done.stderr
+    assert "== tests, compiled engine" in out and "== tests, pure-Python engine" in out
+    summary = out[out.index("== summary =="):].splitlines()[1:]
+    assert len(summary) == 2
+    for line, mode in zip(summary, ("compiled", "pure")):
+        failed = mode in fail_in
+        assert ("1 failed" in line) == failed and ("1 passed" in line) == (not failed), line
+        assert line.split(":")[1].strip().startswith("FAILED" if failed else "ok"), line
+    if fail_in:  # the pytest argument (the file) reached both runs: each reports its failure
+        assert out.count("failing on purpose") >= len(fail_in.split(","))
+
+
+@pytest.mark.parametrize("script", ["setup_env.sh", "test.sh", "demo.sh"])
+def test_scripts_parse(script):
+    assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)]).returncode == 0

@@ -1,0 +1,650 @@
+"""The fuzzer's programs and their interpreter (tests/engine/test_fuzz.py says what it checks).
+
+A program is ``{"base": (a, b), "leaves": [(shape code, requires_grad)], "seed", "quantized",
+"special", "steps": [(step, under_no_grad)]}``; tensor indices in steps count back from the
+newest tensor, modulo the number of tensors, so any list of steps is a valid program.
+Custom Functions, checkpoints and hooks are in tests/engine/fuzz_autograd.py.
+"""
+
+import collections
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import graphgrad as gg
+from fuzz_autograd import assert_same_log, checkpoint, fn, register, saved_tensors_hooks
+from helpers import TOL_NAN as TOL
+from helpers import plain_view as plain
+
+DT = torch.float64
+STATS: collections.Counter = collections.Counter()  # figures, read by the test
+
+
+def _set0(t, v):
+    t[0] = v.sum() if v.dim() else v
+
+
+UNARY = {
+    "sin": torch.sin, "cos": lambda t: t.cos(), "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "exp": lambda t: t.clamp(-4, 4).exp(), "neg": lambda t: -t, "abs": torch.abs, "relu": F.relu,
+    "square": torch.square, "sqrt": lambda t: (t * t + 1).sqrt(), "log1p": lambda t: t.abs().log1p(),
+    "softplus": F.softplus, "gelu": F.gelu, "silu": F.silu, "clamp": lambda t: t.clamp(-0.5, 0.5),
+    "pow3": lambda t: t.clamp(-2, 2) ** 3, "rpow": lambda t: 2 ** t.clamp(-3, 3),
+    "scalars": lambda t: (t * 0.5 + 1) / 3 - 0.25, "clone": torch.clone, "cumsum": lambda t: t.cumsum(-1),
+    "softmax": lambda t: t.softmax(-1), "log_softmax": lambda t: F.log_softmax(t, -1),
+    "where": lambda t: torch.where(t > 0, t, t * 0.1), "erf": torch.erf, "atan": torch.atan,
+    "flip": lambda t: t.flip(-1), "f32": lambda t: t.float().double(), "sign_mul": lambda t: t * t.sign(),
+    "sgn_sqrt": lambda t: (t.abs() ** 0.5).sgn(), "pow_half": lambda t: t.abs() ** 0.5,
+    "nan_to_num": lambda t: torch.nan_to_num(t.log(), nan=0.5, posinf=2.0),
+    "hardtanh": lambda t: F.hardtanh(t, -0.5, 0.5), "erfinv": lambda t: (t * 0.5).tanh().erfinv(),
+    # outputs that are views of a temporary of the kernel's own
+    "avg_pool": lambda t: F.avg_pool1d(t.reshape(1, 1, -1), 1),
+    # (not over no elements: torch's path then keeps nothing, graphgrad the input; documented)
+    "instance_norm": lambda t: F.instance_norm(t.reshape(1, 1, -1)) if t.numel() > 1 else t * 1,
+    # custom Functions (tests/engine/fuzz_autograd.py): saving inputs or outputs, two outputs
+    "fn_square": lambda t: fn("Square", t).apply(t), "fn_exp": lambda t: fn("Exp", t).apply(t),
+    "fn_two": lambda t: fn("Two", t).apply(t)[0], "fn_two_nondiff": lambda t: fn("Two", t).apply(t)[1],
+    "ckpt": lambda t: checkpoint(lambda a: a.sin() * a, t),
+    "ckpt_nested": lambda t: checkpoint(lambda a: checkpoint(lambda b: b.tanh().exp(), a) * a, t),
+}
+BINARY = {
+    "add": torch.add, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / (b * b + 1), "maximum": torch.maximum, "minimum": torch.minimum,
+    "lerp": lambda a, b: torch.lerp(a, b, 0.3), "hypot": torch.hypot, "matmul": torch.matmul,
+    "where": lambda a, b: torch.where(a > b, a, b), "cat": lambda a, b: torch.cat([a, b], -1),
+    "stack": lambda a, b: torch.stack([a, b]), "addcmul": lambda a, b: torch.addcmul(a, a, b, value=0.5),
+    "logaddexp": torch.logaddexp, "rsub": lambda a, b: 1 - a * b, "atan2": torch.atan2,
+    "outer_t": lambda a, b: torch.einsum("i,j->ji", a.reshape(-1), b.reshape(-1)),
+    "huber": lambda a, b: F.huber_loss(a, b, delta=0.5), "smooth_l1": F.smooth_l1_loss,
+    "l1": F.l1_loss, "mse": F.mse_loss, "max2": torch.max, "pow": lambda a, b: a.abs() ** b,
+    "fn_pair": lambda a, b: fn("Pair", a).apply(a, b)[0],
+    "fn_pair1": lambda a, b: fn("Pair", a).apply(a, b)[1],
+    "ckpt2": lambda a, b: checkpoint(lambda x, y: x * y.sin() + x, a, b),
+}
+REDUCE = {
+    "sum": lambda t: t.sum(), "sum0": lambda t: t.sum(0), "sum_keep": lambda t: t.sum(-1, keepdim=True),
+    "mean": lambda t: t.mean(-1), "amax": lambda t: t.amax(-1), "max_all": lambda t: t.max(),
+    "prod": lambda t: t.prod(-1), "norm": lambda t: t.norm(), "logsumexp": lambda t: t.logsumexp(-1),
+    "var": lambda t: t.var(-1, correction=0), "min_all": lambda t: t.min(),
+    "max_dim": lambda t: t.max(-1).values, "min_dim": lambda t: t.min(0)[0],
+    "std_mean_mean": lambda t: torch.std_mean(t, -1, correction=0)[1],
+    "std_mean_std": lambda t: torch.std_mean(t, 0, correction=0)[0],
+}
+VIEW = {
+    "select": lambda t: t[0], "slice": lambda t: t[..., :1], "unsqueeze": lambda t: t.unsqueeze(0),
+    "transpose": lambda t: t.transpose(0, -1), "reshape": lambda t: t.reshape(-1),
+    "view": lambda t: t.view(-1), "expand": lambda t: t.expand(2, *t.shape),
+    "diagonal": lambda t: t.diagonal(), "narrow": lambda t: t.narrow(-1, 0, 1),
+    "squeeze": lambda t: t.squeeze(), "permute": lambda t: t.permute(*reversed(range(t.dim()))),
+    "split": lambda t: t.split(1, -1)[0], "unbind": lambda t: t.unbind(0)[-1],
+    "chunk": lambda t: t.chunk(2, -1)[-1], "mT": lambda t: t.mT, "as_is": lambda t: t.view_as(t),
+    "tensor_split": lambda t: t.tensor_split(2, -1)[0],
+    "fn_identity": lambda t: fn("Identity", t).apply(t), "fn_view": lambda t: fn("View", t).apply(t),
+}
+INPLACE = {
+    "add_": lambda t, o: t.add_(o), "mul_": lambda t, o: t.mul_(o), "sub_": lambda t, o: t.sub_(o),
+    "sin_": lambda t, o: t.sin_(), "tanh_": lambda t, o: t.tanh_(), "relu_": lambda t, o: t.relu_(),
+    "clamp_": lambda t, o: t.clamp_(-0.5, 0.5), "div_": lambda t, o: t.div_(2.0),
+    "exp_": lambda t, o: t.clamp_(-3, 3).exp_(), "sigmoid_": lambda t, o: t.sigmoid_(),
+    "setitem": _set0, "fill0": lambda t, o: t.masked_fill_(t > 0, 0.0), "iadd": lambda t, o: t.__iadd__(o),
+    "copy_": lambda t, o: t.copy_(o), "zero_": lambda t, o: t.zero_(),
+    "fn_dirty": lambda t, o: fn("Dirty", t).apply(t),
+}
+USES_OTHER = {"add_", "mul_", "sub_", "setitem", "iadd", "copy_"}
+HOOK_KINDS = ("tensor", "post_acc", "pre", "post")
+MULTI_OUTPUT_VIEWS = {"split", "unbind", "chunk"}
+FUNCTION_VIEWS = {"fn_identity", "fn_view"}  # views a custom Function returned
+KEPT_ONLY_BY_TORCH = {"avg_pool"}  # torch keeps the input, graphgrad its shape (documented)
+ERROR_KINDS = ("second time", "modified by an inplace operation", "leaf Variable that requires grad",
+               "implicitly created only for scalar outputs", "does not require grad",
+               "not have been used in the graph", "Mismatch in shape", "you can only change requires_grad",
+               "custom Function", "no_grad mode", "returns multiple views",
+               "detached in-place", "Can't detach views in-place", "can't replace a None gradient",
+               "materialize_grads", "moved into the graph interior")
+# the same complaint in other words (torch's backward(inputs=[t]) on a t without grad: the first)
+SYNONYMS = {"requires_grad=False": "does not require grad",
+            # torch's words for an output of split/chunk/unbind whose storage was changed
+            "another view of its base has been modified inplace": "modified by an inplace operation"}
+# graphgrad checks these misuses before the kernel validates its arguments; torch after.
+PRE_CHECKS = ("leaf Variable that requires grad", "returns multiple views", "no_grad mode", "custom Function")
+# a backward through a graph with several broken nodes: each library may name another first
+BROKEN_GRAPH = ("second time", "modified by an inplace operation", "detached in-place",
+                "moved into the graph interior")
+
+
+
+# -- the interpreter --------------------------------------------------------------------------
+class Side:
+    """One run of a program: graphgrad's (``gg=True``) or torch's."""
+
+    def __init__(self, program, is_gg):
+        self.is_gg = is_gg
+        self.env, self.leaves = [], []
+        self.log = []  # hook calls (tests/engine/fuzz_autograd.py)
+        a, b = program["base"]
+        shapes = [(a, b), (b,), (1, b), (a, 1), (), (0,), (a, 0)]
+        gen = torch.Generator().manual_seed(program["seed"])
+        for code, requires_grad in program["leaves"]:
+            data = torch.rand(shapes[code], dtype=DT, generator=gen) * 3 - 1.5
+            if program["quantized"]:  # zeros and ties: the edges of max, abs, relu...
+                data = (data * 2).round() / 2
+            if program.get("special") and data.numel():  # NaN, infinities and zeros
+                data.view(-1)[0] = (float("nan"), float("inf"), -float("inf"), 0.0)[program["seed"] % 4]
+            t = (gg.as_tensor(data, requires_grad=requires_grad) if is_gg
+                 else data.requires_grad_(requires_grad))
+            self.env.append(t)
+            self.leaves.append(t)
+
+
+def kind_of(exc):
+    text = str(exc)
+    for words, kind in SYNONYMS.items():
+        text = text.replace(words, kind)
+    return type(exc).__name__, next((k for k in ERROR_KINDS if k in text), "other")
+
+
+class StopProgram(Exception):
+    """The two graphs part ways (torch refused a second backward that graphgrad allows, or a
+    known bug was met): the program ends here."""
+
+
+def run_both(fn_g, fn_t, backward=False):
+    """Run torch's side, then graphgrad's; both must succeed or both raise the same kind.
+
+    Returns (ok, graphgrad's result, torch's result, torch's error kind)."""
+    try:
+        out_t, exc_t = fn_t(), None
+    except Exception as e:
+        out_t, exc_t = None, e
+    try:
+        out_g, exc_g = fn_g(), None
+    except Exception as e:
+        out_g, exc_g = None, e
+    if exc_t is None and exc_g is not None:
+        raise AssertionError(f"graphgrad raised where torch did not: {exc_g!r}") from exc_g
+    if exc_t is not None and exc_g is None:
+        raise AssertionError(f"graphgrad did not raise where torch raised {exc_t!r}")
+    if exc_t is None:
+        return True, out_g, out_t, None
+    kind_t, kind_g = kind_of(exc_t), kind_of(exc_g)
+    if kind_t[1] == "other" and kind_g[1] in PRE_CHECKS:
+        STATS["errors_checked_in_another_order"] += 1  # e.g. x[0] = 1 on a 0-d leaf
+    elif backward and kind_t != kind_g and {kind_t[1], kind_g[1]} <= set(BROKEN_GRAPH):
+        STATS["errors_checked_in_another_order"] += 1  # two broken nodes: another is named first
+    else:
+        assert kind_g == kind_t, f"graphgrad: {exc_g!r}\ntorch: {exc_t!r}"
+    STATS["errors_matched"] += 1
+    STATS["error " + " / ".join(kind_t)] += 1
+    return False, None, None, kind_t[1]
+
+
+def told_apart(g, t, what):
+    """Gradients whose graphs differ: True if graphgrad's and torch's agree in value but not in
+    requires_grad, or graphgrad has None where torch has zeros. Under create_graph=True a
+    rule's formula decides whether the gradient depends on the input again: torch's prod over
+    a dimension of size 1 returns the incoming gradient (no graph), graphgrad's formula has
+    one; the derivative of relu's backward with respect to its input is None in graphgrad, a
+    zero tensor (with a graph) in torch. Such gradients are compared by value only."""
+    if t is None:
+        return False
+    if g is None:
+        if bool((plain(t) == 0).all()):
+            STATS["gradients_with_other_graphs"] += 1
+            return True
+        return False
+    if g.requires_grad != t.requires_grad:
+        torch.testing.assert_close(plain(g), plain(t), **TOL, msg=lambda m: f"{what}: {m}")
+        STATS["gradients_with_other_graphs"] += 1
+        return True
+    return False
+
+
+def assert_same_tensor(g, t, what, flags=True):
+    if t is None:
+        assert g is None, what
+        return
+    assert g is not None, what
+    torch.testing.assert_close(plain(g), plain(t), **TOL, msg=lambda m: f"{what}: {m}")
+    if flags:
+        assert g.requires_grad == t.requires_grad, f"{what}: requires_grad"
+        assert g.is_leaf == t.is_leaf, f"{what}: is_leaf"
+        assert (g.grad_fn is None) == (t.grad_fn is None), f"{what}: grad_fn"
+
+
+class Interpreter:
+    def __init__(self, program):
+        self.G, self.T = Side(program, True), Side(program, False)
+        n = len(self.G.env)
+        self.root = list(range(n))  # which storage each tensor aliases (views share their base's)
+        self.stale = [False] * n
+        self.retained = set()
+        self.broken = set()  # see broken_view
+        self.diverged = set()  # see call_backward
+        self.wrapped = {}  # see push
+        self.no_grad_views = set()  # views made under no_grad (and views of them)
+        self.detached_on_torch = set()  # see op(): torch's side was detached (and views of it)
+        self.multi_output_views = set()  # outputs of split/chunk/unbind (and views of them)
+        self.function_views = set()  # views returned by custom Functions (and views of them)
+        self.stale_grad_graph = set()  # see grad_holders
+        self.hooks = 0  # hooks registered so far (their ids in the logs)
+        self.kept_only_by_torch = False  # see call_backward
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def args(self, *idx):
+        """The indexed tensors on both sides (None if one of them is stale)."""
+        ks = [len(self.T.env) - 1 - i % len(self.T.env) for i in idx]
+        if any(self.stale[k] for k in ks):
+            STATS["stale_reads_left_out"] += 1
+            return None
+        return ks, [self.G.env[k] for k in ks], [self.T.env[k] for k in ks]
+
+    def push(self, g, t, parent=None, multi_output=False, function_view=False):
+        assert_same_tensor(g, t, "result")
+        assert isinstance(g, gg.Tensor) or not g.requires_grad
+        if not isinstance(g, gg.Tensor):
+            # gradients are plain torch tensors (documented); made to require grad, a plain
+            # tensor would be torch.autograd's. A graphgrad user wraps it: so do we (once per
+            # tensor, as the same .grad pushed twice is one tensor on torch's side)
+            if id(g) not in self.wrapped:
+                self.wrapped[id(g)] = (g, gg.as_tensor(g))
+            g = self.wrapped[id(g)][1]
+        self.G.env.append(g)
+        self.T.env.append(t)
+        alias = parent is not None and (g is self.G.env[parent] or g._is_view())
+        self.root.append(self.root[parent] if alias else len(self.root))
+        self.stale.append(False)
+        same = parent is not None and g is self.G.env[parent]  # the op returned its input
+        if alias and ((not torch.is_grad_enabled() and not same) or parent in self.no_grad_views):
+            self.no_grad_views.add(len(self.root) - 1)
+        if alias and parent in self.detached_on_torch:
+            self.detached_on_torch.add(len(self.root) - 1)
+        if alias and (multi_output or parent in self.multi_output_views):
+            self.multi_output_views.add(len(self.root) - 1)
+        if alias and (function_view or parent in self.function_views):
+            self.function_views.add(len(self.root) - 1)
+
+    def grad_holders(self, stale_too=False):
+        """(k, graphgrad tensor, torch tensor) for each tensor whose .grad is filled in."""
+        for k, (g, t) in enumerate(zip(self.G.env, self.T.env)):
+            # torch would regenerate a stale view's grad_fn (or raise, for multi-output views)
+            if self.broken_view(k) or (self.stale[k] and not stale_too):
+                continue
+            if (t.is_leaf and t.requires_grad) or id(t) in self.retained:
+                yield k, g, t
+
+    def broken_view(self, k):
+        """torch refuses to tell the grad_fn of an output of split/chunk/unbind, or of a view made
+        under no_grad, once its base was changed in place; such a tensor is only compared by
+        value from then on."""
+        if self.stale[k] and k in self.broken:
+            return True
+        try:
+            _ = self.T.env[k].grad_fn
+        except RuntimeError as e:
+            assert "multiple views" in str(e) or "no_grad mode" in str(e) or "custom Function" in str(e), e
+            if "custom Function" in str(e):  # graphgrad refuses it too (it would bypass the
+                with_error = False  # Function's backward): compared, then left out
+                try:
+                    _ = self.G.env[k].grad_fn
+                except RuntimeError as e2:
+                    with_error = "custom Function" in str(e2)
+                assert with_error, "graphgrad used a Function's view after its base changed"
+                STATS["function_views_refused_after_their_base_changed"] += 1
+            self.stale[k] = True
+            self.broken.add(k)
+            STATS["multi_output_views_changed"] += 1
+            return True
+        # reading grad_fn rebuilds a view's grad_fn after its base changed, moving its
+        # retain_grad, in torch: so it must in graphgrad, read as often
+        _ = self.G.env[k].grad_fn
+        return False
+
+    def check_grads(self):
+        assert_same_log(self.G.log, self.T.log, TOL)
+        for k, g, t in self.grad_holders():
+            # a plain backward that adds to a .grad made with create_graph=True: torch adds in
+            # place and keeps the old grad_fn, graphgrad makes a new .grad: values compared
+            if told_apart(g.grad, t.grad, f".grad of tensor {k}"):
+                self.stale_grad_graph.add(id(t))
+                continue
+            flags = id(t) not in self.stale_grad_graph
+            assert_same_tensor(g.grad, t.grad, f".grad of tensor {k}", flags)
+
+    def call_backward(self, fn_g, fn_t, create):
+        """A backward or grad call. graphgrad checks the whole graph before it runs anything;
+        torch runs until it meets the broken node. So after an error graphgrad's .grads must
+        be exactly as before (checked); torch's partial sums are undone before going on."""
+        holders = list(self.grad_holders(stale_too=True))
+        before = [(g.grad, None if g.grad is None else plain(g.grad).clone(),
+                   t.grad, None if t.grad is None else plain(t.grad).clone()) for _, g, t in holders]
+        if not create:  # see check_grads; and torch's in-place sum shows through aliases
+            graphs = [t.grad for _, _, t in holders if t.grad is not None and t.grad.requires_grad]
+            self.stale_grad_graph.update(id(t) for _, _, t in holders if t.grad is not None
+                                         and t.grad.requires_grad)
+            roots = {self.root[m] for m, tt in enumerate(self.T.env) if any(tt is grad for grad in graphs)}
+            for m in range(len(self.T.env)):
+                if self.root[m] in roots:  # the .grad itself and views of it
+                    self.stale[m] = True
+                    self.diverged.add(m)
+        assert_same_log(self.G.log, self.T.log, TOL)
+        logged = len(self.G.log)
+        try:
+            ok, got_g, got_t, kind = run_both(fn_g, fn_t, backward=True)
+        except AssertionError as e:
+            text = str(e)
+            if "did not raise where" not in text:
+                raise
+            if "second time" in text:
+                # torch freed more in a failed backward, or keeps 0.5 in x * 0.5 as a tensor
+                # and frees it (graphgrad keeps the number). The programs part here.
+                STATS["stopped_where_torch_refused_a_second_backward"] += 1
+                raise StopProgram from e
+            if "modified by an inplace operation" in text and self.kept_only_by_torch:
+                # an op whose input torch keeps for its shape only (KEPT_ONLY_BY_TORCH in
+                # tests/engine/test_parity_rules.py) had that input changed in place
+                STATS["stopped_where_torch_kept_a_shape_only_input"] += 1
+                raise StopProgram from e
+            if "ZeroTensors are immutable" in text:
+                # torch stores sgn's efficient zero gradient in .grad as is, and then fails
+                # to add to it; graphgrad stores a plain zero tensor (documented)
+                STATS["stopped_where_torch_kept_an_immutable_zero_grad"] += 1
+                raise StopProgram from e
+            if "CheckpointError" in text:
+                # torch's checkpoint reads requires_grad of its inputs again when it recomputes
+                # (a detach_() in between changes what it saves); graphgrad's kept it
+                STATS["stopped_where_torch_checkpoint_recomputed_differently"] += 1
+                raise StopProgram from e
+            raise
+        if not ok and kind == "not have been used in the graph" and (
+                len(self.G.log) > logged or any(g.grad is not b[0] for (_, g, _), b in zip(holders, before))):
+            # an input reached that got no gradient: both libraries ran the pass, then refused
+            STATS["unused_inputs_refused_after_the_pass"] += 1
+        elif not ok:
+            # (hooks too: graphgrad ran none of them; torch those before the broken node)
+            assert len(self.G.log) == logged, "a failed backward ran hooks"
+            del self.T.log[logged:]
+            for (_, g, t), (g_obj, g_val, t_obj, t_val) in zip(holders, before):
+                assert g.grad is g_obj, "an error replaced a .grad"
+                if g_obj is not None:
+                    torch.testing.assert_close(plain(g.grad), g_val, rtol=0, atol=0, equal_nan=True,
+                                               msg="an error changed a .grad")
+                t.grad = t_obj
+                if t_obj is not None and not t_obj._is_zerotensor():  # (immutable: unchanged)
+                    with torch.no_grad():
+                        t_obj.copy_(t_val)
+        return ok, got_g, got_t
+
+    # -- steps --------------------------------------------------------------------------------
+    def op(self, table, name, *idx):
+        picked = self.args(*idx)
+        if picked is None:
+            return
+        ks, gs, ts = picked
+        fn = table[name]
+        self.kept_only_by_torch |= name in KEPT_ONLY_BY_TORCH
+        ok, out_g, out_t, _ = run_both(lambda: fn(*gs), lambda: fn(*ts))
+        if ok:
+            if out_t.requires_grad and not torch.is_grad_enabled() and not any(out_t is t for t in ts):
+                # torch: a view made under no_grad of a tensor that requires grad is a leaf
+                # that requires grad (with its own rules for in-place changes); graphgrad's
+                # does not require grad. Documented; compared here as graphgrad has it.
+                assert table is VIEW and not out_g.requires_grad
+                STATS["no_grad_views"] += 1
+                out_t = out_t.detach()
+                self.detached_on_torch.add(len(self.T.env))
+            self.push(out_g, out_t, ks[0] if table is VIEW else None, name in MULTI_OUTPUT_VIEWS,
+                      name in FUNCTION_VIEWS)
+
+    def inplace(self, name, i, j):
+        picked = self.args(i, j)
+        if picked is None:
+            return
+        (k, _), (g, go), (t, to) = picked
+        fn = INPLACE[name]
+        base = g._base if g._is_view() else None
+        if id(t) in self.retained and t.output_nr != 0:
+            # torch bug (2.13): an in-place op on output 1 of a multi-output op (std_mean's
+            # mean) that retains its grad fails "out != nullptr INTERNAL ASSERT FAILED", or
+            # crashes the process
+            STATS["inplace_on_retained_second_output_left_out"] += 1
+            return
+        other = name in USES_OTHER and isinstance(go, torch.Tensor) and go.requires_grad
+        if k in self.no_grad_views and torch.is_grad_enabled() and (
+                other or (base is not None and base.requires_grad)):
+            if name == "fn_dirty" and k in self.detached_on_torch:
+                # (the Function changes its input before refusing; torch's side is a copy)
+                STATS["dirty_no_grad_views_left_out"] += 1
+                return
+            # torch forbids it ("A view was created in no_grad mode..."), and so does graphgrad,
+            # before changing anything. (torch's side of a no_grad view of a tensor that
+            # requires grad was detached in op(), see there: only graphgrad's is checked then.)
+            before = plain(g).clone()
+            sides = [g] + ([t] if k not in self.detached_on_torch else [])
+            for side, o in zip(sides, (go, to)):
+                try:
+                    fn(side, o)
+                except RuntimeError as e:
+                    assert "no_grad mode" in str(e) or (
+                        k in self.function_views and "custom Function" in str(e)), e
+                else:
+                    raise AssertionError("in-place op on a view made under no_grad did not raise")
+            if name != "fn_dirty":  # (a Function's forward changes its input before the check)
+                torch.testing.assert_close(plain(g), before, rtol=0, atol=0, equal_nan=True)
+            STATS["inplace_on_no_grad_view_refused"] += 1
+            return
+        try:
+            ok, _, _, _ = run_both(lambda: fn(g, go), lambda: fn(t, to))
+        except AssertionError as e:
+            if "raised where torch did not" in str(e) and "single memory location" in str(e):
+                # an in-place op on an expanded view that the kernel allows (masked_fill_):
+                # graphgrad refuses to record it, torch fails in backward. The programs part.
+                STATS["stopped_at_inplace_on_overlapping_view"] += 1
+                raise StopProgram from e
+            raise
+        if ok and base is not None and torch.is_grad_enabled() and (g.requires_grad or other):
+            STATS["inplace_on_views_recorded"] += 1  # the base's grad_fn is now CopySlices
+        # changed alike, or (after errors) not at all
+        assert_same_tensor(g, t, "in-place target", flags=not self.broken_view(k))
+        if ok:
+            for m in range(len(self.root)):  # other aliases of the changed storage
+                if m != k and self.root[m] == self.root[k]:
+                    # compared from here on: a view's grad_fn is rebuilt by both libraries;
+                    # torch refuses to rebuild those of split/chunk/unbind outputs and of views
+                    # made under no_grad: those are left out
+                    if self.T.env[m]._is_view() and not self.G.env[m]._is_view():
+                        # a view of a kernel temporary in torch only: its history is the
+                        # temporary's there (documented), so it is compared by value only
+                        self.stale[m] = True
+                        STATS["views_of_temporaries_changed"] += 1
+                    elif m in self.function_views:  # both refuse to use it: compared once
+                        self.broken_view(m)
+                        self.stale[m] = True
+                    elif m in self.multi_output_views or m in self.no_grad_views:
+                        self.stale[m] = True
+                    else:
+                        STATS["aliases_compared_after_inplace"] += 1
+
+    def backward(self, i, retain, create, use_inputs, how, j=0):
+        """``use_inputs``: False, "leaf" (the first leaf) or "tensor" (tensor ``j``: torch
+        retains the grad of a non-leaf input and runs its grad_fn)."""
+        picked = self.args(i, j)
+        if picked is None:
+            return
+        _, (g, gj), (t, tj) = picked
+
+        def call(x, leaves, other):
+            out = x.sum() if how == "sum" else x
+            grad = torch.ones_like(out) if how == "ones" else None
+            inputs = (leaves[:1] if use_inputs in (True, "leaf") else [other]) if use_inputs else None
+            out.backward(grad, retain_graph=retain, create_graph=create, inputs=inputs)
+
+        STATS["backward_calls"] += 1
+        STATS["backward_with_inputs"] += bool(use_inputs)
+        before = tj.grad if use_inputs == "tensor" else None
+        ok, _, _ = self.call_backward(lambda: call(g, self.G.leaves, gj),
+                                      lambda: call(t, self.T.leaves, tj), create)
+        if use_inputs == "tensor":
+            if not ok:  # torch's partial pass may have filled the input's .grad (see there)
+                tj.grad = before
+            if tj.retains_grad:
+                self.retained.add(id(tj))
+
+    def grad(self, i, j, retain, create, allow_unused, materialize=False, k=None):
+        """``gg.grad`` w.r.t. tensor ``j`` (and ``k``); ``allow_unused`` may be None (unset)."""
+        picked = self.args(i, j) if k is None else self.args(i, j, k)
+        if picked is None:
+            return
+        _, (g, *gi), (t, *ti) = picked
+        STATS["grad_calls"] += 1
+        STATS["grad_with_materialize_grads"] += bool(materialize)
+        options = {"retain_graph": retain, "create_graph": create, "materialize_grads": materialize}
+        if allow_unused is not None:
+            options["allow_unused"] = allow_unused
+        ok, got_g, got_t = self.call_backward(lambda: gg.grad(g.sum(), gi, **options),
+                                              lambda: torch.autograd.grad(t.sum(), ti, **options),
+                                              create)
+        if not ok:
+            return
+        for n, (have, want) in enumerate(zip(got_g, got_t)):
+            if told_apart(have, want, f"gg.grad result {n}"):
+                continue
+            assert_same_tensor(have, want, f"gg.grad result {n}")
+            if want is not None and n == 0:
+                # (torch's may be an expanded view made under no_grad, which it forbids to
+                # change in place later: the program goes on with copies)
+                self.push(have.clone(), want.clone())
+
+    def hook(self, kind, i, modify):
+        """Register a hook of ``kind`` on tensor i (tests/engine/fuzz_autograd.py) on both sides."""
+        picked = self.args(i)
+        if picked is None:
+            return
+        _, (g,), (t,) = picked
+        if t._is_view() and not g._is_view():
+            # a view of a kernel temporary in torch only (documented): hooks on it see the
+            # temporary's history, which graphgrad's graph does not have
+            STATS["hooks_on_views_of_temporaries_left_out"] += 1
+            return
+        hid = self.hooks
+        self.hooks += 1
+        ok, handle_g, handle_t, _ = run_both(lambda: register(kind, g, self.G.log, hid, modify),
+                                             lambda: register(kind, t, self.T.log, hid, modify))
+        if ok:
+            assert (handle_g is None) == (handle_t is None), "grad_fn"
+            STATS[f"hooks_{kind}"] += handle_t is not None
+
+    def detach_(self, i):
+        picked = self.args(i)
+        if picked is None:
+            return
+        (k,), (g,), (t,) = picked
+        if k in self.detached_on_torch:  # torch's side is a detached copy (see op()): not a view
+            STATS["detach_in_place_of_no_grad_views_left_out"] += 1
+            return
+        if t._is_view() and not g._is_view():
+            # torch's output of avg_pool1d, instance_norm, einsum... is a view of the kernel's
+            # own temporary, which torch refuses to detach in place; graphgrad's is no view
+            # (documented): left out
+            STATS["detach_in_place_of_views_of_temporaries_left_out"] += 1
+            return
+        ok, _, _, _ = run_both(g.detach_, t.detach_)
+        STATS["detach_in_place"] += ok
+        if ok:
+            assert_same_tensor(g, t, "detached in place")
+            if any(m != k and self.root[m] == self.root[k] for m in range(len(self.root))):
+                # torch's views of it keep its old history (a view rebuilt after an in-place
+                # change still leads there); graphgrad rebuilds them from its current state
+                STATS["stopped_at_detach_of_a_base_with_views"] += 1
+                raise StopProgram
+
+    def under_saved_hooks(self, mode, inner, no_grad):
+        """Run a step with saved-tensor hooks on (``clone``: pack a copy; ``identity``)."""
+        g_hooks = saved_tensors_hooks(self.G.env[-1], mode)
+        t_hooks = saved_tensors_hooks(self.T.env[-1], mode)
+        STATS["steps_under_saved_tensor_hooks"] += 1
+        with g_hooks, t_hooks:
+            self.step(inner, no_grad, check=False)
+
+    def step(self, step, no_grad, check=True):
+        kind = step[0]
+        STATS["steps"] += 1
+        with torch.set_grad_enabled(not no_grad):
+            if kind in ("unary", "binary", "reduce", "view"):
+                table = {"unary": UNARY, "binary": BINARY, "reduce": REDUCE, "view": VIEW}[kind]
+                self.op(table, step[1], *step[2:])
+            elif kind == "inplace":
+                self.inplace(*step[1:])
+            elif kind == "inplace_on_view":  # a view, then an in-place op on it (CopySlices)
+                _, view, name, i, j = step
+                n = len(self.T.env)
+                self.op(VIEW, view, i)
+                if len(self.T.env) > n:
+                    self.inplace(name, 0, j)
+            elif kind == "detach":
+                picked = self.args(step[1])
+                if picked is not None:
+                    self.push(picked[1][0].detach(), picked[2][0].detach())
+            elif kind == "retain_grad":
+                picked = self.args(step[1])
+                if picked is not None:
+                    run_both(picked[1][0].retain_grad, picked[2][0].retain_grad)
+                    if picked[2][0].retains_grad:
+                        self.retained.add(id(picked[2][0]))
+            elif kind == "requires_grad_":
+                picked = self.args(step[1])
+                flag = step[2]
+                if picked is not None and (flag or not picked[2][0].is_leaf):
+                    # (requires_grad_(False) on a leaf is left out: torch keeps treating the
+                    # views and results made from it as made from a leaf that requires grad)
+                    ok, _, _, _ = run_both(lambda: picked[1][0].requires_grad_(flag),
+                                           lambda: picked[2][0].requires_grad_(flag))
+                    k = picked[0][0]
+                    if ok and any(m != k and self.root[m] == self.root[k] for m in range(len(self.root))):
+                        # torch's views follow their base's flag, without a grad_fn (and one that
+                        # a node saved may then raise when backward unpacks it): the programs part
+                        STATS["stopped_at_requires_grad_on_a_base_with_views"] += 1
+                        raise StopProgram
+            elif kind == "backward":
+                self.backward(*step[1:])
+            elif kind == "hook":
+                self.hook(*step[1:])
+            elif kind == "detach_":
+                self.detach_(step[1])
+            elif kind == "saved_hooks":
+                self.under_saved_hooks(step[1], step[2], no_grad)
+            elif kind == "grad":
+                self.grad(*step[1:])
+            elif kind == "leaf_grad":
+                picked = self.args(step[1])
+                g, t = (None, None) if picked is None else (picked[1][0], picked[2][0])
+                if t is not None and t.is_leaf and t.requires_grad and id(t) not in self.stale_grad_graph:
+                    assert (g.grad is None) == (t.grad is None)
+                    if t.grad is not None:
+                        self.push(g.grad, t.grad)
+            else:  # zero_grad
+                for g, t in zip(self.G.leaves, self.T.leaves):
+                    g.grad = t.grad = None
+                self.stale_grad_graph.clear()
+        if check:
+            self.check_grads()
+
+    def finish(self):
+        self.backward(0, False, False, False, "sum")  # every program ends with a backward
+        for k, (g, t) in enumerate(zip(self.G.env, self.T.env)):
+            if k not in self.diverged:
+                torch.testing.assert_close(plain(g), t.data, **TOL, msg=lambda m, k=k: f"value {k}: {m}")
+        self.check_grads()
+
+
+def run_program(program):
+    STATS["programs"] += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        interp = Interpreter(program)
+        try:
+            for step, no_grad in program["steps"]:
+                interp.step(step, no_grad)
+            interp.finish()
+        except StopProgram:
+            pass

@@ -1,0 +1,123 @@
+"""The operator/method fast paths on graphgrad.Tensor behave exactly like the protocol path."""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import graphgrad as gg
+from graphgrad import dispatch, fastpaths
+from helpers import F64
+
+T = torch.Tensor
+
+
+def leaf(*shape):
+    return gg.as_tensor(torch.randn(*shape, dtype=F64), requires_grad=True)
+
+
+class _Probe(torch.Tensor):
+    """A subclass that records what the torch-function protocol passes."""
+
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", sorted(fastpaths._OPERATORS) + sorted(fastpaths._UNARY_OPERATORS))
+def test_operator_map_matches_the_protocol(name):
+    """Each operator's fast path passes the same function the protocol would."""
+    x = torch.rand(3, 3, dtype=F64).add(0.5).as_subclass(_Probe)
+    _Probe.seen = []
+    args = () if name in fastpaths._UNARY_OPERATORS else (torch.rand(3, 3, dtype=F64).add(0.5),)
+    getattr(x, name)(*args)
+    table = {**fastpaths._OPERATORS, **fastpaths._UNARY_OPERATORS}
+    assert _Probe.seen[0] is table[name]
+
+
+def test_fast_paths_are_installed_and_record():
+    assert "tanh" in gg.Tensor.__dict__ and "__mul__" in gg.Tensor.__dict__
+    x = leaf(3)
+    y = (x * 2).tanh().sin() - 1
+    assert y.grad_fn.name() == "SubBackward"
+    y.sum().backward()
+    xt = x.detach().as_subclass(T).clone().requires_grad_(True)
+    ((xt * 2).tanh().sin() - 1).sum().backward()
+    torch.testing.assert_close(x.grad, xt.grad)
+
+
+def test_plain_tensor_on_the_left_records():
+    x, p = leaf(3), torch.randn(3, dtype=F64)
+    for y in (p * x, p - x, p / (x + 3), p @ x, 2.0 ** x, p + x):
+        assert y.requires_grad and type(y) is gg.Tensor
+
+
+def test_type_errors_become_not_implemented():
+    x = leaf(3)
+    with pytest.raises(TypeError):
+        x * "a"
+
+    class Other:
+        def __radd__(self, other):
+            return "other's radd"
+
+    assert x + Other() == "other's radd"
+
+
+def test_protocol_off_means_plain_torch_behaviour():
+    """Under DisableTorchFunctionSubclass (the engine's backward) the fast paths step aside."""
+    x = leaf(3)
+    with torch._C.DisableTorchFunctionSubclass():
+        y = x.tanh() * x
+        assert type(y) is T
+        assert x.shape == (3,) and x.dtype == F64
+    assert x.grad is None
+
+
+def test_torch_function_modes_still_see_method_calls():
+    seen = []
+
+    class Logger(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    x = leaf(3)
+    with Logger():
+        y = (x * 2).tanh()
+        _ = x.shape
+    assert "mul" in seen and "tanh" in seen
+    assert y.grad_fn is not None
+
+
+def test_properties_and_queries():
+    x = leaf(2, 3)
+    assert x.shape == (2, 3) and x.ndim == 2 and x.dim() == 2 and x.size(1) == 3
+    assert x.dtype == F64 and x.device.type == "cpu" and len(x) == 2 and x.numel() == 6
+    assert isinstance(x.shape, torch.Size)
+    x.grad = torch.ones(2, 3, dtype=F64)
+    assert type(x.grad) is T and x.grad.sum() == 6
+    x.data = torch.zeros(2, 3, dtype=F64)
+    assert float(x.sum()) == 0.0 and x.requires_grad and x.is_leaf
+    assert type(x.data) is gg.Tensor and not x.data.requires_grad
+
+
+def test_observer_sees_fast_path_calls():
+    seen = []
+    previous = dispatch.observe_calls(seen.append)
+    try:
+        x = leaf(3)
+        (x * 2).sin()
+        x.size()
+    finally:
+        dispatch.observe_calls(previous)
+    assert T.mul in seen and T.sin in seen and T.size in seen
+
+
+def test_methods_without_rule_still_raise():
+    x = leaf(3)
+    with pytest.raises(NotImplementedError, match="no derivative rule"):
+        torch.Tensor.cummax(x, 0)  # no rule registered: the protocol path names it

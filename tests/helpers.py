@@ -1,0 +1,33 @@
+"""What many test files share: float64, the tolerances, plain-torch copies, matching leaves.
+
+Importable from every folder of the suite (``pythonpath`` in pyproject.toml puts ``tests/`` on
+the path). Files whose tolerance differs (tighter, or a different ``atol``) keep theirs, defined
+in the file beside a comment.
+"""
+
+import torch
+
+import graphgrad as gg
+
+F64 = torch.float64
+TOL = dict(rtol=1e-7, atol=1e-7)  # float64 against torch.autograd: any NaN fails
+TOL_NAN = dict(TOL, equal_nan=True)  # the same, and a NaN where the other has a NaN is equal
+
+
+def plain(t):
+    """A detached plain-torch copy of a tensor; containers element-wise, anything else (None
+    included) as it is."""
+    if isinstance(t, (tuple, list)):
+        return type(t)(plain(i) for i in t)
+    return t.detach().as_subclass(torch.Tensor).clone() if isinstance(t, torch.Tensor) else t
+
+
+def plain_view(t):
+    """A detached plain-torch view of a tensor's values: no copy, it shares the storage."""
+    return t.detach().as_subclass(torch.Tensor)
+
+
+def pair(values=(0.5, -1.5, 2.0), dtype=F64):
+    """The same leaf on graphgrad and on torch.autograd: ``(graphgrad leaf, torch leaf)``."""
+    data = torch.as_tensor(values, dtype=dtype)
+    return gg.as_tensor(data.clone(), requires_grad=True), data.clone().requires_grad_()
