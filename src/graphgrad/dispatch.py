@@ -252,7 +252,12 @@ def call(func, args, kwargs):
         if not _grad_enabled():
             if rule is not None and rule.may_view:
                 return _no_grad_view_op(func, rule, args, kwargs)
-            return _wrap_plain(func(*args, **kwargs), args, kwargs)
+            out = func(*args, **kwargs)
+            if rule is not None and not rule.elementwise and rule.inplace_of is None:
+                # a view of the kernel's own temporary (avg_pool1d's squeeze): torch marks it
+                # as made in no_grad mode, so it may not be changed in place with grad mode on
+                _tag_views(out, args, kwargs, NO_GRAD_VIEW)
+            return _wrap_plain(out, args, kwargs)
         needs = _needs_grad(args, kwargs)
         if not needs:
             if (rule is not None and rule.may_view) or (
