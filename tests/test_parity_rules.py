@@ -287,11 +287,6 @@ KEPT_ONLY_BY_TORCH = {  # name: (inputs, op, which input torch keeps)
     "pad_replicate": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]])],
                       lambda x: F.pad(x, (1, 1), "replicate"), 0),
     "avg_pool1d": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]])], lambda x: F.avg_pool1d(x, 2), 0),
-    "max_pool1d": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]])], lambda x: F.max_pool1d(x, 2), 0),
-    "nll_loss": (lambda lib: [lib.leaf([[0.5, 1.0, 2.0]]), lib.const([1]).long()], F.nll_loss, 0),
-    "layer_norm_bias": (lambda lib: [lib.leaf([[0.5, 1.0, 2.0]]), lib.leaf([1.0, 2.0, 3.0]),
-                                     lib.leaf([0.1, 0.2, 0.3])],
-                        lambda x, w, b: F.layer_norm(x, (3,), w, b), 2),
     "lerp_weight_alone": (lambda lib: [lib.const([1.0, 2.0]), lib.const([3.0, 4.0]), lib.leaf([0.3, 0.6])],
                           torch.lerp, 2),
 }
@@ -304,10 +299,21 @@ KEPT_ONLY_BY_GRAPHGRAD = {
     "scaled_dot_product_attention": (
         lambda lib: [lib.leaf([[[0.5, 1.0], [2.0, 0.5]]]), lib.leaf([[[1.0, 0.0], [0.5, 1.5]]]),
                      lib.leaf([[[1.0, 2.0], [3.0, 4.0]]])], F.scaled_dot_product_attention, 0),
-    "instance_norm_weight": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]]), lib.leaf([1.5])],
-                             lambda x, w: F.instance_norm(x, weight=w), 1),
     "take_along_dim_indices": (lambda lib: [lib.leaf(A), lib.const([[0], [2]]).long()],
                                lambda x, i: torch.take_along_dim(x, i, 1), 1),
+}
+
+
+# Rules that call torch's own forward and backward kernels keep what torch's nodes keep:
+# an in-place change is an error in both (or in neither).
+KEPT_BY_BOTH = {  # name: (inputs, op, which input is changed, torch's and graphgrad's outcome)
+    "max_pool1d": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]])], lambda x: F.max_pool1d(x, 2), 0, "modified"),
+    "nll_loss": (lambda lib: [lib.leaf([[0.5, 1.0, 2.0]]), lib.const([1]).long()], F.nll_loss, 0, "modified"),
+    "layer_norm_bias": (lambda lib: [lib.leaf([[0.5, 1.0, 2.0]]), lib.leaf([1.0, 2.0, 3.0]),
+                                     lib.leaf([0.1, 0.2, 0.3])],
+                        lambda x, w, b: F.layer_norm(x, (3,), w, b), 2, "modified"),
+    "instance_norm_weight": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]]), lib.leaf([1.5])],
+                             lambda x, w: F.instance_norm(x, weight=w), 1, "ok"),
 }
 
 
@@ -320,6 +326,13 @@ def test_documented_differences_in_what_rules_keep(table, torch_raises):
         got = (_outcome(program, "torch"), _outcome(program, "gg"))
         assert got == (("modified", "ok") if torch_raises else ("ok", "modified")), (name, got)
         same_as_torch(_changed_in_place(make, op, None))  # unchanged: the same gradients
+
+
+@pytest.mark.parametrize("name", KEPT_BY_BOTH)
+def test_rules_on_torchs_kernels_keep_what_torch_keeps(name):
+    make, op, which, outcome = KEPT_BY_BOTH[name]
+    program = _changed_in_place(make, op, which)
+    assert (_outcome(program, "torch"), _outcome(program, "gg")) == (outcome, outcome)
 
 
 def test_fill_zero_and_xlogy_spellings_match_torch():
