@@ -375,9 +375,10 @@ class Interpreter:
                     torch.testing.assert_close(plain(g.grad), g_val, rtol=0, atol=0, equal_nan=True,
                                                msg="an error changed a .grad")
                 t.grad = t_obj
-                if t_obj is not None and not t_obj._is_zerotensor():  # (immutable: unchanged)
-                    with torch.no_grad():
-                        t_obj.copy_(t_val)
+                if t_obj is not None and not t_obj._is_zerotensor() and not torch.allclose(
+                        t_obj, t_val, rtol=0, atol=0, equal_nan=True):  # (zero: immutable)
+                    with torch.no_grad():  # (only if torch changed it: copy_ bumps the version,
+                        t_obj.copy_(t_val)  # which a node that saved this .grad would see)
         return ok, got_g, got_t
 
     # -- steps --------------------------------------------------------------------------------
