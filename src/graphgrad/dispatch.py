@@ -760,10 +760,16 @@ def current_node(t):
     if node is not None and node.view_version and _version(t) + 1 != node.view_version:
         with _Disable():
             node = _rebuild_view_node(t, current_graph())
-    elif node is None and getattr(t, "_gg_view_tag", 0) == PLAIN_VIEW:
-        with _Disable():
-            if _revived(t):
-                node = t._gg_node
+    elif node is None:
+        tag = getattr(t, "_gg_view_tag", 0)
+        if tag == PLAIN_VIEW:
+            with _Disable():
+                if _revived(t):
+                    node = t._gg_node
+        elif tag >= CUSTOM_FUNCTION_VIEW:  # a Function's view that required no grad: once its
+            with _Disable():  # base changed in place and requires grad, unusable (as torch)
+                if _version(t) + 1 != t._gg_view_version and base_requires_grad(t):
+                    raise _custom_view_changed(tag)
     return node
 
 
