@@ -25,7 +25,7 @@ from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 __all__ = ["torch_function", "call", "wrap_output", "set_tensor_class", "is_inplace", "observe_calls",
            "install_fast_paths", "current_node", "torch_node", "route", "check_inplace",
            "view_target", "rebase_history", "note_reshaped", "view_tag_message",
-           "base_requires_grad", "PLAIN_VIEW", "into_base"]
+           "base_requires_grad", "PLAIN_VIEW", "NO_GRAD_VIEW", "into_base"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch._C.is_grad_enabled
@@ -766,8 +766,10 @@ def current_node(t):
             with _Disable():
                 if _revived(t):
                     node = t._gg_node
-        elif tag >= CUSTOM_FUNCTION_VIEW:  # a Function's view that required no grad: once its
-            with _Disable():  # base changed in place and requires grad, unusable (as torch)
+        elif tag >= CUSTOM_FUNCTION_VIEW and _grad_enabled():
+            # a Function's view that required no grad: once its base changed in place and
+            # requires grad, unusable (as torch; under no_grad the engine may still look)
+            with _Disable():
                 if _version(t) + 1 != t._gg_view_version and base_requires_grad(t):
                     raise _custom_view_changed(tag)
     return node

@@ -33,6 +33,7 @@ from .dispatch import (
     CUSTOM_FUNCTION_VIEW,
     CUSTOM_MULTI_VIEW,
     CUSTOM_OUTPUTS,
+    NO_GRAD_VIEW,
     PLAIN_VIEW,
     base_requires_grad,
     check_inplace,
@@ -60,6 +61,7 @@ _torch_requires_grad = torch._C.TensorBase.requires_grad.__get__
 __all__ = ["Function", "FunctionCtx", "FunctionNode"]
 
 _Disable = torch._C.DisableTorchFunctionSubclass
+_grad_enabled = torch._C.is_grad_enabled
 
 
 class FunctionCtx:
@@ -355,8 +357,12 @@ def _attach_outputs(node, ctx, args, outs, targets, graph):
         if not (is_input and is_dirty) and _is_view(out):
             views.append(out)
         result.append(out)
-    for v in views:  # torch's creation_meta IN_CUSTOM_FUNCTION (MULTI_OUTPUT_NODE)
-        v._gg_view_tag = CUSTOM_MULTI_VIEW if n_diff > 1 else CUSTOM_FUNCTION_VIEW
+    # torch's creation_meta: IN_CUSTOM_FUNCTION (MULTI_OUTPUT_NODE); NO_GRAD_MODE for views
+    # made while grad mode was off (the Function ran unrecorded, under no_grad)
+    tag = (CUSTOM_MULTI_VIEW if n_diff > 1 else CUSTOM_FUNCTION_VIEW) if _grad_enabled() \
+        else NO_GRAD_VIEW
+    for v in views:
+        v._gg_view_tag = tag
         with _Disable():
             v._gg_view_version = v._version + 1
     if node is not None:
