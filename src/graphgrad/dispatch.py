@@ -29,6 +29,7 @@ from .views import (
     keep_for,
     kernel,
     needs_of,
+    no_grad_op,
     no_grad_view_op,
     node_of,
     note_view_outputs,
@@ -154,7 +155,7 @@ def call(func, args, kwargs):
         if not _grad_enabled():
             if rule is not None and rule.may_view:
                 return no_grad_view_op(func, rule, args, kwargs)
-            return wrap_plain(func(*args, **kwargs), args, kwargs)
+            return no_grad_op(func, rule, args, kwargs)
         needs = _needs_grad(args, kwargs)
         if not needs:
             if (rule is not None and rule.may_view) or (

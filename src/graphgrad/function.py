@@ -35,6 +35,7 @@ from .codes import (
     CUSTOM_MULTI_VIEW,
     CUSTOM_OUTPUTS,
     KEEP_NOTHING,
+    NO_GRAD_VIEW,
     NO_VIEW_TAG,
     PLAIN_VIEW,
     RELEASED_AFTER_BACKWARD,
@@ -364,8 +365,12 @@ def _attach_outputs(node, ctx, args, outs, targets, graph):
         if not (is_input and is_dirty) and _is_view(out):
             views.append(out)
         result.append(out)
-    for v in views:  # torch's creation_meta IN_CUSTOM_FUNCTION (MULTI_OUTPUT_NODE)
-        v._gg_view_tag = CUSTOM_MULTI_VIEW if n_diff > 1 else CUSTOM_FUNCTION_VIEW
+    # torch's creation_meta: IN_CUSTOM_FUNCTION (MULTI_OUTPUT_NODE); NO_GRAD_MODE for views
+    # made while grad mode was off (the Function ran unrecorded, under no_grad)
+    tag = (CUSTOM_MULTI_VIEW if n_diff > 1 else CUSTOM_FUNCTION_VIEW) if torch.is_grad_enabled() \
+        else NO_GRAD_VIEW
+    for v in views:
+        v._gg_view_tag = tag
         with _Disable():
             v._gg_view_version = v._version + 1  # a version stamp, as views.stamp_view makes
     if node is not None:

@@ -48,7 +48,7 @@ from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 __all__ = ["node_of", "torch_node", "current_node", "is_inplace", "slots", "bind", "keep_for",
            "needs_of", "kernel", "record_inplace", "check_inplace", "view_target", "into_base",
            "rebase_history", "note_reshaped", "note_view_outputs", "stamp_view",
-           "no_grad_view_op", "unrecorded_view_op", "view_tag_message", "base_requires_grad",
+           "no_grad_op", "no_grad_view_op", "unrecorded_view_op", "view_tag_message", "base_requires_grad",
            "revived"]
 
 _Disable = _compat.DisableTorchFunctionSubclass
@@ -172,6 +172,16 @@ def no_grad_view_op(func, rule, args, kwargs):
     if _shape(self) != shape:
         note_reshaped(node, self._gg_nr, shape)
     return out
+
+
+def no_grad_op(func, rule, args, kwargs):
+    """An op under no_grad that makes no view of its inputs. Its output may still be a view of
+    the kernel's own temporary (avg_pool1d's squeeze, einsum's permute): torch marks it as made
+    in no-grad mode, so it may not be changed in place with grad mode on; so do we."""
+    out = func(*args, **kwargs)
+    if rule is not None and not rule.elementwise and rule.inplace_of is None:
+        _tag_views(out, args, kwargs, NO_GRAD_VIEW)
+    return wrap_plain(out, args, kwargs)
 
 
 def note_reshaped(node, nr, shape) -> None:
@@ -513,10 +523,18 @@ def current_node(t):
     if node is not None and node.view_version != NOT_A_VIEW and _stamp(t) != node.view_version:
         with _Disable():
             node = _rebuild_view_node(t, current_graph())
-    elif node is None and getattr(t, "_gg_view_tag", NO_VIEW_TAG) == PLAIN_VIEW:
-        with _Disable():
-            if revived(t):
-                node = t._gg_node
+    elif node is None:
+        tag = getattr(t, "_gg_view_tag", NO_VIEW_TAG)
+        if tag == PLAIN_VIEW:
+            with _Disable():
+                if revived(t):
+                    node = t._gg_node
+        elif tag >= CUSTOM_FUNCTION_VIEW and _grad_enabled():
+            # a Function's view that required no grad: once its base changed in place and
+            # requires grad, unusable (as torch; under no_grad the engine may still look)
+            with _Disable():
+                if _stamp(t) != t._gg_view_version and base_requires_grad(t):
+                    raise _custom_view_changed(tag)
     return node
 
 

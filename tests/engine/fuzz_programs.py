@@ -91,6 +91,7 @@ INPLACE = {
     "copy_": lambda t, o: t.copy_(o), "zero_": lambda t, o: t.zero_(),
     "fn_dirty": lambda t, o: fn("Dirty", t).apply(t),
 }
+BROADCASTING_LOSSES = {"huber", "smooth_l1", "mse"}
 USES_OTHER = {"add_", "mul_", "sub_", "setitem", "iadd", "copy_"}
 HOOK_KINDS = ("tensor", "post_acc", "pre", "post")
 MULTI_OUTPUT_VIEWS = {"split", "unbind", "chunk"}
@@ -224,6 +225,7 @@ class Interpreter:
         self.wrapped = {}  # see push
         self.no_grad_views = set()  # views made under no_grad (and views of them)
         self.detached_on_torch = set()  # see op(): torch's side was detached (and views of it)
+        self.broadcast_by_a_loss = set()  # see op(): torch's loss node keeps an expanded view
         self.multi_output_views = set()  # outputs of split/chunk/unbind (and views of them)
         self.function_views = set()  # views returned by custom Functions (and views of them)
         self.stale_grad_graph = set()  # see grad_holders
@@ -370,9 +372,10 @@ class Interpreter:
                     torch.testing.assert_close(plain(g.grad), g_val, rtol=0, atol=0, equal_nan=True,
                                                msg="an error changed a .grad")
                 t.grad = t_obj
-                if t_obj is not None and not t_obj._is_zerotensor():  # (immutable: unchanged)
-                    with torch.no_grad():
-                        t_obj.copy_(t_val)
+                if t_obj is not None and not t_obj._is_zerotensor() and not torch.allclose(
+                        t_obj, t_val, rtol=0, atol=0, equal_nan=True):  # (zero: immutable)
+                    with torch.no_grad():  # (only if torch changed it: copy_ bumps the version,
+                        t_obj.copy_(t_val)  # which a node that saved this .grad would see)
         return ok, got_g, got_t
 
     # -- steps --------------------------------------------------------------------------------
@@ -384,6 +387,9 @@ class Interpreter:
         fn = table[name]
         self.kept_only_by_torch |= name in KEPT_ONLY_BY_TORCH
         ok, out_g, out_t, _ = run_both(lambda: fn(*gs), lambda: fn(*ts))
+        if ok and name in BROADCASTING_LOSSES:
+            shape = torch.broadcast_shapes(*(g.shape for g in gs))
+            self.broadcast_by_a_loss |= {k for k, g in zip(ks, gs) if g.shape != shape}
         if ok:
             if out_t.requires_grad and not torch.is_grad_enabled() and not any(out_t is t for t in ts):
                 # torch: a view made under no_grad of a tensor that requires grad is a leaf
@@ -542,6 +548,12 @@ class Interpreter:
         if k in self.detached_on_torch:  # torch's side is a detached copy (see op()): not a view
             STATS["detach_in_place_of_no_grad_views_left_out"] += 1
             return
+        if k in self.broadcast_by_a_loss:
+            # torch's F.mse_loss/huber_loss/smooth_l1_loss keep the expanded view of an input
+            # they broadcast, graphgrad the input itself: after detach_() of it, graphgrad's
+            # backward refuses where torch's runs (documented)
+            STATS["stopped_at_detach_of_an_input_a_loss_broadcast"] += 1
+            raise StopProgram
         if t._is_view() and not g._is_view():
             # torch's output of avg_pool1d, instance_norm, einsum... is a view of the kernel's
             # own temporary, which torch refuses to detach in place; graphgrad's is no view

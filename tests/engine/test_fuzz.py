@@ -72,7 +72,9 @@ Left out:
   bug ("out != nullptr INTERNAL ASSERT FAILED", or a crash);
 - ``detach_()`` of a tensor that has views (torch's views keep the old history): the
   program ends there; ``detach_()`` of an output that is a view of a kernel temporary in
-  torch only; ``instance_norm`` over no elements;
+  torch only; ``instance_norm`` over no elements; ``detach_()`` of an input that
+  ``mse_loss``/``huber_loss``/``smooth_l1_loss`` broadcast (torch keeps its expanded view):
+  the program ends there;
 - the number of times saved-tensor hooks pack and unpack (each library keeps different
   tensors): only values, gradients and errors are compared under them.
 

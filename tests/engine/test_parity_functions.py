@@ -177,6 +177,22 @@ def test_an_input_returned_as_is_is_a_new_view_that_may_not_change_in_place():
     same_as_torch(changed_non_leaf, RuntimeError, "custom Function", "clone() the output")
 
 
+def test_an_unrecorded_function_view_is_refused_once_its_base_requires_grad_and_changed():
+    """Found by a 20,000-program fuzz run: a Function that recorded nothing (its input
+    required no grad) returned its input as a view; after an in-place op made the base
+    require grad, graphgrad said the view had no grad_fn where torch refuses to tell."""
+    def program(lib):
+        x = lib.leaf(X)
+        h = x.abs()
+        h.detach_()
+        v = identity(lib).apply(h)
+        h.add_(x)
+        return v.grad_fn
+
+    same_as_torch(program, RuntimeError, "base or another view of its base has been modified",
+                  "clone() the output")
+
+
 def test_a_view_returned_by_a_function_is_refused_after_its_base_changed():
     """The silently wrong case: graphgrad used the view's stale grad_fn."""
     def program(lib):
