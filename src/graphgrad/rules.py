@@ -179,7 +179,9 @@ def _module_family(fn: Callable) -> str:
 
 
 class Rule:
-    """One derivative rule and what the engine needs to call it cheaply.
+    """One derivative rule and what the engine needs to call it cheaply (it implements
+    ``codes.NodeRule``, the interface the engine reads, as the custom-Function and
+    AccumulateGrad rules do).
 
     ``bind(*args, **kwargs)`` returns the call's arguments as a tuple in the rule's parameter
     order (Python does the binding); ``keep[i]`` says what is saved of parameter ``i``
