@@ -99,7 +99,8 @@ stamp=.venv/graphgrad-installed-from
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ] && python -c "import graphgrad" 2>/dev/null; then
   say "graphgrad already installed from these sources"
 else
-  say "installing graphgrad and compiling its Cython engine (5 modules; a few minutes on a small machine)"
+  n_modules="$(python -c 'ns = {}; exec(open("src/graphgrad/_config.py").read(), ns); print(len(ns["ENGINE_MODULES"]))' 2>/dev/null || echo "its")"
+  say "installing graphgrad and compiling its Cython engine ($n_modules modules; a few minutes on a small machine)"
   with_heartbeat "compiling the engine" \
     python -m pip install -q --no-build-isolation --no-deps --force-reinstall .
   echo "$digest" > "$stamp"
