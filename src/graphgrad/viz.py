@@ -53,7 +53,8 @@ def draw(tensor_or_graph, path, params=None, highlight_largest: bool = True) -> 
     """Draw an autograd graph to ``path`` (``.dot``/``.gv``, ``.svg``, ``.png`` or ``.pdf``).
 
     ``tensor_or_graph`` is a tensor (or a list of tensors, or a Node): everything it was
-    computed from; or an ``AutogradGraph``: all its live nodes. ``params`` maps names to
+    computed from; or an ``AutogradGraph``: all its live nodes; or a ``gg.capture`` plan
+    (``step.plan``): its kernels, segments and the tensors flowing between them. ``params`` maps names to
     tensors (``dict(model.named_parameters())``); leaves among them are labelled with those
     names. Returns ``path`` as a string. Rendered formats need Graphviz's ``dot`` program; a
     ``RuntimeError`` says how to install it when it is missing.
@@ -84,6 +85,9 @@ def draw(tensor_or_graph, path, params=None, highlight_largest: bool = True) -> 
 
 def to_dot(tensor_or_graph, params=None, highlight_largest: bool = True) -> str:
     """The Graphviz DOT text ``draw`` renders (see ``draw`` for the arguments)."""
+    if callable(getattr(type(tensor_or_graph), "to_dot", None)) and not isinstance(
+            tensor_or_graph, (torch.Tensor, AutogradGraph)):
+        return tensor_or_graph.to_dot(params=params)  # a gg.capture plan draws itself
     nodes, outputs = _collect(tensor_or_graph)
     index = {id(n): i for i, n in enumerate(nodes)}
     inputs = {id(n): [] for n in nodes}  # child -> [(parent, edge label)]

@@ -6,6 +6,7 @@ numbers. Whole models over 100 steps are in test_capture_models.py.
 """
 
 import copy
+import shutil
 import warnings
 
 import pytest
@@ -533,3 +534,67 @@ def test_check_catches_python_state_the_guards_cannot_see():
     captured(x)
     with pytest.raises(CaptureMismatch, match="result 0"):
         captured(x)
+
+
+# -- pictures of plans --------------------------------------------------------------------
+def _sgd_step():
+    torch.manual_seed(0)
+    model = gg.nn.adopt(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    captured = gg.capture(step)
+    for i in range(3):
+        captured(torch.randn(4, 6, dtype=DT, generator=torch.Generator().manual_seed(i)),
+                 torch.tensor([0, 1, 2, 1]))
+    assert captured.replays == 1
+    return captured, model
+
+
+def test_draw_plan_shows_every_kernel_segment_and_named_tensor(tmp_path):
+    captured, model = _sgd_step()
+    plan = captured.plan
+    params = dict(model.named_parameters())
+    path = gg.viz.draw(plan, tmp_path / "plan.dot", params=params)
+    text = (tmp_path / "plan.dot").read_text()
+    assert path.endswith("plan.dot") and text == plan.to_dot(params=params)
+    s = plan.summary()
+    kernels = [line for line in text.splitlines() if line.lstrip().startswith("k") and "[label" in line]
+    assert len(kernels) == s.kernels  # one box per kernel
+    assert text.count("subgraph cluster_") == len(s.segments)
+    assert "optimizer SGD (captured)" in text
+    for name in params:  # parameters by the user's names, momentum buffers under them
+        assert f"<B>{name}</B>" in text and f"<B>{name}: SGD momentum_buffer</B>" in text
+        assert f"<B>{name}.grad</B>" in text  # the .grad each replay assigns
+    assert "<B>argument 0</B>" in text and "<B>result 0</B>" in text
+    assert "addmm" in text and f"{s.kernels} kernels in {len(s.segments)} segments" in text
+    # every edge joins two nodes the picture declares
+    declared = {line.split()[0] for line in text.splitlines() if "[label" in line}
+    edges = [line.split() for line in text.splitlines() if " -> " in line]
+    assert edges and all(e[0] in declared and e[2].rstrip(";") in declared for e in edges)
+
+
+def test_draw_plan_links_inplace_updates_in_order():
+    """An optimizer's in-place chain on a parameter: the update reads the parameter itself, and
+    whatever reads it later hangs off the update, not the parameter."""
+    captured, model = _sgd_step()
+    text = captured.plan.to_dot(params=dict(model.named_parameters()))
+    lines = text.splitlines()
+    label = {ln.split()[0]: ln for ln in lines if "[label" in ln}
+    weight = next(k for k, ln in label.items() if "<B>0.weight</B>" in ln)
+    readers = [ln.split()[2].rstrip(";") for ln in lines if ln.strip().startswith(f"{weight} -> ")]
+    # the forward pass reads the weight (t/addmm), and so does SGD's final add_ into it
+    assert any("add_" in label[r] or "<B>add</B>" in label[r] for r in readers if "fdf2d0" in label[r])
+
+
+def test_draw_plan_svg(tmp_path):
+    if shutil.which("dot") is None:
+        pytest.skip("Graphviz `dot` is not installed (scripts/setup_env.sh installs it)")
+    captured, _ = _sgd_step()
+    path = gg.viz.draw(captured.plan, tmp_path / "plan.svg")
+    assert "<svg" in (tmp_path / "plan.svg").read_text() and path.endswith(".svg")

@@ -17,6 +17,7 @@ import torch
 from .._compat import NoTorchFunction, executor_optimize, pytree, set_executor_optimize, set_grad_enabled
 from .guards import ArgumentGuard, StateGuard
 from .memory import MemoryPlan
+from .picture import plan_to_dot
 from .recorder import hyperparameters
 from .segments import SLOT, Effect, KernelSegment, deref
 
@@ -139,6 +140,10 @@ class Plan:
         if self.result_spec is None:
             return out[0]
         return pytree.tree_unflatten(out, self.result_spec)
+
+    def to_dot(self, params: Any = None) -> str:
+        """Graphviz DOT text of the plan's kernels and data flow (``gg.viz.draw(plan, path)``)."""
+        return plan_to_dot(self, params)
 
     def summary(self) -> PlanSummary:
         segs = []
