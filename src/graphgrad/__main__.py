@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="data-parallel: gg.nn.DataParallel beside torch DDP, each rank on its share of "
                            "every batch; launch with torchrun --nproc_per_node=N -m graphgrad demo "
                            "--distributed (alone: a group of one)")
+    demo.add_argument("--capture", action="store_true",
+                      help="also train a third copy with its training step under gg.capture "
+                           "(recorded once, replayed as a plan of kernels): adds its time per step "
+                           "and writes plan.svg, a picture of the plan")
     tour = sub.add_parser(
         "tour", help="walk through how an autograd graph works (grad_fn chain, retain_graph, ...)",
         description="Walks through how an autograd graph works (grad_fn chain, retain_graph, "
@@ -152,10 +156,14 @@ def _run(args: argparse.Namespace) -> int:
 
         _check_device(args.device)
         _check_folder(args.out, "--out")
+        if args.capture and args.distributed:
+            raise CommandError("--capture and --distributed cannot be combined (gg.capture records "
+                               "one process's step)")
         summary = run_demo(DemoConfig(model=args.model, epochs=args.epochs,
                                       batch_size=args.batch_size, lr=args.lr, device=args.device,
                                       out=args.out, seed=args.seed, progress=not args.no_progress,
-                                      distributed=args.distributed, threads=args.threads))
+                                      distributed=args.distributed, threads=args.threads,
+                                      capture=args.capture))
         return 0 if summary["parity"]["max_relative_gradient_difference_one_batch"] < 1e-4 else 1
     if args.command == "tour":
         from .apps.tour import run_tour

@@ -77,6 +77,36 @@ def test_demo_mlp_one_epoch(tmp_path):
     assert "on digits, 1 epoch (23 steps," in proc.stdout  # not "1 epochs"
 
 
+def test_demo_capture_adds_a_captured_engine(tmp_path):
+    """--capture trains a third copy with gg.capture: it records (once per batch shape) and
+    replays, learns the same as eager graphgrad, and its time and plan picture are reported."""
+    out = tmp_path / "run"
+    proc = run_demo_cli("--model", "mlp", "--epochs", "2", "--out", str(out), "--no-progress",
+                        "--capture")
+    summary = check_outputs(out, proc, "mlp", 2)
+    c = summary["captured"]
+    assert c["records"] == c["plans"] == 2  # full batches, and the smaller last one
+    assert c["replays"] == summary["steps"] - c["records"] - 1  # one warm-up call is eager
+    # the same kernels in the same order as eager graphgrad: the losses agree to rounding
+    assert c["loss_max_relative_difference_to_eager_graphgrad"] < 1e-5
+    assert c["test_accuracy"] == pytest.approx(summary["test_accuracy"], abs=0.02)
+    assert c["plan"]["kernels"] > 0 and c["plan"]["memory"]["peak_bytes"] > 0
+    times = summary["time_per_step_ms"]
+    assert times["ratio_captured_over_torch"] == pytest.approx(times["captured"] / times["torch_autograd"])
+    assert re.search(rf"^  gg.capture +{times['captured']:.2f} ms", proc.stdout, re.M), proc.stdout
+    assert "(gg.capture / torch, step by step" in proc.stdout
+    plan = summary["files"]["plan"]
+    assert plan in ("plan.svg", "plan.dot") and (out / plan).stat().st_size > 0
+    assert str(out / plan) in proc.stdout
+
+
+def test_demo_capture_and_distributed_refused_in_one_line(tmp_path):
+    proc = run_demo_cli("--capture", "--distributed", "--out", str(tmp_path / "never"), timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--capture and --distributed cannot be combined" in proc.stderr
+    assert not (tmp_path / "never").exists()
+
+
 def test_threads_are_set_for_the_run_and_restored(tmp_path, capsys):
     import torch
 

@@ -7,6 +7,10 @@ time per step compares and how closely the gradients agree. Results go to an out
 ``loss_curve.png``, ``graph.svg`` (or ``graph.dot`` without Graphviz) of one training step,
 and ``summary.json``.
 
+With ``capture`` a third copy of the model, from the same weights, trains with its step under
+``gg.capture``: recorded once, then replayed as a plan of kernels (``plan.svg`` draws it); the
+report adds its time per step and how far its losses are from eager graphgrad's.
+
 Timings mean something only with their context: both engines run with the same fixed number
 of torch threads (``threads``, 1 by default, so that another busy process moves them little),
 their steps alternate (one step each, the order swapped every step), the first steps are left
@@ -53,6 +57,7 @@ class DemoConfig:
     progress: bool = True
     distributed: bool = False  # gg.nn.DataParallel beside torch DDP; launch with torchrun
     threads: int = 1  # torch's intra-op threads for the whole run, both engines
+    capture: bool = False  # also train a copy with its step under gg.capture
 
 
 def load_digits(device: str, seed: int = 0):
@@ -213,6 +218,9 @@ def run_demo(config: DemoConfig) -> dict:
     """Train, evaluate, compare, and write the outputs; return the summary."""
     if config.model not in MODELS:
         raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(MODELS)}")
+    if config.capture and config.distributed:
+        raise ValueError("capture and distributed cannot be combined: gg.capture records one "
+                         "process's step; run the captured demo without --distributed")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device here")
     threads_before = torch.get_num_threads()
@@ -247,23 +255,25 @@ def _run(config: DemoConfig) -> dict:
         theirs = torch.nn.parallel.DistributedDataParallel(theirs)
     agreement = _gradient_agreement(ours, theirs, x_train[:config.batch_size],
                                     y_train[:config.batch_size])
-    opt_ours = torch.optim.Adam(ours.parameters(), lr=config.lr)
-    opt_theirs = torch.optim.Adam(theirs.parameters(), lr=config.lr)
-    losses = {"ours": [], "theirs": []}
-    times = {"ours": [], "theirs": []}
-    engines = {"ours": (ours, opt_ours), "theirs": (theirs, opt_theirs)}
+    captured_model = gg.nn.adopt(copy.deepcopy(theirs)) if config.capture else None
+    engines = {"ours": _train_step(ours, config.lr), "theirs": _train_step(theirs, config.lr)}
+    if captured_model is not None:
+        engines["captured"] = gg.capture(_train_step(captured_model, config.lr))
+    names = list(engines)
+    losses = {name: [] for name in names}
+    times = {name: [] for name in names}
     bar = _progress(config.epochs * steps_per_epoch, config.progress and rank == 0)
     for epoch in range(config.epochs):
         perm = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
         for start in range(0, len(y_train), config.batch_size):
             idx = perm[start:start + config.batch_size][rank::world].to(config.device)  # this rank's share
             xb, yb = x_train[idx], y_train[idx]
-            # one step each, the order swapped every step: neither engine always runs second
-            order = ("ours", "theirs") if len(times["ours"]) % 2 == 0 else ("theirs", "ours")
+            # one step each, the order rotated every step: no engine always runs first or last
+            k = len(times["ours"]) % len(names)
+            order = names[k:] + names[:k]
             for name in order:
-                model, opt = engines[name]
-                torch.manual_seed(epoch * 100_003 + start)  # the same dropout masks for both
-                elapsed, loss = _timed_step(model, opt, xb, yb, config.device)
+                torch.manual_seed(epoch * 100_003 + start)  # the same dropout masks for all
+                elapsed, loss = _timed_step(engines[name], xb, yb, config.device)
                 times[name].append(elapsed)
                 losses[name].append(loss)
             bar.update(1)
@@ -278,10 +288,24 @@ def _run(config: DemoConfig) -> dict:
         ours = ours.module
     parity = {"max_relative_gradient_difference_one_batch": agreement, "float64": float64,
               "float32_loss_curves_max_relative_difference": loss_gap}
+    captured = None
+    if captured_model is not None:
+        step = engines["captured"]
+        gap = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses["captured"], losses_ours))
+        captured = {"test_accuracy": _accuracy(captured_model, x_test, y_test),
+                    "loss_max_relative_difference_to_eager_graphgrad": gap,
+                    "records": step.records, "replays": step.replays, "eager_calls": step.eager_calls,
+                    "plans": len(step.plans), "plan": step.plans[0].summary().as_dict()}
     if rank != 0:
         return {"rank": rank, "world_size": world, "parity": parity}
     _plot(losses_ours, losses_theirs, steps_per_epoch, out / "loss_curve.png")
     graph_file = _draw_step(ours, x_train, y_train, out)
+    files = {"loss_curve": "loss_curve.png", "graph": graph_file, "summary": "summary.json"}
+    if captured is not None:
+        plan = engines["captured"].plans[0]
+        path = out / ("plan.svg" if shutil.which("dot") else "plan.dot")
+        gg.viz.draw(plan, str(path), params=dict(captured_model.named_parameters()))
+        files["plan"] = path.name
     steps = len(losses_ours)
     summary = {
         "model": config.model,
@@ -292,13 +316,14 @@ def _run(config: DemoConfig) -> dict:
         "test_accuracy": accuracy,
         "test_accuracy_torch_autograd": accuracy_torch,
         "parity": parity,
-        "time_per_step_ms": _timing(times["ours"], times["theirs"], config.threads),
+        "time_per_step_ms": _timing(times, config.threads),
         "engine_compiled": gg.compiled,
         "versions": {"graphgrad": gg.__version__, "torch": torch.__version__,
                      "python": platform.python_version()},
-        "files": {"loss_curve": "loss_curve.png", "graph": graph_file,
-                  "summary": "summary.json"},
+        "files": files,
     }
+    if captured is not None:
+        summary["captured"] = captured
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _report(summary, out)
     return summary
@@ -325,14 +350,24 @@ def _init_distributed(device: str) -> tuple[int, int, str]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _timed_step(model, opt, xb, yb, device: str) -> tuple[float, float]:
+def _train_step(model, lr: float):
+    """The training step, as a function of the batch (what ``gg.capture`` records)."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+
+    def step(xb, yb):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+def _timed_step(step, xb, yb, device: str) -> tuple[float, float]:
     """One training step; its wall time in seconds and its loss."""
     _sync(device)
     t0 = time.perf_counter()
-    opt.zero_grad()
-    loss = F.cross_entropy(model(xb), yb)
-    loss.backward()
-    opt.step()
+    loss = step(xb, yb)
     _sync(device)
     return time.perf_counter() - t0, loss.item()
 
@@ -345,18 +380,25 @@ def _spread(values: list[float]) -> tuple[float, float]:
     return cuts[0], cuts[-1]
 
 
-def _timing(ours: list[float], theirs: list[float], threads: int) -> dict:
-    """Medians and spreads of both engines' step times, warm-up steps left out, in ms."""
-    warmup = min(5, len(ours) // 4)
-    ours, theirs = [1e3 * t for t in ours[warmup:]], [1e3 * t for t in theirs[warmup:]]
+def _timing(times: dict[str, list[float]], threads: int) -> dict:
+    """Medians and spreads of the engines' step times, warm-up steps left out, in ms."""
+    warmup = min(5, len(times["ours"]) // 4)
+    ms = {name: [1e3 * t for t in ts[warmup:]] for name, ts in times.items()}
+    ours, theirs = ms["ours"], ms["theirs"]
     ratios = [a / b for a, b in zip(ours, theirs)]
-    return {
+    out = {
         "graphgrad": statistics.median(ours), "graphgrad_p10_p90": _spread(ours),
         "torch_autograd": statistics.median(theirs), "torch_autograd_p10_p90": _spread(theirs),
         "ratio_graphgrad_over_torch": statistics.median(ours) / statistics.median(theirs),
         "step_ratio_p10_p90": _spread(ratios),
         "torch_threads": threads, "steps_timed": len(ours), "warmup_steps_left_out": warmup,
     }
+    if "captured" in ms:  # the first steps of a captured run are eager and recording: left out too
+        cap = ms["captured"]
+        out.update({"captured": statistics.median(cap), "captured_p10_p90": _spread(cap),
+                    "ratio_captured_over_torch": statistics.median(cap) / statistics.median(theirs),
+                    "captured_step_ratio_p10_p90": _spread([a / b for a, b in zip(cap, theirs)])})
+    return out
 
 
 def _plural(n: int, word: str) -> str:
@@ -389,16 +431,29 @@ def _report(summary: dict, out: pathlib.Path) -> None:
           "engines alternating step by step):")
     low, high = t["graphgrad_p10_p90"]
     print(f"  graphgrad       {t['graphgrad']:7.2f} ms   (10-90% of steps: {low:.2f}-{high:.2f} ms)")
+    if "captured" in t:
+        low, high = t["captured_p10_p90"]
+        print(f"  gg.capture      {t['captured']:7.2f} ms   (10-90% of steps: {low:.2f}-{high:.2f} ms)")
     low, high = t["torch_autograd_p10_p90"]
     print(f"  torch.autograd  {t['torch_autograd']:7.2f} ms   (10-90% of steps: {low:.2f}-{high:.2f} ms)")
     low, high = t["step_ratio_p10_p90"]
-    print(f"  ratio           {t['ratio_graphgrad_over_torch']:7.2f}      (step by step, 10-90%: "
-          f"{low:.2f}-{high:.2f})")
+    print(f"  ratio           {t['ratio_graphgrad_over_torch']:7.2f}      (graphgrad / torch, step by "
+          f"step, 10-90%: {low:.2f}-{high:.2f})")
+    if "captured" in t:
+        low, high = t["captured_step_ratio_p10_p90"]
+        print(f"  ratio           {t['ratio_captured_over_torch']:7.2f}      (gg.capture / torch, step "
+              f"by step, 10-90%: {low:.2f}-{high:.2f})")
+    if "captured" in summary:
+        c = summary["captured"]
+        print(f"gg.capture: {_plural(c['records'], 'recording')}, {_plural(c['replays'], 'replay')} "
+              f"({_plural(c['plans'], 'plan')}: the last batch of an epoch is smaller); test accuracy "
+              f"{c['test_accuracy']:.4f}; losses differ from eager graphgrad's by at most "
+              f"{c['loss_max_relative_difference_to_eager_graphgrad']:.1e} (relative)")
     f64 = parity["float64"]
     print(f"same as torch.autograd: gradients on one batch agree to "
           f"{parity['max_relative_gradient_difference_one_batch']:.1e} (float32); "
           f"{_plural(f64['steps'], 'step')} in float64 agree to "
           f"{max(f64['max_relative_loss_difference'], f64['max_relative_weight_difference']):.1e} "
           "(losses and weights)")
-    print(f"wrote {out / 'loss_curve.png'}, {out / summary['files']['graph']}, "
-          f"{out / 'summary.json'}")
+    written = [str(out / name) for name in summary["files"].values()]
+    print(f"wrote {', '.join(written)}")
