@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
-WORKLOADS = {"W1", "W2", "W3", "W4", "W5", "W6 W1", "W6 W4", "GC"}
+WORKLOADS = {"W1", "W2", "W3", "W4", "W5", "W6 W1", "W6 W4", "GC", "C-W1", "C-W2", "C-CNN",
+             "C-GPT tiny"}
+CAPTURE = ["C-W1", "C-W2", "C-CNN", "C-GPT tiny"]  # --quick runs the tiny GPT, the full run the small one
 
 
 def run_bench_cli(*args, timeout=300, env=None):
@@ -55,6 +57,26 @@ def test_times_positive_and_ratios_finite(quick, workload):
         assert "grad rel diff" in row["note"] or workload == "W4"
 
 
+@pytest.mark.parametrize("workload", CAPTURE)
+def test_capture_rows_side_by_side(quick, workload):
+    """gg.capture's rows: eager graphgrad, captured, torch (and the bound for W1, W2) in one run,
+    the captured/torch ratio judged against its target, and the peak memory of one step."""
+    _, result = quick
+    step, peak = sorted(rows_of(result, workload), key=lambda r: r["metric"] != "step")
+    assert step["metric"] == "step" and peak["metric"] == "peak memory"
+    for engine in ("graphgrad", "captured", "torch"):
+        assert step[engine] > 0 and peak[engine] > 0, (engine, step, peak)
+    assert step["capt_over_torch"] > 0 and math.isfinite(step["capt_over_torch"])
+    has_bound = workload in ("C-W1", "C-W2")
+    assert (step.get("bound") is not None) == has_bound
+    if has_bound:
+        assert step["capt_over_bound"] == pytest.approx(step["captured"] / step["bound"])
+    if step["target"] is not None:
+        assert step["met"] == (step["capt_over_torch"] <= step["target"])
+    assert peak["met"] == (peak["captured"] <= peak["torch"])
+    assert step["plan"]["kernels"] > 0  # the plan that was replayed
+
+
 def test_gradients_agree_with_torch(quick):
     _, result = quick
     for row in result["rows"]:
@@ -97,11 +119,12 @@ def test_table_and_meta(quick):
     meta = result["meta"]
     assert meta["quick"] is True and meta["device"] == "cpu" and meta["torch_threads"] == 1
     assert meta["torch"] == torch.__version__ and meta["nproc"] >= 1
-    for header in ("gg/torch", "gg/bound", "W1", "W5", "GC"):
+    for header in ("gg/torch", "gg/bound", "capt/torch", "captured", "W1", "W5", "GC", "C-CNN"):
         assert header in proc.stdout
     # the columns are explained where the table is printed
     key = " ".join(proc.stdout.split(" CPUs, torch threads ", 1)[1].split())  # after the table
     assert "target: the gg/torch ratio graphgrad aims for" in key and "met: whether" in key
+    assert "C- rows (gg.capture): captured is the replayed step" in key
 
 
 @pytest.mark.parametrize("args, message", [

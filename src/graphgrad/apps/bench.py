@@ -19,6 +19,10 @@ Workloads (the figures and how to read them: ``docs/performance.md``):
 * W6 the compiled engine against the pure-Python one (a subprocess with GRAPHGRAD_PURE_PYTHON=1
   running the same code) on W1 and W4.
 * GC: cyclic-GC collections and their total pause time (``gc.callbacks``) during N W2 steps.
+* C-W1, C-W2, C-CNN, C-GPT (CPU): ``gg.capture`` — the W1 chain step, the W2 MLP step with SGD,
+  the demo's CNN step with Adam and a small GPT-2-shaped step with AdamW, each run eagerly on
+  graphgrad, captured (recorded once, replayed), on torch.autograd and (W1, W2) as the
+  hand-written bound, with the peak memory of one step (``apps/bench_capture.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ import torch.nn.functional as F
 
 import graphgrad as gg
 
-Phases = dict[str, float]
+from .bench_capture import capture_rows
+from .workloads import Phases, chain, chain_bound, clock, mlp, mlp_bound_grads, sync
 
 W1_OPS = 200
 W4_OPS = 20_000
@@ -71,16 +76,6 @@ class BenchError(RuntimeError):
 
 # ----------------------------------------------------------------------------------------- timing
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _clock(device: torch.device) -> float:
-    _sync(device)
-    return time.perf_counter()
-
-
 def _interleave(variants: dict[str, Callable[[], Phases]], warmup: int, repeats: int
                 ) -> dict[str, dict[str, list[float]]]:
     """Run each variant once per round (rotating order); keep the timed rounds' phase times."""
@@ -103,58 +98,6 @@ def _median(times: list[float]) -> float:
 
 # -------------------------------------------------------------------------------------- workloads
 
-def _chain(y: torch.Tensor, n: int, c: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    for i in range(n):
-        k = i % 4
-        if k == 0:
-            y = y * c
-        elif k == 1:
-            y = y + b
-        elif k == 2:
-            y = y.tanh()
-        else:
-            y = y.sin()
-    return y
-
-
-def _chain_bound(x: torch.Tensor, n: int, c: torch.Tensor, b: torch.Tensor, device: torch.device
-                 ) -> tuple[Phases, torch.Tensor]:
-    """The W1/W4 chain with plain tensors and a hand-written backward (same kernels)."""
-    t0 = _clock(device)
-    saved: list[torch.Tensor | None] = []
-    y = x
-    for i in range(n):
-        k = i % 4
-        if k == 0:
-            saved.append(None)
-            y = torch.mul(y, c)
-        elif k == 1:
-            saved.append(None)
-            y = torch.add(y, b)
-        elif k == 2:
-            y = torch.tanh(y)
-            saved.append(y)
-        else:
-            saved.append(y)
-            y = torch.sin(y)
-    torch.sum(y)
-    t1 = _clock(device)
-    g = torch.ones_like(y)
-    for i in range(n - 1, -1, -1):
-        k = i % 4
-        s = saved[i]
-        if k == 0:
-            g = torch.mul(g, c)
-        elif k == 2:
-            assert s is not None
-            g = torch.mul(g, torch.rsub(torch.mul(s, s), 1))
-        elif k == 3:
-            assert s is not None
-            g = torch.mul(g, torch.cos(s))
-    t2 = _clock(device)
-    return {"forward": t1 - t0, "backward": t2 - t1}, g
-
-
 def _chain_variants(shape: tuple[int, ...], n: int, device: torch.device, engines: tuple[str, ...]
                     ) -> tuple[dict[str, Callable[[], Phases]], Callable[[], dict[str, torch.Tensor]]]:
     gen = torch.Generator().manual_seed(0)
@@ -165,26 +108,26 @@ def _chain_variants(shape: tuple[int, ...], n: int, device: torch.device, engine
 
     def run_gg() -> Phases:
         x = gg.as_tensor(x0.clone(), requires_grad=True)
-        t0 = _clock(device)
-        loss = _chain(x, n, c, b).sum()
-        t1 = _clock(device)
+        t0 = clock(device)
+        loss = chain(x, n, c, b).sum()
+        t1 = clock(device)
         loss.backward()
-        t2 = _clock(device)
+        t2 = clock(device)
         grads["graphgrad"] = x.grad
         return {"forward": t1 - t0, "backward": t2 - t1}
 
     def run_torch() -> Phases:
         x = x0.clone().requires_grad_(True)
-        t0 = _clock(device)
-        loss = _chain(x, n, c, b).sum()
-        t1 = _clock(device)
+        t0 = clock(device)
+        loss = chain(x, n, c, b).sum()
+        t1 = clock(device)
         loss.backward()
-        t2 = _clock(device)
+        t2 = clock(device)
         grads["torch"] = x.grad
         return {"forward": t1 - t0, "backward": t2 - t1}
 
     def run_bound() -> Phases:
-        phases, g = _chain_bound(x0.clone(), n, c, b, device)
+        phases, g = chain_bound(x0.clone(), n, c, b, device)
         grads["bound"] = g
         return phases
 
@@ -192,24 +135,12 @@ def _chain_variants(shape: tuple[int, ...], n: int, device: torch.device, engine
     return {e: table[e] for e in engines}, lambda: grads
 
 
-def _mlp(batch: int, device: torch.device, seed: int = 0
-         ) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
-                                torch.nn.Tanh(), torch.nn.Linear(256, 10)).to(device)
-    model_gg = gg.nn.adopt(copy.deepcopy(model))
-    x = torch.randn(batch, 784, device=device)
-    y = torch.randint(0, 10, (batch,), device=device)
-    return model, model_gg, x, y
-
-
 def _mlp_steps(batch: int, device: torch.device
                ) -> tuple[dict[str, Callable[[], None]], Callable[[], dict[str, list[torch.Tensor]]]]:
     """One untimed training step (zero grads, forward, cross-entropy, backward) per engine."""
-    model, model_gg, x, y = _mlp(batch, device)
+    model, model_gg, x, y = mlp(batch, device)
     x_gg = gg.as_tensor(x)
     params = [p.detach().clone() for p in model.parameters()]
-    w1, b1, w2, b2, w3, b3 = params
     grads: dict[str, list[torch.Tensor]] = {}
 
     def step_gg() -> None:
@@ -223,20 +154,7 @@ def _mlp_steps(batch: int, device: torch.device
         F.cross_entropy(model(x), y).backward()
 
     def step_bound() -> None:
-        a1 = torch.tanh(torch.addmm(b1, x, w1.t()))
-        a2 = torch.tanh(torch.addmm(b2, a1, w2.t()))
-        logits = torch.addmm(b3, a2, w3.t())
-        logp = torch.log_softmax(logits, 1)
-        F.nll_loss(logp, y)
-        d3 = torch.exp(logp)
-        d3[torch.arange(batch, device=device), y] -= 1.0
-        d3.div_(batch)
-        gw3, gb3 = torch.mm(d3.t(), a2), d3.sum(0)
-        d2 = torch.mm(d3, w3).mul_(torch.rsub(a2 * a2, 1))
-        gw2, gb2 = torch.mm(d2.t(), a1), d2.sum(0)
-        d1 = torch.mm(d2, w2).mul_(torch.rsub(a1 * a1, 1))
-        gw1, gb1 = torch.mm(d1.t(), x), d1.sum(0)
-        grads["bound"] = [gw1, gb1, gw2, gb2, gw3, gb3]
+        grads["bound"] = mlp_bound_grads(params, x, y)
 
     def collect() -> dict[str, list[torch.Tensor]]:
         grads["graphgrad"] = [p.grad for p in model_gg.parameters()]
@@ -248,9 +166,9 @@ def _mlp_steps(batch: int, device: torch.device
 
 def _timed(step: Callable[[], None], device: torch.device) -> Callable[[], Phases]:
     def run() -> Phases:
-        t0 = _clock(device)
+        t0 = clock(device)
         step()
-        return {"step": _clock(device) - t0}
+        return {"step": clock(device) - t0}
     return run
 
 
@@ -532,7 +450,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
                     torch.cuda.reset_peak_memory_stats(device)
                     base = torch.cuda.memory_allocated(device)
                     s()
-                    _sync(device)
+                    sync(device)
                     peak[e] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
                 row = {"workload": name, "metric": "peak CUDA memory", "unit": "MiB", "kind": "memory",
                        "note": "max_memory_allocated above the pre-step level", **peak}
@@ -586,6 +504,11 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
         _ratios(row)
         rows.append(row)
     done("GC")
+
+    # gg.capture: eager graphgrad, captured, torch.autograd and the bound side by side
+    if device.type == "cpu":
+        rows.extend(capture_rows(repeats, quick, log=log))
+        done("capture")
 
     # data-parallel: 2 processes on CPU (gloo), step time with and without overlap (full run only)
     if not quick and device.type == "cpu":
@@ -652,23 +575,26 @@ TABLE_KEY = """\
 gg/torch: graphgrad divided by torch.autograd (same workload, same run); gg/bound: divided by
 the hand-written bound (plain tensors, hand-coded backward). target: the gg/torch ratio graphgrad
 aims for on that row; met: whether this run's gg/torch is within it (- where there is no target).
+C- rows (gg.capture): captured is the replayed step; capt/torch the median over rounds of the
+captured/torch ratio within a round; their target and met judge capt/torch.
 W6 rows: the graphgrad column is the compiled engine, then the pure-Python time and pure/compiled."""
 
 
 def format_table(result: dict[str, Any]) -> str:
-    header = ["workload", "metric", "unit", "graphgrad", "torch", "bound", "gg/torch", "gg/bound",
-              "target", "met"]
+    header = ["workload", "metric", "unit", "graphgrad", "captured", "torch", "bound", "gg/torch",
+              "capt/torch", "gg/bound", "target", "met"]
     lines = [header]
     for row in result["rows"]:
         if "pure" in row:
             lines.append([row["workload"], row["metric"], row["unit"], _fmt(row["graphgrad"]),
-                          "-", "-", "-", "-", f"pure {_fmt(row['pure'])}",
+                          "-", "-", "-", "-", "-", "-", f"pure {_fmt(row['pure'])}",
                           f"x{row['pure'] / row['graphgrad']:.2f}"])
             continue
         unit = row["unit"]
         lines.append([row["workload"], row["metric"], unit, _fmt(row.get("graphgrad"), unit),
-                      _fmt(row.get("torch"), unit), _fmt(row.get("bound"), unit),
-                      _fmt(row.get("gg_over_torch")), _fmt(row.get("gg_over_bound")),
+                      _fmt(row.get("captured"), unit), _fmt(row.get("torch"), unit),
+                      _fmt(row.get("bound"), unit), _fmt(row.get("gg_over_torch")),
+                      _fmt(row.get("capt_over_torch")), _fmt(row.get("gg_over_bound")),
                       f"<= {row['target']}" if row.get("target") is not None else "-",
                       _fmt(row.get("met"))])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
