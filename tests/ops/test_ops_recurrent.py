@@ -14,6 +14,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.func import functional_call
 from torch.nn.utils import rnn as rnn_utils
 
 import graphgrad as gg
@@ -41,10 +42,10 @@ def rand(gen, *shape, scale=0.5):
     return torch.randn(shape, dtype=F64, generator=gen) * scale
 
 
-def weights(gen, mode, layers, directions, bias=True, proj=0):
+def weights(gen, mode, layers, directions, bias=True, proj=0, hidden=HIDDEN):
     """The flat parameter list torch.lstm & co. take: per layer and direction
     ``w_ih, w_hh[, b_ih, b_hh][, w_hr]``."""
-    gates, out = GATES[mode] * HIDDEN, proj or HIDDEN
+    gates, out = GATES[mode] * hidden, proj or hidden
     params = []
     for layer in range(layers):
         for _ in range(directions):
@@ -53,7 +54,7 @@ def weights(gen, mode, layers, directions, bias=True, proj=0):
             if bias:
                 params += [rand(gen, gates), rand(gen, gates)]
             if proj:
-                params.append(rand(gen, proj, HIDDEN))
+                params.append(rand(gen, proj, hidden))
     return params
 
 
@@ -62,21 +63,23 @@ def batch_sizes_of(lengths):
 
 
 def stack_case(mode, layout, bidirectional, layers=2, bias=True, proj=0, dropout=0.0,
-               train=False, seed=0):
+               train=False, seed=0, hidden=HIDDEN, lengths=LENGTHS):
     """``(fn, tensors)``: ``fn(input, h0[, c0], *params)`` calls ``MODES[mode]`` with the
-    padded (``layout`` "padded" or "batch_first") or the packed overload."""
+    padded (``layout`` "padded" or "batch_first") or the packed overload; ``len(lengths)``
+    sequences of ``lengths`` steps (padded: all ``max(lengths)`` long)."""
     gen = torch.Generator().manual_seed(seed)
     directions = 2 if bidirectional else 1
+    batch, steps = len(lengths), max(lengths)
     if layout == "packed":
-        sizes = batch_sizes_of(LENGTHS)
+        sizes = batch_sizes_of(lengths)
         x = rand(gen, int(sizes.sum()), INPUT, scale=1.0)
     else:
-        x = rand(gen, *((BATCH, STEPS) if layout == "batch_first" else (STEPS, BATCH)), INPUT,
+        x = rand(gen, *((batch, steps) if layout == "batch_first" else (steps, batch)), INPUT,
                  scale=1.0)
-    states = [rand(gen, layers * directions, BATCH, proj or HIDDEN)]
+    states = [rand(gen, layers * directions, batch, proj or hidden)]
     if mode == "lstm":
-        states.append(rand(gen, layers * directions, BATCH, HIDDEN))
-    params = weights(gen, mode, layers, directions, bias, proj)
+        states.append(rand(gen, layers * directions, batch, hidden))
+    params = weights(gen, mode, layers, directions, bias, proj, hidden)
     n_states = len(states)
 
     def fn(x, *rest):
@@ -185,19 +188,20 @@ def test_keyword_spellings(mode):
 def test_stack_gradcheck(mode):
     """Finite differences, packed and bidirectional (input, initial state, the reversed
     direction's weights), and padded on two layers (the second layer's weights)."""
-    fn, tensors = stack_case(mode, "packed", True, layers=1)
+    tiny = {"hidden": 2, "lengths": [3, 1]}
+    fn, tensors = stack_case(mode, "packed", True, layers=1, **tiny)
     n = 2 if mode == "lstm" else 1
     grad_at = {0, 1, 1 + n + 4, 1 + n + 5}  # x, h0, the reversed direction's w_hh and b_ih
     args = [gg.as_tensor(t, requires_grad=k in grad_at) for k, t in enumerate(tensors)]
     assert gg.gradcheck(fn, args)
-    fn, tensors = stack_case(mode, "padded", False, layers=2)
+    fn, tensors = stack_case(mode, "padded", False, layers=2, **tiny)
     grad_at = {1 + n + 4, 1 + n + 5, 1 + n + 6}  # the second layer's w_ih, w_hh, b_ih
     args = [gg.as_tensor(t, requires_grad=k in grad_at) for k, t in enumerate(tensors)]
     assert gg.gradcheck(fn, args)
 
 
 def test_lstm_gradgradcheck():
-    fn, tensors = stack_case("lstm", "packed", True, layers=1, proj=PROJ)
+    fn, tensors = stack_case("lstm", "packed", True, layers=1, proj=1, hidden=2, lengths=[2, 1])
     grad_at = {0, 2, 3 + 1}  # x, c0, the forward direction's w_hh
     args = [gg.as_tensor(t, requires_grad=k in grad_at) for k, t in enumerate(tensors)]
     assert gg.gradgradcheck(lambda *a: fn(*a)[0], args)
@@ -337,17 +341,20 @@ def test_packing_errors_are_torchs():
 
 # -- models trained beside torch ---------------------------------------------------------------------
 class Packed(nn.Module):
-    """Linear features, packed (unsorted lengths), a bidirectional 2-layer LSTM, padded back."""
+    """Linear features, packed (unsorted lengths), a bidirectional 2-layer LSTM from learned
+    initial states (which nn.LSTM reorders to the sorted batch), padded back."""
 
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(INPUT, 3)
         self.rnn = nn.LSTM(3, HIDDEN, num_layers=2, bidirectional=True, batch_first=True)
         self.head = nn.Linear(2 * HIDDEN, 1)
+        self.h0 = nn.Parameter(torch.randn(4, BATCH, HIDDEN) * 0.1)
+        self.c0 = nn.Parameter(torch.randn(4, BATCH, HIDDEN) * 0.1)
 
     def forward(self, x, lengths):
         packed = rnn_utils.pack_padded_sequence(self.inp(x), lengths, True, enforce_sorted=False)
-        out, (h, c) = self.rnn(packed)
+        out, (h, c) = self.rnn(packed, (self.h0, self.c0))
         padded, _ = rnn_utils.pad_packed_sequence(out, batch_first=True)
         return self.head(padded).sum() + h.pow(2).sum() + c.sum()
 
@@ -445,6 +452,44 @@ def test_model_trains_like_torch(name):
             torch.testing.assert_close(plain(q), p.detach(), **TOL,
                                        msg=lambda m, k=k, step=step: f"{k} at step {step}: {m}")
     assert all(isinstance(p, gg.nn.Parameter) for p in ours.parameters())
+
+
+# -- PyTorch's own module samples ------------------------------------------------------------------
+RECURRENT_MODULES = ["LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell"]
+
+
+@pytest.mark.parametrize("name", RECURRENT_MODULES)
+def test_module_db_samples(name):
+    """Every sample of torch's ModuleInfo for the module (unbatched input, with and without
+    initial states, projections, both directions, batch_first, bias or not), called with its
+    parameters as arguments (``torch.func.functional_call``): outputs, gradients of input,
+    states and parameters, second derivatives."""
+    from torch.testing._internal.common_modules import module_db
+
+    (info,) = [m for m in module_db if m.module_cls.__name__ == name]
+    samples = info.module_inputs_func(info, device="cpu", dtype=F64, requires_grad=True,
+                                      training=True)
+    assert samples
+    for sample in samples:
+        torch.manual_seed(0)
+        module = info.module_cls(*sample.constructor_input.args,
+                                 **sample.constructor_input.kwargs).to(F64)
+        names = [k for k, _ in module.named_parameters()]
+        params = [p.detach() for p in module.parameters()]
+        # the forward's arguments, tuples (LSTM's (h_0, c_0)) flattened
+        shape = [len(a) if isinstance(a, tuple) else 0 for a in sample.forward_input.args]
+        flat = [t.detach() for a in sample.forward_input.args
+                for t in (a if isinstance(a, tuple) else (a,))]
+
+        def fn(*tensors, shape=shape, n=len(flat), module=module, names=names):
+            it = iter(tensors[:n])
+            args = tuple(tuple(next(it) for _ in range(k)) if k else next(it) for k in shape)
+            out = functional_call(module, dict(zip(names, tensors[n:])), args)
+            if not isinstance(out, tuple):
+                return out
+            return out if isinstance(out[1], torch.Tensor) else (out[0], *out[1])
+
+        compare(fn, flat + params)
 
 
 def test_op_db_has_no_recurrent_opinfo():
