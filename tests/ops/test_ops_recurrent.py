@@ -278,11 +278,12 @@ def test_cell_keywords_and_checks():
     x, h = rand(gen, 2, INPUT), rand(gen, 2, HIDDEN)
     w_ih, w_hh = rand(gen, 3 * HIDDEN, INPUT), rand(gen, 3 * HIDDEN, HIDDEN)
     compare(lambda x, h, a, b: torch.gru_cell(input=x, hx=h, w_ih=a, w_hh=b), [x, h, w_ih, w_hh])
-    bad = [(rand(gen, 2, INPUT + 1), h), (x, rand(gen, 3, HIDDEN)), (x, rand(gen, 2, HIDDEN + 1))]
+    bad = [(rand(gen, 2, INPUT + 1), h), (x, rand(gen, 3, HIDDEN)), (x, rand(gen, 2, HIDDEN + 1)),
+           (x[0], h)]  # the last: unbatched, which torch's cells reject
     for xb, hb in bad:
-        with pytest.raises(RuntimeError) as want:
+        with pytest.raises((RuntimeError, IndexError)) as want:
             torch.gru_cell(xb, hb, w_ih, w_hh)
-        with pytest.raises(RuntimeError) as have:
+        with pytest.raises(want.type) as have:
             torch.gru_cell(gg.as_tensor(xb, requires_grad=True), hb, w_ih, w_hh)
         assert str(have.value) == str(want.value)
     with pytest.raises(RuntimeError, match="lstm_cell expects two hidden states"):
@@ -323,6 +324,9 @@ def test_pad_sequence_and_pack_sequence():
     for kw in ({}, {"batch_first": True, "padding_value": 3.0}, {"padding_side": "left"}):
         compare(lambda *s, kw=kw: rnn_utils.pad_sequence(list(s), **kw), seqs)
     compare(lambda *s: rnn_utils.pack_sequence(list(s), enforce_sorted=False).data, seqs)
+    for one in (torch.ones(2, requires_grad=True), gg.as_tensor(torch.ones(2), requires_grad=True)):
+        with pytest.raises(RuntimeError, match="padding_side to be one of left or right"):
+            rnn_utils.pad_sequence([one], padding_side="middle")
 
 
 def test_packing_errors_are_torchs():

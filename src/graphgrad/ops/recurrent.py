@@ -2,15 +2,17 @@
 layers, both directions, dropout between layers, LSTM projections), their cells, and the
 packing ops under nn.utils.rnn (_pack_padded_sequence, _pad_packed_sequence, pad_sequence).
 
-Every one is a decomposition: it records, step by step, the ops torch's own CPU implementation
-runs (``aten/src/ATen/native/RNN.cpp``: the input projection of a whole layer first, then per
-step ``linear`` of the hidden state, the gates, the new state). So the values are torch's, the
-gradients are those of ops that already have rules, and a gradient's graph differentiates again
-(double backward) without a hand-written backward through time to get wrong. Dropout between
-layers is ``torch.dropout`` on each layer's whole output, called where torch calls it, so the
-same seed draws the same masks. A packed sequence is run as torch runs it: step ``t`` updates
-the first ``batch_sizes[t]`` states; a reversed direction starts from the last step, taking in
-a sequence's initial state at the step where that sequence ends.
+Every one is a decomposition: it records, step by step, the computation of torch's own CPU
+implementation (``aten/src/ATen/native/RNN.cpp``: the input projection of a whole layer at
+once, then per step the hidden state's projection, the gates, the new state), so the values are
+torch's up to rounding, the gradients are those of ops that already have rules, and a
+gradient's graph differentiates again (double backward) without a hand-written backward
+through time to get wrong. The price is one recorded op per gate operation and step (about ten
+per LSTM step). Dropout between layers is ``torch.dropout`` on each layer's whole output,
+called where torch calls it, so the same seed draws the same masks. A packed sequence is run
+as torch runs it: step ``t`` updates the first ``batch_sizes[t]`` states; a reversed direction
+starts from the last step, taking in a sequence's initial state at the step where that
+sequence ends.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ T = torch.Tensor
 class _Weights:
     """One layer and direction's parameters: ``w_ih, w_hh[, b_ih, b_hh][, w_hr]``."""
 
-    __slots__ = ("w_ih", "w_hh", "b_ih", "b_hh", "w_hr")
+    __slots__ = ("w_ih", "w_hh", "b_ih", "b_hh", "w_hr", "w_hh_t")
 
     def __init__(self, w_ih, w_hh, b_ih=None, b_hh=None, w_hr=None):
         self.w_ih, self.w_hh, self.b_ih, self.b_hh, self.w_hr = w_ih, w_hh, b_ih, b_hh, w_hr
+        self.w_hh_t = None  # w_hh.T, taken once per layer by _input_projection
 
     @classmethod
     def of(cls, params, has_biases, has_projections):
@@ -42,10 +45,10 @@ class _Weights:
 
 
 def _lstm_step(gi, state, w):
-    """``gi``: the input's projection for this step. Returns (output, (h, c))."""
+    """``gi``: this step's input projection plus ``b_hh``. Returns (output, (h, c))."""
     h, c = state
-    i, f, g, o = (F.linear(h, w.w_hh, w.b_hh) + gi).chunk(4, 1)
-    c = f.sigmoid() * c + i.sigmoid() * g.tanh()
+    i, f, g, o = torch.addmm(gi, h, w.w_hh_t).chunk(4, 1)
+    c = torch.addcmul(f.sigmoid() * c, i.sigmoid(), g.tanh())
     h = o.sigmoid() * c.tanh()
     if w.w_hr is not None:
         h = h.matmul(w.w_hr.t())
@@ -53,6 +56,7 @@ def _lstm_step(gi, state, w):
 
 
 def _gru_step(gi, state, w):
+    """``gi``: this step's input projection (``b_hh`` stays inside ``n``'s reset product)."""
     (h,) = state
     i_r, i_z, i_n = gi.chunk(3, 1)
     h_r, h_z, h_n = F.linear(h, w.w_hh, w.b_hh).chunk(3, 1)
@@ -64,16 +68,28 @@ def _gru_step(gi, state, w):
 
 
 def _tanh_step(gi, state, w):
-    h = (F.linear(state[0], w.w_hh, w.b_hh) + gi).tanh()
+    h = torch.addmm(gi, state[0], w.w_hh_t).tanh()
     return h, (h,)
 
 
 def _relu_step(gi, state, w):
-    h = (F.linear(state[0], w.w_hh, w.b_hh) + gi).relu()
+    h = torch.addmm(gi, state[0], w.w_hh_t).relu()
     return h, (h,)
 
 
 _STEPS = {"lstm": _lstm_step, "gru": _gru_step, "rnn_tanh": _tanh_step, "rnn_relu": _relu_step}
+
+
+def _input_projection(mode, x, w):
+    """The whole layer's (or cell's) input projection, once. Except in a GRU (whose ``b_hh``
+    is inside the reset gate's product) it includes ``b_hh`` too, so a step is one ``addmm``:
+    ``b_hh + h @ w_hh.T + gi`` in another order than torch's sum, the same up to rounding."""
+    gi = F.linear(x, w.w_ih, w.b_ih)
+    if mode != "gru":
+        w.w_hh_t = w.w_hh.t()
+        if w.b_hh is not None:
+            gi = gi + w.b_hh
+    return gi
 
 
 # -- one layer, one direction ---------------------------------------------------------------
@@ -178,7 +194,7 @@ def _stack(mode, args, kwargs):
         for direction in range(directions):
             k = layer * directions + direction
             w = _Weights.of(params[k * per_layer:(k + 1) * per_layer], has_biases, has_projections)
-            gi = F.linear(x, w.w_ih, w.b_ih)  # the whole layer's input projection at once
+            gi = _input_projection(mode, x, w)
             state = tuple(s[k] for s in hx)
             if sizes is None:
                 out, state = _padded_layer(step, gi, state, w, direction == 1)
@@ -221,22 +237,22 @@ def rnn_relu(*args, **kwargs):
 # -- cells: one step ----------------------------------------------------------------------------
 def _check_cell(input, hx, w_ih, w_hh):
     """torch's cell checks (check_rnn_cell_forward_input / _hidden), with its messages."""
-    if input.dim() != 2 or input.shape[1] != w_ih.shape[1]:
-        got = input.shape[1] if input.dim() == 2 else tuple(input.shape)
-        raise RuntimeError(f"input has inconsistent input_size: got {got} expected {w_ih.shape[1]}")
+    if input.size(1) != w_ih.size(1):
+        raise RuntimeError(f"input has inconsistent input_size: got {input.size(1)} expected "
+                           f"{w_ih.size(1)}")
     for label, h in enumerate(hx):
-        if h.dim() != 2 or input.shape[0] != h.shape[0]:
-            raise RuntimeError(f"Input batch size {input.shape[0]} doesn't match hidden{label} "
-                               f"batch size {h.shape[0] if h.dim() else tuple(h.shape)}")
-        if h.shape[1] != w_hh.shape[1]:
-            raise RuntimeError(f"hidden{label} has inconsistent hidden_size: got {h.shape[1]}, "
-                               f"expected {w_hh.shape[1]}")
+        if input.size(0) != h.size(0):
+            raise RuntimeError(f"Input batch size {input.size(0)} doesn't match hidden{label} "
+                               f"batch size {h.size(0)}")
+        if h.size(1) != w_hh.size(1):
+            raise RuntimeError(f"hidden{label} has inconsistent hidden_size: got {h.size(1)}, "
+                               f"expected {w_hh.size(1)}")
 
 
 def _cell(mode, input, hx, w_ih, w_hh, b_ih, b_hh):
     _check_cell(input, hx, w_ih, w_hh)
     w = _Weights(w_ih, w_hh, b_ih, b_hh)
-    return _STEPS[mode](F.linear(input, w_ih, b_ih), hx, w)
+    return _STEPS[mode](_input_projection(mode, input, w), hx, w)
 
 
 @decomposition(torch.lstm_cell, view=False)
@@ -296,7 +312,7 @@ def pad_sequence(sequences, batch_first=False, padding_value=0.0, padding_side="
     """Each sequence padded to the longest one along its first dimension (with
     ``padding_value``, on the right or the left), then stacked along the batch dimension."""
     if padding_side not in ("left", "right"):
-        raise ValueError(f"Expected padding_side to be one of left or right, but got {padding_side}.")
+        raise RuntimeError(f"Expected padding_side to be one of left or right, but got {padding_side}.")
     if len(sequences) == 0:
         raise RuntimeError("received an empty list of sequences")
     dtype = sequences[0].dtype
