@@ -31,11 +31,11 @@ T = torch.Tensor
 class _Weights:
     """One layer and direction's parameters: ``w_ih, w_hh[, b_ih, b_hh][, w_hr]``."""
 
-    __slots__ = ("w_ih", "w_hh", "b_ih", "b_hh", "w_hr", "w_hh_t")
+    __slots__ = ("w_ih", "w_hh", "b_ih", "b_hh", "w_hr", "w_hh_t", "w_hr_t")
 
     def __init__(self, w_ih, w_hh, b_ih=None, b_hh=None, w_hr=None):
         self.w_ih, self.w_hh, self.b_ih, self.b_hh, self.w_hr = w_ih, w_hh, b_ih, b_hh, w_hr
-        self.w_hh_t = None  # w_hh.T, taken once per layer by _input_projection
+        self.w_hh_t = self.w_hr_t = None  # transposes, taken once per layer by _input_projection
 
     @classmethod
     def of(cls, params, has_biases, has_projections):
@@ -50,8 +50,8 @@ def _lstm_step(gi, state, w):
     i, f, g, o = torch.addmm(gi, h, w.w_hh_t).chunk(4, 1)
     c = torch.addcmul(f.sigmoid() * c, i.sigmoid(), g.tanh())
     h = o.sigmoid() * c.tanh()
-    if w.w_hr is not None:
-        h = h.matmul(w.w_hr.t())
+    if w.w_hr_t is not None:
+        h = h.matmul(w.w_hr_t)
     return h, (h, c)
 
 
@@ -85,6 +85,8 @@ def _input_projection(mode, x, w):
     is inside the reset gate's product) it includes ``b_hh`` too, so a step is one ``addmm``:
     ``b_hh + h @ w_hh.T + gi`` in another order than torch's sum, the same up to rounding."""
     gi = F.linear(x, w.w_ih, w.b_ih)
+    if w.w_hr is not None:
+        w.w_hr_t = w.w_hr.t()
     if mode != "gru":
         w.w_hh_t = w.w_hh.t()
         if w.b_hh is not None:
