@@ -96,6 +96,20 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(h + a))
 
 
+class TinyLSTM(nn.Module):
+    """Token embeddings, a 2-layer LSTM with dropout between its layers, a LM head."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, d)
+        self.rnn = nn.LSTM(d, d, num_layers=2, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, t):
+        h, _ = self.rnn(self.tok(t))
+        return self.head(h)
+
+
 def mlp():
     return nn.Sequential(nn.Linear(10, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.LayerNorm(16),
                          nn.Linear(16, 4))
@@ -128,6 +142,7 @@ ZOO = {
     "resnet_block": (ResNet, images, F.cross_entropy),
     "transformer_post_norm": (lambda: TinyTransformer(norm_first=False), tokens, lm_loss),
     "transformer_pre_norm": (lambda: TinyTransformer(norm_first=True), tokens, lm_loss),
+    "lstm_lm": (TinyLSTM, tokens, lm_loss),
 }
 
 
@@ -168,21 +183,6 @@ def test_model_trains_like_torch(name):
     x, _ = batches(STEPS)
     with torch.no_grad():
         torch.testing.assert_close(plain(ours(x)), ref(x), **TOL)
-
-
-@pytest.mark.parametrize("cls, missing", [(nn.LSTM, "torch.lstm"), (nn.GRU, "torch.gru")])
-def test_recurrent_layers_fail_clearly_naming_the_missing_rule(cls, missing):
-    """nn.LSTM/nn.GRU reach the fused torch.lstm/torch.gru (_VF), which graphgrad has no rule for."""
-    torch.manual_seed(0)
-    ref = cls(3, 5, num_layers=2, batch_first=True).to(DT)
-    ours = gg.nn.adopt(copy.deepcopy(ref))
-    x = torch.randn(2, 4, 3, dtype=DT)
-    with torch.no_grad():  # inference needs no rule and matches torch
-        torch.testing.assert_close(plain(ours(x)[0]), ref(x)[0], **TOL)
-    with pytest.raises(NotImplementedError, match=missing.replace(".", r"\.")) as info:
-        ours(x)
-    assert "no derivative rule" in str(info.value)
-    assert all(p.grad is None for p in ours.parameters())
 
 
 def cnn32():

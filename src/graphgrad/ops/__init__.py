@@ -11,6 +11,7 @@ from . import (  # noqa: F401
     nn,
     normalization,
     pooling,
+    recurrent,
     reduction,
     resample,
     shape,
