@@ -106,25 +106,20 @@ def _chain_variants(shape: tuple[int, ...], n: int, device: torch.device, engine
     b = (0.01 * torch.randn(shape, generator=gen)).to(device)
     grads: dict[str, torch.Tensor] = {}
 
-    def run_gg() -> Phases:
-        x = gg.as_tensor(x0.clone(), requires_grad=True)
+    def timed_chain(name: str, x: torch.Tensor) -> Phases:
         t0 = clock(device)
         loss = chain(x, n, c, b).sum()
         t1 = clock(device)
         loss.backward()
         t2 = clock(device)
-        grads["graphgrad"] = x.grad
+        grads[name] = x.grad
         return {"forward": t1 - t0, "backward": t2 - t1}
 
+    def run_gg() -> Phases:
+        return timed_chain("graphgrad", gg.as_tensor(x0.clone(), requires_grad=True))
+
     def run_torch() -> Phases:
-        x = x0.clone().requires_grad_(True)
-        t0 = clock(device)
-        loss = chain(x, n, c, b).sum()
-        t1 = clock(device)
-        loss.backward()
-        t2 = clock(device)
-        grads["torch"] = x.grad
-        return {"forward": t1 - t0, "backward": t2 - t1}
+        return timed_chain("torch", x0.clone().requires_grad_(True))
 
     def run_bound() -> Phases:
         phases, g = chain_bound(x0.clone(), n, c, b, device)

@@ -189,7 +189,8 @@ class _Drawing:
                 what = ("optimizer " + type(seg.span.optimizer).__name__ + " (captured)"
                         if seg.span is not None else "kernels")
                 self.lines.append(f"  subgraph cluster_{si} {{")
-                self.lines.append(f"    label={_quote(f'segment {si}: {what}, {len(seg.kernels)} kernels, {seg.runner}')};")
+                title = f"segment {si}: {what}, {len(seg.kernels)} kernels, {seg.runner}"
+                self.lines.append(f"    label={_quote(title)};")
                 self.lines.append('    style="rounded"; color="#aaaaaa"; fontsize=10;')
                 for k in seg.kernels:
                     self.kernel(k, f"k{count}", "    ")
@@ -212,7 +213,8 @@ class _Drawing:
             node = f"grad{i}"
             text = f"<B>{_esc(name)}.grad</B>" + (" = None" if e.ref[0] not in (SLOT, OBJECT) or
                                                    (e.ref[0] == OBJECT and e.ref[1] is None) else "")
-            self.lines.append(f"  {node} [{_attrs({'label': _Html(text), 'shape': 'note', 'style': 'filled', 'fillcolor': _OUT_FILL})}];")
+            attrs = {"label": _Html(text), "shape": "note", "style": "filled", "fillcolor": _OUT_FILL}
+            self.lines.append(f"  {node} [{_attrs(attrs)}];")
             src = self.ref_source(e.ref)
             if src is not None:
                 self.edge(src, node)
@@ -221,7 +223,8 @@ class _Drawing:
             if src is None:
                 continue
             node = f"out{i}"
-            self.lines.append(f"  {node} [{_attrs({'label': _Html(f'<B>result {i}</B>'), 'fillcolor': _OUT_FILL})}];")
+            attrs = {"label": _Html(f"<B>result {i}</B>"), "fillcolor": _OUT_FILL}
+            self.lines.append(f"  {node} [{_attrs(attrs)}];")
             self.edge(src, node)
         s = plan.summary()
         caption = (f"{s.kernels} kernels in {len(plan.segments)} segment"
