@@ -3,6 +3,7 @@
 from . import (  # noqa: F401
     activation,
     attention,
+    complex,
     conv,
     elementwise,
     indexing,
