@@ -6,6 +6,7 @@ from . import (  # noqa: F401
     complex,
     conv,
     elementwise,
+    fft,
     indexing,
     linalg,
     loss,
