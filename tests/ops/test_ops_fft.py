@@ -1,8 +1,9 @@
-"""FFT: PyTorch's sample inputs (op_db) in float64 and complex128, then hand-written cases for
-the options op_db leaves out (every ``norm``, trimming and zero-padding with ``n``/``s``, odd
-lengths, real inputs of the complex transforms, the primitives called directly): values,
-gradients and second derivatives against torch.autograd, ``gg.gradcheck`` on real views of the
-complex values, and real losses of complex results (``abs().sum()``).
+"""FFT and the short-time transforms (stft, istft): PyTorch's sample inputs (op_db) in float64
+and complex128, then hand-written cases for the options op_db leaves out (every ``norm``,
+trimming and zero-padding with ``n``/``s``, odd lengths, real inputs of the complex transforms,
+the primitives called directly, windows, hops, ``length``, centering): values, gradients and
+second derivatives against torch.autograd, ``gg.gradcheck`` on real views of the complex values,
+and real losses of complex results (``abs().sum()``).
 """
 
 import pytest
@@ -20,7 +21,7 @@ REFERENCE = {
     "fft.hfft2": BOTH, "fft.ihfft2": BOTH,
     "fft.fftn": BOTH, "fft.ifftn": BOTH, "fft.rfftn": BOTH, "fft.irfftn": BOTH,
     "fft.hfftn": BOTH, "fft.ihfftn": BOTH,
-    "fft.fftshift": BOTH, "fft.ifftshift": BOTH,
+    "fft.fftshift": BOTH, "fft.ifftshift": BOTH, "stft": BOTH, "istft": BOTH,
 }
 
 test_opdb = opdb_test(REFERENCE)
@@ -77,6 +78,30 @@ CASES.update({
 })
 
 
+hann = torch.hann_window(8, dtype=F64)
+CASES.update({
+    "stft": (lambda x: torch.stft(x, 8, return_complex=True), r(32)),
+    "stft_window_hop": (lambda x, w: torch.stft(x, 8, hop_length=3, window=w, return_complex=True),
+                        r(2, 30), hann),
+    "stft_short_window": (lambda x: torch.stft(x, 8, win_length=5, window=torch.hann_window(5, dtype=F64),
+                                               center=False, normalized=True, return_complex=True), r(30)),
+    "stft_complex_constant_pad": (lambda x: torch.stft(x, 8, return_complex=True, pad_mode="constant"),
+                                  c(20)),
+    "stft_real_pairs_twosided": (lambda x: torch.stft(x, 8, return_complex=False, onesided=False), r(20)),
+    "T.stft": (lambda x: x.stft(6, hop_length=2, return_complex=True), r(20)),
+    "istft": (lambda z: torch.istft(z, 8, window=hann), c(5, 9)),
+    "istft_length_longer": (lambda z: torch.istft(z, 8, window=hann, length=40, hop_length=2), c(2, 5, 9)),
+    "istft_length_shorter": (lambda z: torch.istft(z, 8, window=hann, length=20), c(5, 9)),
+    "istft_complex": (lambda z: torch.istft(z, 8, window=hann, onesided=False, return_complex=True,
+                                            normalized=True), c(8, 9)),
+    "istft_twosided_uncentered": (lambda z: torch.istft(z, 8, onesided=False, center=False), c(8, 9)),
+    "T.istft_window_grad": (lambda z, w: z.istft(8, window=w + 1), c(5, 9), hann),
+    "stft_istft_roundtrip": (lambda x: torch.istft(torch.stft(x, 8, window=hann, return_complex=True), 8,
+                                                   window=hann, length=30), r(30)),
+    "stft_abs_loss": (lambda x: torch.stft(x, 8, window=hann, return_complex=True).abs().sum(), r(30)),
+})
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_case(name):
     fn, *args = CASES[name]
@@ -89,6 +114,9 @@ GRADCHECK = {
     "hfft": (fft.hfft, c(3)), "ihfft": (lambda x: fft.ihfft(x, norm="forward"), r(5)),
     "fft2": (lambda x: fft.fft2(x, s=(3, 2)), c(2, 3)), "irfftn": (fft.irfftn, c(2, 3)),
     "fftshift": (fft.fftshift, c(5)),
+    "stft": (lambda x: torch.stft(x, 4, hop_length=2, window=torch.hann_window(4, dtype=F64),
+                                  return_complex=True), r(9)),
+    "istft": (lambda z: torch.istft(z, 4, hop_length=1, window=torch.ones(4, dtype=F64)), c(3, 5)),
 }
 
 
@@ -138,6 +166,12 @@ def test_node_names_are_the_primitives():
     assert fft.rfft(x).grad_fn.name() == "FftR2cBackward"
     assert fft.irfft(fft.rfft(x)).grad_fn.name() == "FftC2rBackward"
     assert fft.fft(gg.as_tensor(c(6), requires_grad=True)).grad_fn.name() == "FftC2cBackward"
+
+
+def test_istft_refuses_a_window_that_cannot_reconstruct():
+    z = gg.as_tensor(c(5, 4), requires_grad=True)
+    with pytest.raises(RuntimeError, match="overlap add min"):
+        torch.istft(z, 8, hop_length=8, window=torch.zeros(8, dtype=F64))
 
 
 def test_float64_dtype_is_kept():

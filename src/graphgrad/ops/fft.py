@@ -8,6 +8,8 @@ promotion, its trimming or zero-padding to ``n``/``s`` (recorded ``narrow`` and
 ``constant_pad_nd``) and the conjugates of ``hfft``/``ihfft`` recorded around them. The three
 primitives have torch's rules (``derivatives.yaml``): every transform is real-linear, so each
 gradient is the adjoint transform, itself recorded, and derivatives of any order follow.
+``stft`` and ``istft`` are composed the same way, as aten composes them: frames cut with
+``unfold`` and overlap-added with ``F.fold``, windows multiplied in, the primitives between.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..rules import Meta, decomposition, derivative
+from .nn import torch_body
 
 _aten = torch.ops.aten
 _fft = torch.fft
@@ -355,3 +358,138 @@ def ifftshift(input, dim=None):
     """fftshift undone: a roll by ``(n + 1) // 2``."""
     return _shift(input, dim, True)
 
+
+
+# -- short-time transforms (SpectralOps.cpp's stft and istft) ----------------------------------
+def _centered_window(window, win_length: int, n_fft: int, dtype, device):
+    """The window zero-padded to ``n_fft`` with the window in the middle (ones if None)."""
+    if window is None:
+        window = torch.ones(win_length, dtype=dtype, device=device)
+    if win_length == n_fft:
+        return window
+    left = (n_fft - win_length) // 2
+    return torch.constant_pad_nd(window, [left, n_fft - win_length - left])
+
+
+def _check_window(name, window, win_length: int, n_fft: int, hop_length: int):
+    if not 0 < win_length <= n_fft:
+        raise RuntimeError(f"{name}: expected 0 < win_length <= n_fft, but got win_length={win_length}")
+    if hop_length <= 0:
+        raise RuntimeError(f"{name}: expected hop_length > 0, but got hop_length={hop_length}")
+    if window is not None and (window.dim() != 1 or window.shape[0] != win_length):
+        raise RuntimeError(f"{name}: expected a 1D window tensor of size equal to win_length="
+                           f"{win_length}, but got window with size {list(window.shape)}")
+
+
+@decomposition(torch._C._VariableFunctions.stft, view=False)
+def stft_frames(input, n_fft, hop_length=None, win_length=None, window=None, normalized=False,
+                onesided=None, return_complex=None, align_to_window=None):
+    """torch's aten ``stft`` (``torch.stft`` pads a centered signal, then calls this): frames
+    (``unfold``), times the window, each transformed (r2c or c2c), frequency before time."""
+    if align_to_window:
+        raise NotImplementedError("graphgrad: torch.stft(align_to_window=True) is not supported")
+    window_complex = window is not None and window.is_complex()
+    if return_complex is None:
+        if not (input.is_complex() or window_complex):
+            raise RuntimeError("stft requires the return_complex parameter be given for real "
+                               "inputs, and will further require that return_complex=True in a "
+                               "future PyTorch release.")
+        return_complex = True
+    hop_length = n_fft // 4 if hop_length is None else hop_length
+    win_length = n_fft if win_length is None else win_length
+    if input.dim() not in (1, 2):
+        raise RuntimeError(f"stft: expected a 1D or 2D tensor, but got {input.dim()}D")
+    x = input.unsqueeze(0) if input.dim() == 1 else input
+    if not 0 < n_fft <= x.shape[1]:
+        raise RuntimeError(f"stft: expected 0 < n_fft < {x.shape[1]}, but got n_fft={n_fft}")
+    _check_window("stft", window, win_length, n_fft, hop_length)
+    if window is not None or win_length < n_fft:
+        window = _centered_window(window, win_length, n_fft, x.dtype, x.device)
+    frames = x.unfold(-1, n_fft, hop_length)  # (batch, n_frames, n_fft)
+    if window is not None:
+        frames = frames * window
+    complex_fft = frames.is_complex()
+    onesided = (not complex_fft) if onesided is None else onesided
+    mode = _NORM_BY_ROOT_N if normalized else _NORM_NONE
+    if complex_fft:
+        if onesided:
+            raise RuntimeError("Cannot have onesided output if window or input is complex")
+        out = torch._fft_c2c(frames, [2], mode, True)
+    else:
+        out = torch._fft_r2c(frames, [2], mode, onesided)
+    out = out.transpose(1, 2)
+    if input.dim() == 1:
+        out = out.squeeze(0)
+    return out if return_complex else torch.view_as_real(out)
+
+
+@decomposition(torch.istft, torch.Tensor.istft, view=False)
+def istft(input, n_fft, hop_length=None, win_length=None, window=None, center=True,
+          normalized=False, onesided=None, length=None, return_complex=False):
+    """torch's aten ``istft``: each frame transformed back (c2r, or c2c for a complex
+    result), times the window, overlap-added (``F.fold``) and divided by the overlap-added
+    squared window; the centering padding trimmed, or zeros appended up to ``length``."""
+    if not input.is_complex():
+        raise RuntimeError("istft requires a complex-valued input tensor matching the output "
+                           "from stft with return_complex=True.")
+    hop_length = n_fft // 4 if hop_length is None else hop_length
+    win_length = n_fft if win_length is None else win_length
+    if input.dim() not in (2, 3):
+        raise RuntimeError(f"istft: expected a tensor with 2 or 3 dimensions of complex, but got "
+                           f"{input.dim()}")
+    fft_size, n_frames = input.shape[-2], input.shape[-1]
+    expected_len = n_fft + hop_length * (n_frames - 1)
+    onesided = fft_size != n_fft if onesided is None else onesided
+    if onesided and n_fft // 2 + 1 != fft_size:
+        raise RuntimeError(f"istft: expected the frequency dimension (3rd to the last) of the "
+                           f"input tensor to match n_fft / 2 + 1 when onesided=True, but got "
+                           f"{fft_size}")
+    if not onesided and n_fft != fft_size:
+        raise RuntimeError(f"istft: expected the frequency dimension (3rd to the last) of the "
+                           f"input tensor to match n_fft when onesided=False, but got {fft_size}")
+    _check_window("istft", window, win_length, n_fft, hop_length)
+    window = _centered_window(window, win_length, n_fft, input.dtype.to_real(), input.device)
+    x = input.unsqueeze(0) if input.dim() == 2 else input
+    x = x.transpose(1, 2)  # (channel, n_frames, fft_size)
+    mode = _NORM_BY_ROOT_N if normalized else _NORM_BY_N
+    if return_complex:
+        if onesided:
+            raise RuntimeError("Cannot have onesided output if window or input is complex")
+        frames = torch._fft_c2c(x, [2], mode, False)
+    else:
+        if window.is_complex():
+            raise RuntimeError("Complex windows are incompatible with return_complex=False")
+        if not onesided:
+            x = x.narrow(-1, 0, n_fft // 2 + 1)
+        frames = torch._fft_c2r(x, [2], mode, n_fft)
+    frames = frames * window
+    y = _overlap_add(frames, expected_len, n_fft, hop_length)
+    envelope = _overlap_add(window.pow(2).expand(1, n_frames, n_fft), expected_len, n_fft,
+                            hop_length)
+    start = n_fft // 2 if center else 0
+    end = start + length if length is not None else (
+        expected_len - n_fft // 2 if center else expected_len)
+    stop = min(end, expected_len)
+    y = y.narrow(1, start, stop - start)
+    envelope = envelope.narrow(1, start, stop - start)
+    if bool(envelope.abs().min() < 1e-11):
+        raise RuntimeError("istft: window overlap add min below 1e-11: the window and "
+                           "hop_length do not let the signal be reconstructed (NOLA)")
+    y = y / envelope
+    if input.dim() == 2:
+        y = y.squeeze(0)
+    if end > expected_len:
+        y = torch.constant_pad_nd(y, [0, end - expected_len])
+    return y
+
+
+# torch.stft pads a centered signal (F.pad, reflect by default), then calls aten's stft above
+decomposition(torch.stft, torch.Tensor.stft, view=False, family="fft")(torch_body(torch.functional.stft))
+
+
+def _overlap_add(frames, length: int, n_fft: int, hop_length: int):
+    """``(channel, n_frames, n_fft)`` frames summed into ``(channel, length)`` at multiples of
+    ``hop_length``: the adjoint of ``unfold``, as torch's ``unfold_backward``."""
+    out = torch.nn.functional.fold(frames.transpose(1, 2), (1, length), (1, n_fft),
+                                   stride=(1, hop_length))
+    return out.reshape(frames.shape[0], length)
