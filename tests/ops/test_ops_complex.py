@@ -31,7 +31,7 @@ REFERENCE = {
     "sinh": CPLX, "cosh": CPLX, "asin": CPLX, "acos": CPLX, "atan": CPLX, "asinh": CPLX,
     "acosh": CPLX, "atanh": CPLX, "exp2": CPLX, "expm1": CPLX, "log1p": CPLX, "log2": CPLX,
     "log10": CPLX, "addcmul": CPLX, "addcdiv": CPLX, "lerp": CPLX, "where": CPLX,
-    "sum": CPLX, "mean": CPLX, "prod": CPLX,
+    "sum": CPLX, "mean": CPLX, "prod": CPLX, "logsumexp": CPLX, "nn.functional.rms_norm": CPLX,
     "matmul": CPLX, "mm": CPLX, "bmm": CPLX, "mv": CPLX, "dot": CPLX, "vdot": CPLX,
     "einsum": CPLX, "addmm": CPLX, "addmv": CPLX, "addr": CPLX, "baddbmm": CPLX, "addbmm": CPLX,
     "outer": CPLX, "inner": CPLX, "linalg.vecdot": CPLX, "nn.functional.linear": CPLX,
@@ -55,6 +55,8 @@ CASES = {
     "div_by_real": (torch.div, c(3), pos(3)), "div_real_by_complex": (torch.div, r(3), c(3)),
     "matmul_real_complex": (lambda a, b: a.to(C128) @ b, r(2, 3), c(3, 4)),
     "to_complex": (lambda x: x.to(C128) * (1 + 2j), r(3)),
+    "T.cdouble": (lambda x: x.cdouble() * (1 - 1j), r(3)),
+    "T.cfloat": (lambda x: (x.cfloat() * (1 - 1j)).cdouble(), c(3)),
     # complex numbers as scalars
     "mul_complex_number": (lambda x: x * (2 - 1j), c(3)),
     "add_alpha_complex": (lambda x, y: torch.add(x, y, alpha=1 + 1j), c(3), c(3)),
@@ -68,6 +70,9 @@ CASES = {
     "addcmul_value": (lambda a, b, d: torch.addcmul(a, b, d, value=1 - 2j), c(3), c(3), c(3)),
     # views and conjugation
     "conj_then_mul": (lambda x, y: x.conj() * y, c(3), c(3)),
+    "T.H": (lambda x, y: x.H @ y, c(3, 2), c(3, 4)),
+    "T.mH": (lambda x: x.mH * x.transpose(-2, -1), c(2, 3, 4)),
+    "adjoint": (lambda x: torch.adjoint(x) @ x, c(3, 2)), "T.adjoint": (lambda x: x.adjoint().exp(), c(2, 3)),
     "conj_physical_": (lambda x: (x * 1.0).conj_physical_() * x, c(3)),
     "resolve_conj_of_conj": (lambda x: x.conj().resolve_conj() * x, c(3)),
     "real_imag_props": (lambda x: x.real * 2 + x.imag * x.real, c(3)),

@@ -52,3 +52,15 @@ def view_as_real(grad, input: Meta):
 def view_as_complex(grad, input: Meta):
     """Complex numbers read from ``(..., 2)`` real pairs (torch resolves a lazy conjugate)."""
     return torch.view_as_real(grad.contiguous().resolve_conj())
+
+
+@derivative(T.H.__get__, view=True)
+def conj_transpose(grad, input: Meta):
+    """``.H``: the conjugate transpose of a matrix (the transpose of a vector is itself)."""
+    return grad.conj().t()
+
+
+@derivative(torch.adjoint, T.adjoint, T.mH.__get__, view=True)
+def adjoint(grad, input: Meta):
+    """``.mH`` / ``adjoint``: the conjugate transpose of the last two dimensions."""
+    return grad.conj().transpose(-2, -1)

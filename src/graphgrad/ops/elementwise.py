@@ -563,10 +563,11 @@ def nan_to_num(grad, input, nan=0.0, posinf=None, neginf=None):
 
 
 # -- copies and casts ----------------------------------------------------------------------------
-@derivative(T.to, T.double, T.float, T.half, T.bfloat16, T.cpu, T.cuda,
-            T.clone, torch.clone, T.contiguous, elementwise=True)
+@derivative(T.to, T.double, T.float, T.half, T.bfloat16, T.cdouble, T.cfloat, T.chalf, T.cpu,
+            T.cuda, T.clone, torch.clone, T.contiguous, elementwise=True)
 def to(grad, input, *args, **kwargs):
-    """Copies and casts: the engine casts the gradient back to the input's dtype and device."""
+    """Copies and casts: the engine casts the gradient back to the input's dtype and device (a
+    real input of a complex cast gets the real part)."""
     return grad
 
 

@@ -317,7 +317,8 @@ def logsumexp(grad, input, dim, keepdim=False, *, result):
     dims = reduced_dims(dim, input.dim())
     grad = restore_reduced(grad, dims, input.dim(), keepdim)
     result = restore_reduced(result, dims, input.dim(), keepdim)
-    return grad * (input - result).exp()
+    weights = (input - result).exp()
+    return grad * (weights.conj() if weights.is_complex() else weights)  # torch's convention
 
 
 @derivative(torch.cumsum, T.cumsum, inplace=(T.cumsum_,), view=False)
