@@ -74,6 +74,10 @@ CASES = {
     "T.mH": (lambda x: x.mH * x.transpose(-2, -1), c(2, 3, 4)),
     "adjoint": (lambda x: torch.adjoint(x) @ x, c(3, 2)), "T.adjoint": (lambda x: x.adjoint().exp(), c(2, 3)),
     "conj_physical_": (lambda x: (x * 1.0).conj_physical_() * x, c(3)),
+    "torch.conj_physical_": (lambda x: torch.conj_physical_(x * 1.0) * x, c(3)),
+    "T.resolve_neg": (lambda x: x.conj().imag.resolve_neg() * x, c(3)),  # imag of a conj: a negative view
+    "T.angle": (lambda x: x.angle() * x.abs(), c(3)),
+    "T.chalf": (lambda x: x.chalf().cdouble() * 2, torch.tensor([0.5, -1.25, 2.0], dtype=F64)),
     "resolve_conj_of_conj": (lambda x: x.conj().resolve_conj() * x, c(3)),
     "real_imag_props": (lambda x: x.real * 2 + x.imag * x.real, c(3)),
     "torch_real_imag": (lambda x: torch.real(x) - torch.imag(x) ** 2, c(2, 2)),

@@ -75,6 +75,9 @@ CASES.update({
     "c2c_direct": (lambda x: torch._fft_c2c(x, [0, 1], 1, False), c(3, 4)),
     "r2c_direct": (lambda x: torch._fft_r2c(x, [1], 2, True), r(3, 6)),
     "c2r_direct": (lambda x: torch._fft_c2r(x, [1], 0, 5), c(3, 3)),
+    "aten_c2c": (lambda x: torch.ops.aten._fft_c2c.default(x, [1], 2, True), c(3, 4)),
+    "aten_r2c_twosided": (lambda x: torch.ops.aten._fft_r2c.default(x, [0], 0, False), r(5, 2)),
+    "aten_c2r": (lambda x: torch.ops.aten._fft_c2r.default(x, [0, 1], 1, 6), c(3, 4)),
 })
 
 
