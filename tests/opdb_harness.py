@@ -8,11 +8,13 @@ Each op family's test file declares ``REFERENCE``: OpInfo name -> options, e.g.:
         "nn.functional.conv2d": {"max_samples": 8},
     }
 
-and an optional ``unsupported(op, sample) -> str | None`` naming samples that use an option
-graphgrad documents as unsupported (those must raise graphgrad's NotImplementedError). Every
-float64 sample is run on torch tensors and on graphgrad copies (every tensor in the input,
-args and kwargs, also inside lists): outputs, gradients for a random upstream gradient, and
-(unless ``second_order`` is False) second derivatives must match at rtol=atol=1e-7.
+(``"dtypes": (torch.float64, torch.complex128)`` runs the samples of each dtype the OpInfo
+supports; the default is float64 alone) and an optional ``unsupported(op, sample) -> str |
+None`` naming samples that use an option graphgrad documents as unsupported (those must raise
+graphgrad's NotImplementedError). Every sample is run on torch tensors and on graphgrad copies
+(every tensor in the input, args and kwargs, also inside lists): outputs, gradients for a
+random upstream gradient, and (unless ``second_order`` is False) second derivatives must match
+at rtol=atol=1e-7.
 ``tools/gen_ops_doc.py`` reads the same tables to write ``docs/ops.md``.
 """
 
@@ -37,20 +39,26 @@ def op_id(op) -> str:
     return op.name + ("." + op.variant_test_name if op.variant_test_name else "")
 
 
+def dtypes_of(op, options: dict) -> list:
+    """The dtypes a REFERENCE entry asks for (default float64) that the OpInfo supports on CPU."""
+    return [d for d in options.get("dtypes", (torch.float64,)) if op.supports_dtype(d, "cpu")]
+
+
 def opinfos(reference: dict) -> list:
-    """The float64 CPU OpInfos (all variants) for the names in a REFERENCE table."""
+    """The CPU OpInfos (all variants) for the names in a REFERENCE table that support one of
+    the entry's dtypes (float64 unless it names others)."""
     missing = [name for name in reference if name not in OPS_BY_NAME]
     if missing:
         raise KeyError(f"not in op_db: {missing}")
     return [op for name in reference for op in OPS_BY_NAME[name]
-            if op.supports_autograd and op.supports_dtype(torch.float64, "cpu")]
+            if op.supports_autograd and dtypes_of(op, reference[name])]
 
 
-def samples(op, max_samples: int | None = None) -> list:
+def samples(op, max_samples: int | None = None, dtype=torch.float64) -> list:
     out = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for i, sample in enumerate(op.sample_inputs("cpu", torch.float64, requires_grad=True)):
+        for i, sample in enumerate(op.sample_inputs("cpu", dtype, requires_grad=True)):
             if max_samples is not None and i >= max_samples:
                 break
             out.append(sample)
@@ -158,12 +166,13 @@ def run_opinfo(op, options: dict, unsupported=None) -> int:
     """Check every sample of ``op``; return how many were compared."""
     gen = torch.Generator().manual_seed(0)
     compared = 0
-    for i, sample in enumerate(samples(op, options.get("max_samples"))):
-        try:
-            compared += check_sample(op, sample, gen, options.get("second_order", True),
-                                     unsupported)
-        except Exception as e:
-            raise AssertionError(f"{op_id(op)} sample {i}: {sample.summary()}") from e
+    for dtype in dtypes_of(op, options):
+        for i, sample in enumerate(samples(op, options.get("max_samples"), dtype)):
+            try:
+                compared += check_sample(op, sample, gen, options.get("second_order", True),
+                                         unsupported)
+            except Exception as e:
+                raise AssertionError(f"{op_id(op)} {dtype} sample {i}: {sample.summary()}") from e
     assert compared > 0, "every sample was filtered out"
     return compared
 

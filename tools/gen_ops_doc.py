@@ -62,7 +62,7 @@ def _reached(op, sample) -> set:
 
 
 def collect():
-    from opdb_harness import opinfos, samples
+    from opdb_harness import dtypes_of, opinfos, samples
 
     samples_of = defaultdict(int)      # torch function -> reference samples reaching it
     second = defaultdict(set)          # torch function -> {True/False}
@@ -73,7 +73,8 @@ def collect():
             options = reference[op.name]
             name = op.name + ("." + op.variant_test_name if op.variant_test_name else "")
             reasons = defaultdict(int)
-            for sample in samples(op, options.get("max_samples")):
+            for sample in (s for dtype in dtypes_of(op, options)
+                           for s in samples(op, options.get("max_samples"), dtype)):
                 reason = unsupported(op, sample) if unsupported else None
                 if reason is not None:
                     reasons[reason] += 1

@@ -467,6 +467,8 @@ def _fit(g, meta, node, j):
     """Undo broadcasting and match the input's dtype and device (the one shared helper).
 
     ``meta`` is None when the input had the output's shape, dtype and device: nothing to do.
+    A real input of a complex op receives the real part of its complex gradient (torch's
+    ``handle_r_to_c``), taken with ``.real``: a cast would warn that it drops the imaginary part.
     """
     if not isinstance(g, _PlainTensor):
         _not_a_tensor(g, node, j)
@@ -474,7 +476,10 @@ def _fit(g, meta, node, j):
     if g.shape != shape:
         g = unbroadcast(g, shape, node.name())
     if g.dtype != dtype:
-        g = g.to(dtype)
+        if g.is_complex() and not dtype.is_complex:
+            g = g.real
+        if g.dtype != dtype:
+            g = g.to(dtype)
     if g.device != device:
         g = g.to(device)
     return g

@@ -3,8 +3,10 @@
 from . import (  # noqa: F401
     activation,
     attention,
+    complex,
     conv,
     elementwise,
+    fft,
     indexing,
     linalg,
     loss,

@@ -1,4 +1,4 @@
-"""Elementwise ops: arithmetic, unary math, clamping, selection, rounding.
+"""Elementwise ops: arithmetic, unary math, complex numbers, clamping, selection, rounding.
 
 Every rule follows torch's own formula (``derivatives.yaml``), including its choices at
 kinks and ties: ``abs`` uses ``sgn`` (0 at 0), ``clamp`` passes the gradient at the bounds,
@@ -9,6 +9,7 @@ Broadcasting is undone by the engine.
 
 from __future__ import annotations
 
+import cmath
 import math
 
 import torch
@@ -24,6 +25,14 @@ _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
 _HALF_SQRT_PI = 0.5 * math.sqrt(math.pi)
 
 
+def _cj(x):
+    """The complex conjugate of a tensor or number, a real one as it is: torch's gradient of a
+    complex function is ``grad * conj(f'(z))`` (the conjugate Wirtinger derivative)."""
+    if isinstance(x, torch.Tensor):
+        return x.conj() if x.is_complex() else x
+    return x.conjugate() if isinstance(x, complex) else x
+
+
 def _is_tensor(x) -> bool:
     """A tensor argument, or the Meta kept for one whose values no needed gradient reads."""
     return isinstance(x, (torch.Tensor, Meta))
@@ -32,27 +41,27 @@ def _is_tensor(x) -> bool:
 # -- arithmetic --------------------------------------------------------------------------
 @derivative(torch.add, T.add, inplace=(T.add_,), elementwise=True)
 def add(grad, input, other, *, alpha=1):
-    return grad, grad if alpha == 1 else grad * alpha
+    return grad, grad if alpha == 1 else grad * _cj(alpha)
 
 
 @derivative(torch.sub, T.sub, torch.subtract, T.subtract,
             inplace=(T.sub_, T.subtract_), elementwise=True)
 def sub(grad, input, other, *, alpha=1):
-    return grad, -grad if alpha == 1 else grad * -alpha
+    return grad, -grad if alpha == 1 else grad * -_cj(alpha)
 
 
 @derivative(torch.rsub, T.__rsub__, elementwise=True)
 def rsub(grad, input, other, *, alpha=1):
     """``other - alpha * input`` (``2 - x`` arrives as ``x.__rsub__(2)``)."""
-    return (-grad if alpha == 1 else grad * -alpha), grad
+    return (-grad if alpha == 1 else grad * -_cj(alpha)), grad
 
 
 @derivative(torch.mul, T.mul, torch.multiply, T.multiply,
             inplace=(T.mul_, T.multiply_),
             saved_for={"input": "other", "other": "input"}, elementwise=True)
 def mul(grad, input, other, *, needs_input_grad):
-    return (grad * other if needs_input_grad[0] else None,
-            grad * input if needs_input_grad[1] else None)
+    return (grad * _cj(other) if needs_input_grad[0] else None,
+            grad * _cj(input) if needs_input_grad[1] else None)
 
 
 @derivative(torch.div, T.div, torch.divide, T.divide, torch.true_divide,
@@ -61,8 +70,8 @@ def mul(grad, input, other, *, needs_input_grad):
 def div(grad, input, other, *, rounding_mode=None, needs_input_grad):
     if rounding_mode is not None:  # floor/trunc division is piecewise constant
         return torch.zeros_like(grad), None
-    return (grad / other if needs_input_grad[0] else None,
-            -grad * input / (other * other) if needs_input_grad[1] else None)
+    return (grad / _cj(other) if needs_input_grad[0] else None,
+            -grad * _cj(input / (other * other)) if needs_input_grad[1] else None)
 
 
 @decomposition(T.__rdiv__, T.__rtruediv__, view=False)
@@ -77,8 +86,8 @@ def rdiv(input, other):
 def addcmul(grad, input, tensor1, tensor2, *, value=1, needs_input_grad):
     """``input + value * tensor1 * tensor2``."""
     return (grad,
-            grad * tensor2 * value if needs_input_grad[1] else None,
-            grad * tensor1 * value if needs_input_grad[2] else None)
+            grad * _cj(tensor2 * value) if needs_input_grad[1] else None,
+            grad * _cj(tensor1 * value) if needs_input_grad[2] else None)
 
 
 @derivative(torch.addcdiv, T.addcdiv, inplace=(T.addcdiv_,), saved_for={"tensor1": "tensor2"},
@@ -86,8 +95,8 @@ def addcmul(grad, input, tensor1, tensor2, *, value=1, needs_input_grad):
 def addcdiv(grad, input, tensor1, tensor2, *, value=1, needs_input_grad):
     """``input + value * tensor1 / tensor2``."""
     return (grad,
-            grad * (value / tensor2) if needs_input_grad[1] else None,
-            -grad * (value * tensor1 / (tensor2 * tensor2)) if needs_input_grad[2] else None)
+            grad * _cj(value / tensor2) if needs_input_grad[1] else None,
+            -grad * _cj(value * tensor1 / (tensor2 * tensor2)) if needs_input_grad[2] else None)
 
 
 @derivative(torch.lerp, T.lerp, inplace=(T.lerp_,),
@@ -95,10 +104,10 @@ def addcdiv(grad, input, tensor1, tensor2, *, value=1, needs_input_grad):
 def lerp(grad, input, end, weight, *, needs_input_grad):
     """``input + weight * (end - input)``; ``weight`` is a number or a tensor."""
     if not _is_tensor(weight):
-        return grad * (1 - weight), grad * weight
-    return (grad * (1 - weight) if needs_input_grad[0] else None,
-            grad * weight if needs_input_grad[1] else None,
-            grad * (end - input) if needs_input_grad[2] else None)
+        return grad * _cj(1 - weight), grad * _cj(weight)
+    return (grad * _cj(1 - weight) if needs_input_grad[0] else None,
+            grad * _cj(weight) if needs_input_grad[1] else None,
+            grad * _cj(end - input) if needs_input_grad[2] else None)
 
 
 @derivative(torch.fmod, T.fmod, inplace=(T.fmod_,),
@@ -122,20 +131,32 @@ def remainder(grad, input, other, *, needs_input_grad):
 
 # -- powers --------------------------------------------------------------------------------
 def _log_of_number(x):
-    if isinstance(x, complex):
-        return complex(math.log(abs(x)), math.atan2(x.imag, x.real)) if x else -math.inf
+    if isinstance(x, complex):  # (this module's ``abs`` is a rule: cmath, not abs())
+        return cmath.log(x) if x else -math.inf
     return math.log(x) if x > 0 else (-math.inf if x == 0 else math.nan)
+
+
+def _real_nonnegative(exponent):
+    """``exponent >= 0``; for a complex exponent, a real nonnegative one (torch's test)."""
+    if exponent.is_complex():
+        return (exponent.imag == 0) & (exponent.real >= 0)
+    return exponent >= 0
 
 
 def _pow_exponent_grad(grad, base, exponent, result):
     """d(base ** exponent)/d exponent = result * log(base); 0 where base == 0 and e >= 0
-    (torch's pow_backward_exponent: it reads the result, which both keep)."""
+    (torch's pow_backward_exponent: it reads the result, which both keep). A real base of a
+    complex power has a complex logarithm."""
     if _is_tensor(base):
-        zero = (base == 0) & (exponent >= 0)
-        return grad * torch.where(zero, 0.0, result * base.log())
+        zero = (base == 0) & _real_nonnegative(exponent)
+        if result.is_complex() and not base.is_complex():
+            base = base.to(result.dtype)
+        return grad * torch.where(zero, 0.0, _cj(result * base.log()))
     if base == 0:
-        return grad * torch.where(exponent >= 0, 0.0, result * -math.inf)
-    return grad * (result * _log_of_number(base))
+        return grad * torch.where(_real_nonnegative(exponent), 0.0, _cj(result * -math.inf))
+    if result.is_complex() and not isinstance(base, complex):
+        base = complex(base)
+    return grad * _cj(result * _log_of_number(base))
 
 
 def _pow_saves(values, keep, needs):
@@ -149,12 +170,12 @@ def pow(grad, input, exponent, *, result=None, needs_input_grad):
     if not _is_tensor(exponent):
         if exponent == 0:
             return torch.zeros_like(grad), None
-        return grad * (exponent * input.pow(exponent - 1)), None
+        return grad * _cj(exponent * input.pow(exponent - 1)), None
     if not _is_tensor(input):  # torch.pow(2.0, x)
         return None, _pow_exponent_grad(grad, input, exponent, result)
     grad_input = grad_exponent = None
     if needs_input_grad[0]:
-        grad_input = torch.where(exponent == 0, 0.0, grad * (exponent * input.pow(exponent - 1)))
+        grad_input = torch.where(exponent == 0, 0.0, grad * _cj(exponent * input.pow(exponent - 1)))
     if needs_input_grad[1]:
         grad_exponent = _pow_exponent_grad(grad, input, exponent, result)
     return grad_input, grad_exponent
@@ -186,22 +207,22 @@ def float_power(input, exponent):
 
 @derivative(torch.square, T.square, inplace=(torch.square_, T.square_), elementwise=True)
 def square(grad, input):
-    return grad * (2 * input)
+    return grad * _cj(2 * input)
 
 
 @derivative(torch.sqrt, T.sqrt, inplace=(torch.sqrt_, T.sqrt_), elementwise=True)
 def sqrt(grad, input, *, result):
-    return grad / (2 * result)
+    return grad / _cj(2 * result)
 
 
 @derivative(torch.rsqrt, T.rsqrt, inplace=(torch.rsqrt_, T.rsqrt_), elementwise=True)
 def rsqrt(grad, input, *, result):
-    return -0.5 * grad * result.pow(3)
+    return -0.5 * grad * _cj(result.pow(3))
 
 
 @derivative(torch.reciprocal, T.reciprocal, inplace=(torch.reciprocal_, T.reciprocal_), elementwise=True)
 def reciprocal(grad, input, *, result):
-    return -grad * (result * result)
+    return -grad * _cj(result * result)
 
 
 @derivative(torch.hypot, T.hypot, inplace=(T.hypot_,), saved_for={"input": "input", "other": "other"},
@@ -229,45 +250,75 @@ def abs(grad, input):
     return grad * input.sgn()
 
 
+# -- complex numbers (the views, conj real imag view_as_real..., are in complex.py) ------------
+@derivative(torch.conj_physical, T.conj_physical, inplace=(torch.conj_physical_, T.conj_physical_),
+            elementwise=True)
+def conj_physical(grad, input: Meta):
+    return grad.conj_physical()
+
+
+@derivative(torch.complex, name="ComplexBackward", elementwise=True)
+def complex_from_parts(grad, real, imag):
+    """``real + 1j * imag`` of two real tensors: each gets its part of the gradient."""
+    return torch.real(grad), torch.imag(grad)
+
+
+@derivative(torch.polar, elementwise=True)
+def polar(grad, abs, angle, *, result):
+    """``abs * exp(1j * angle)``: torch's ``polar_backward`` (through ``sgn(result)``, so an
+    ``abs`` of 0 passes no gradient to ``abs``, as in torch)."""
+    grad_conj = grad.conj()
+    return torch.real(grad_conj * result.sgn()), torch.real(grad_conj * (result * 1j))
+
+
+@derivative(torch.angle, T.angle, elementwise=True)
+def angle(grad, input):
+    """``atan2(im, re)``: ``grad * 1j * z / |z|^2``, 0 at 0; a real input's angle is piecewise
+    constant (0 or pi), so its gradient is 0 (torch's ``angle_backward``)."""
+    if not input.is_complex():
+        return torch.zeros_like(grad)
+    return torch.where(input == 0, 0.0, grad * input / input.abs().pow(2) * 1j)
+
+
 # -- exponentials and logarithms -----------------------------------------------------------
 @derivative(torch.exp, T.exp, inplace=(torch.exp_, T.exp_), elementwise=True)
 def exp(grad, input, *, result):
-    return grad * result
+    return grad * _cj(result)
 
 
 @derivative(torch.exp2, T.exp2, _special.special_exp2, inplace=(torch.exp2_, T.exp2_), elementwise=True)
 def exp2(grad, input, *, result):
-    return grad * (result * _LN2)
+    return grad * _cj(result * _LN2)
 
 
 @derivative(torch.expm1, T.expm1, _special.special_expm1, inplace=(torch.expm1_, T.expm1_), elementwise=True)
 def expm1(grad, input, *, result):
-    return grad * (result + 1)
+    return grad * _cj(result + 1)
 
 
 @derivative(torch.log, T.log, inplace=(torch.log_, T.log_), elementwise=True)
 def log(grad, input):
-    return grad / input
+    return grad / _cj(input)
 
 
 @derivative(torch.log1p, T.log1p, _special.special_log1p, inplace=(torch.log1p_, T.log1p_), elementwise=True)
 def log1p(grad, input):
-    return grad / (input + 1)
+    return grad / _cj(input + 1)
 
 
 @derivative(torch.log2, T.log2, inplace=(torch.log2_, T.log2_), elementwise=True)
 def log2(grad, input):
-    return grad / (input * _LN2)
+    return grad / _cj(input * _LN2)
 
 
 @derivative(torch.log10, T.log10, inplace=(torch.log10_, T.log10_), elementwise=True)
 def log10(grad, input):
-    return grad / (input * _LN10)
+    return grad / _cj(input * _LN10)
 
 
 @derivative(torch.logaddexp, T.logaddexp, elementwise=True)
 def logaddexp(grad, input, other):
-    return grad / (1 + (other - input).exp()), grad / (1 + (input - other).exp())
+    return grad / _cj(1 + (other - input).exp()), grad / _cj(1 + (input - other).exp())
 
 
 @derivative(torch.logit, T.logit, _special.special_logit, inplace=(torch.logit_, T.logit_), elementwise=True)
@@ -282,35 +333,35 @@ def logit(grad, input, eps=None):
 # -- trigonometric and hyperbolic --------------------------------------------------------------
 @derivative(torch.sin, T.sin, inplace=(torch.sin_, T.sin_), elementwise=True)
 def sin(grad, input):
-    return grad * input.cos()
+    return grad * _cj(input.cos())
 
 
 @derivative(torch.cos, T.cos, inplace=(torch.cos_, T.cos_), elementwise=True)
 def cos(grad, input):
-    return -grad * input.sin()
+    return -grad * _cj(input.sin())
 
 
 @derivative(torch.tan, T.tan, inplace=(torch.tan_, T.tan_), elementwise=True)
 def tan(grad, input, *, result):
-    return grad * (1 + result * result)
+    return grad * _cj(1 + result * result)
 
 
 @derivative(torch.asin, T.asin, torch.arcsin, T.arcsin,
             inplace=(torch.asin_, T.asin_, torch.arcsin_, T.arcsin_), elementwise=True)
 def asin(grad, input):
-    return grad * (1 - input * input).rsqrt()
+    return grad * _cj((1 - input * input).rsqrt())
 
 
 @derivative(torch.acos, T.acos, torch.arccos, T.arccos,
             inplace=(torch.acos_, T.acos_, torch.arccos_, T.arccos_), elementwise=True)
 def acos(grad, input):
-    return grad * -(1 - input * input).rsqrt()
+    return grad * _cj(-(1 - input * input).rsqrt())
 
 
 @derivative(torch.atan, T.atan, torch.arctan, T.arctan,
             inplace=(torch.atan_, T.atan_, torch.arctan_, T.arctan_), elementwise=True)
 def atan(grad, input):
-    return grad / (input * input + 1)
+    return grad / _cj(input * input + 1)
 
 
 @derivative(torch.atan2, T.atan2, torch.arctan2, T.arctan2, inplace=(T.atan2_, T.arctan2_), elementwise=True)
@@ -323,12 +374,12 @@ def atan2(grad, input, other, *, needs_input_grad):
 
 @derivative(torch.sinh, T.sinh, inplace=(torch.sinh_, T.sinh_), elementwise=True)
 def sinh(grad, input):
-    return grad * input.cosh()
+    return grad * _cj(input.cosh())
 
 
 @derivative(torch.cosh, T.cosh, inplace=(torch.cosh_, T.cosh_), elementwise=True)
 def cosh(grad, input):
-    return grad * input.sinh()
+    return grad * _cj(input.sinh())
 
 
 @derivative(torch.tanh, T.tanh, inplace=(torch.tanh_, T.tanh_), elementwise=True)
@@ -349,19 +400,19 @@ def tanh_backward(grad, grad_output, output):
 @derivative(torch.asinh, T.asinh, torch.arcsinh, T.arcsinh,
             inplace=(torch.asinh_, T.asinh_, torch.arcsinh_, T.arcsinh_), elementwise=True)
 def asinh(grad, input):
-    return grad * (input * input + 1).rsqrt()
+    return grad * _cj((input * input + 1).rsqrt())
 
 
 @derivative(torch.acosh, T.acosh, torch.arccosh, T.arccosh,
             inplace=(torch.acosh_, T.acosh_, torch.arccosh_, T.arccosh_), elementwise=True)
 def acosh(grad, input):
-    return grad * (input * input - 1).rsqrt()
+    return grad * _cj((input * input - 1).rsqrt())
 
 
 @derivative(torch.atanh, T.atanh, torch.arctanh, T.arctanh,
             inplace=(torch.atanh_, T.atanh_, torch.arctanh_, T.arctanh_), elementwise=True)
 def atanh(grad, input):
-    return grad / (1 - input * input)
+    return grad / _cj(1 - input * input)
 
 
 @derivative(torch.sigmoid, T.sigmoid, _special.special_expit, inplace=(torch.sigmoid_, T.sigmoid_),
@@ -512,10 +563,11 @@ def nan_to_num(grad, input, nan=0.0, posinf=None, neginf=None):
 
 
 # -- copies and casts ----------------------------------------------------------------------------
-@derivative(T.to, T.double, T.float, T.half, T.bfloat16, T.cpu, T.cuda,
-            T.clone, torch.clone, T.contiguous, elementwise=True)
+@derivative(T.to, T.double, T.float, T.half, T.bfloat16, T.cdouble, T.cfloat, T.chalf, T.cpu,
+            T.cuda, T.clone, torch.clone, T.contiguous, elementwise=True)
 def to(grad, input, *args, **kwargs):
-    """Copies and casts: the engine casts the gradient back to the input's dtype and device."""
+    """Copies and casts: the engine casts the gradient back to the input's dtype and device (a
+    real input of a complex cast gets the real part)."""
     return grad
 
 

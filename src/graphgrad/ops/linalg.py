@@ -3,7 +3,8 @@ baddbmm addbmm, einsum, F.linear, linalg.matrix_norm and linalg.norm, and the SV
 (linalg.svd, linalg.svdvals, svd; real inputs).
 
 Formulas follow torch's (``derivatives.yaml``), so ``beta=0`` gives a zero gradient to
-``input`` like torch does.
+``input`` like torch does. For complex tensors each factor's gradient multiplies by the
+conjugates of the other factors (and of complex ``alpha``/``beta``): torch's convention.
 """
 
 from __future__ import annotations
@@ -19,15 +20,24 @@ T = torch.Tensor
 
 
 def _scaled(t, s):
-    """torch's ``maybe_multiply``: no multiplication for a factor of 1."""
-    return t if s == 1 else t * s
+    """torch's ``maybe_multiply`` of a gradient: no multiplication for a factor of 1; a complex
+    factor enters conjugated."""
+    return t if s == 1 else t * _cj(s)
+
+
+def _cj(x):
+    """The conjugate of a complex tensor or number (a real one as it is): the products here are
+    linear in each factor, so a factor's gradient multiplies by the others' conjugates."""
+    if isinstance(x, torch.Tensor):
+        return x.conj() if x.is_complex() else x
+    return x.conjugate() if isinstance(x, complex) else x
 
 
 # -- products ------------------------------------------------------------------------------
 @derivative(torch.matmul, T.matmul, torch.linalg.matmul,
             saved_for={"input": "other", "other": "input"}, view=False)
 def matmul(grad, input, other, *, needs_input_grad):
-    a, b = input, other
+    a, b = _cj(input), _cj(other)
     if a.dim() == 1 and b.dim() == 1:
         return (grad * b if needs_input_grad[0] else None,
                 grad * a if needs_input_grad[1] else None)
@@ -65,39 +75,39 @@ def rmatmul(grad, input, other, *, needs_input_grad):
 
 @derivative(torch.mm, T.mm, torch.bmm, T.bmm, saved_for={"input": "mat2", "mat2": "input"}, view=False)
 def mm(grad, input, mat2, *, needs_input_grad):
-    return (grad @ mat2.mT if needs_input_grad[0] else None,
-            input.mT @ grad if needs_input_grad[1] else None)
+    return (grad @ _cj(mat2).mT if needs_input_grad[0] else None,
+            _cj(input).mT @ grad if needs_input_grad[1] else None)
 
 
 @derivative(torch.mv, T.mv, saved_for={"input": "vec", "vec": "input"}, view=False)
 def mv(grad, input, vec, *, needs_input_grad):
-    return (grad.outer(vec) if needs_input_grad[0] else None,
-            input.mT.mv(grad) if needs_input_grad[1] else None)
+    return (grad.outer(_cj(vec)) if needs_input_grad[0] else None,
+            _cj(input).mT.mv(grad) if needs_input_grad[1] else None)
 
 
 @derivative(torch.dot, T.dot, saved_for={"input": "tensor", "tensor": "input"}, view=False)
 def dot(grad, input, tensor, *, needs_input_grad):
-    return (grad * tensor if needs_input_grad[0] else None,
-            grad * input if needs_input_grad[1] else None)
+    return (grad * _cj(tensor) if needs_input_grad[0] else None,
+            grad * _cj(input) if needs_input_grad[1] else None)
 
 
 @derivative(torch.vdot, T.vdot, saved_for={"input": "other", "other": "input"}, view=False)
 def vdot(grad, input, other, *, needs_input_grad):
-    """``sum(conj(input) * other)``; real inputs only (complex tensors have no graphgrad rules)."""
-    return (grad * other if needs_input_grad[0] else None,
+    """``sum(conj(input) * other)``: antilinear in ``input`` (torch: ``grad.conj() * other``)."""
+    return (_cj(grad) * other if needs_input_grad[0] else None,
             grad * input if needs_input_grad[1] else None)
 
 
 @derivative(torch.outer, T.outer, torch.ger, T.ger, saved_for={"input": "vec2", "vec2": "input"}, view=False)
 def outer(grad, input, vec2, *, needs_input_grad):
-    return (grad.mv(vec2) if needs_input_grad[0] else None,
-            grad.mT.mv(input) if needs_input_grad[1] else None)
+    return (grad.mv(_cj(vec2)) if needs_input_grad[0] else None,
+            grad.mT.mv(_cj(input)) if needs_input_grad[1] else None)
 
 
 @decomposition(torch.linalg.vecdot, view=False)
 def vecdot(x, y, *, dim=-1):
-    """``sum(conj(x) * y, dim)`` with broadcasting; real inputs."""
-    return (x * y).sum(dim)
+    """``sum(conj(x) * y, dim)`` with broadcasting."""
+    return (_cj(x) * y).sum(dim)
 
 
 @decomposition(torch.inner, T.inner, view=False)
@@ -115,24 +125,24 @@ def inner(input, other):
 def addmm(grad, input, mat1, mat2, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * mat1 @ mat2``."""
     return (_scaled(grad, beta),
-            _scaled(grad.mm(mat2.mT), alpha) if needs_input_grad[1] else None,
-            _scaled(mat1.mT.mm(grad), alpha) if needs_input_grad[2] else None)
+            _scaled(grad.mm(_cj(mat2).mT), alpha) if needs_input_grad[1] else None,
+            _scaled(_cj(mat1).mT.mm(grad), alpha) if needs_input_grad[2] else None)
 
 
 @derivative(torch.addmv, T.addmv, inplace=(T.addmv_,), saved_for={"mat": "vec", "vec": "mat"}, view=False)
 def addmv(grad, input, mat, vec, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * mat @ vec``."""
     return (_scaled(grad, beta),
-            _scaled(grad.outer(vec), alpha) if needs_input_grad[1] else None,
-            _scaled(mat.mT.mv(grad), alpha) if needs_input_grad[2] else None)
+            _scaled(grad.outer(_cj(vec)), alpha) if needs_input_grad[1] else None,
+            _scaled(_cj(mat).mT.mv(grad), alpha) if needs_input_grad[2] else None)
 
 
 @derivative(torch.addr, T.addr, inplace=(T.addr_,), saved_for={"vec1": "vec2", "vec2": "vec1"}, view=False)
 def addr(grad, input, vec1, vec2, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * outer(vec1, vec2)``."""
     return (_scaled(grad, beta),
-            _scaled(grad.mv(vec2), alpha) if needs_input_grad[1] else None,
-            _scaled(grad.mT.mv(vec1), alpha) if needs_input_grad[2] else None)
+            _scaled(grad.mv(_cj(vec2)), alpha) if needs_input_grad[1] else None,
+            _scaled(grad.mT.mv(_cj(vec1)), alpha) if needs_input_grad[2] else None)
 
 
 @derivative(torch.baddbmm, T.baddbmm, inplace=(T.baddbmm_,),
@@ -140,8 +150,8 @@ def addr(grad, input, vec1, vec2, *, beta=1, alpha=1, needs_input_grad):
 def baddbmm(grad, input, batch1, batch2, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * batch1 @ batch2`` (batched)."""
     return (_scaled(grad, beta),
-            _scaled(grad.bmm(batch2.mT), alpha) if needs_input_grad[1] else None,
-            _scaled(batch1.mT.bmm(grad), alpha) if needs_input_grad[2] else None)
+            _scaled(grad.bmm(_cj(batch2).mT), alpha) if needs_input_grad[1] else None,
+            _scaled(_cj(batch1).mT.bmm(grad), alpha) if needs_input_grad[2] else None)
 
 
 @derivative(torch.addbmm, T.addbmm, inplace=(T.addbmm_,),
@@ -152,14 +162,15 @@ def addbmm(grad, input, batch1, batch2, *, beta=1, alpha=1, needs_input_grad):
     if needs_input_grad[1] or needs_input_grad[2]:
         g = grad.unsqueeze(0).expand(batch1.shape[0], batch1.shape[1], batch2.shape[2])
     return (_scaled(grad, beta),
-            _scaled(g.bmm(batch2.mT), alpha) if needs_input_grad[1] else None,
-            _scaled(batch1.mT.bmm(g), alpha) if needs_input_grad[2] else None)
+            _scaled(g.bmm(_cj(batch2).mT), alpha) if needs_input_grad[1] else None,
+            _scaled(_cj(batch1).mT.bmm(g), alpha) if needs_input_grad[2] else None)
 
 
 @derivative(F.linear, saved_for={"input": "weight", "weight": "input"}, view=False)
 def linear(grad, input, weight, bias=None, *, needs_input_grad):
     """``input @ weight.T + bias``; the bias gradient is the engine's unbroadcast of ``grad``."""
     grad_input = grad_weight = None
+    input, weight = _cj(input), _cj(weight)
     if needs_input_grad[0]:
         grad_input = grad @ weight
     if needs_input_grad[1]:
@@ -229,7 +240,7 @@ def einsum(grad, equation, *operands, needs_input_grad):
             grads.append(None)
             continue
         terms = [out] + [labels[j] for j in range(len(operands)) if j != k]
-        args = [grad] + [operands[j] for j in range(len(operands)) if j != k]
+        args = [grad] + [_cj(operands[j]) for j in range(len(operands)) if j != k]
         target = list(labels[k])
         for pos, c in enumerate(target):
             if c in target[:pos]:  # a diagonal: x[i, i] is x[i, j] * eye[i, j]

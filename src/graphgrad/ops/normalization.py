@@ -379,8 +379,13 @@ def _rms_eps(eps, dtype):
 @derivative(F.rms_norm, torch.rms_norm, name="RmsNormBackward",
             saved_for={"input": ("input", "weight"), "weight": "input"}, view=False)
 def rms_norm(grad, input, normalized_shape, weight=None, eps=None, *, needs_input_grad):
-    """``x / sqrt(mean(x²) + eps) * weight``; ``eps=None`` is the dtype's machine epsilon."""
+    """``x / sqrt(mean(x²) + eps) * weight``; ``eps=None`` is the dtype's machine epsilon.
+    For complex tensors (``x²``, not ``|x|²``: holomorphic with real coefficients) torch's
+    gradient is this formula on the conjugated input and weight."""
     dims = _trailing(normalized_shape, input)
+    if input.is_complex():
+        input = input.conj()
+        weight = weight.conj() if weight is not None and weight.is_complex() else weight
     x, g = _acc(input), _acc(grad)
     rstd = ((x * x).mean(dims, keepdim=True) + _rms_eps(eps, input.dtype)).pow(-0.5)
     grad_input = grad_weight = None

@@ -95,9 +95,13 @@ def _prod_grad(grad, input, result, dim: int):
 
 @derivative(torch.prod, T.prod, view=False)
 def prod(grad, input, dim=None, keepdim=False, *, dtype=None, result):
-    """Zeros in the input are handled like torch (the product of the other elements)."""
+    """Zeros in the input are handled like torch (the product of the other elements). A
+    product is a polynomial with real coefficients, so its complex gradient (torch's
+    ``grad * conj(d prod/d x)``) is the same formula on the conjugated input and result."""
     if input.dim() == 0:
         return grad
+    if input.is_complex():
+        input, result = input.conj(), result.conj()
     if dim is None:
         flat = input.reshape(-1)
         if not torch.is_grad_enabled() and int((flat == 0).sum()) > 1:
@@ -313,7 +317,8 @@ def logsumexp(grad, input, dim, keepdim=False, *, result):
     dims = reduced_dims(dim, input.dim())
     grad = restore_reduced(grad, dims, input.dim(), keepdim)
     result = restore_reduced(result, dims, input.dim(), keepdim)
-    return grad * (input - result).exp()
+    weights = (input - result).exp()
+    return grad * (weights.conj() if weights.is_complex() else weights)  # torch's convention
 
 
 @derivative(torch.cumsum, T.cumsum, inplace=(T.cumsum_,), view=False)
