@@ -346,7 +346,7 @@ REPARAMETRIZED = {
 }
 
 
-@pytest.mark.filterwarnings("ignore:.*torch.nn.utils.weight_norm is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore:.*is deprecated in favor of:FutureWarning")
 @pytest.mark.parametrize("name", REPARAMETRIZED)
 def test_reparametrized_model_trains_like_torch(name):
     """Three SGD steps on an adopted model: the same parameters and buffers (spectral norm's
