@@ -1,6 +1,7 @@
 """Losses against torch.autograd: op_db samples, then hand-written cases for what op_db lacks
 (weights, label smoothing with both target kinds, N-d and 1-D inputs, boundaries, target and
-weight gradients, torch.* spellings, nn.Module losses), plus finite-difference checks."""
+weight gradients, torch.* spellings, nn.Module losses, ctc_loss's target layouts and
+zero_infinity), plus finite-difference checks."""
 
 from types import SimpleNamespace
 
@@ -32,6 +33,9 @@ REFERENCE = {
     "nn.functional.binary_cross_entropy_with_logits": {},
     "nn.functional.kl_div": {},
     "nn.functional.margin_ranking_loss": {},
+    "nn.functional.ctc_loss": {"second_order": False,
+                               "why": "torch has no second derivative: both raise "
+                                      "(test_ctc_loss_second_order_raises)"},
 }
 
 unsupported = None
@@ -210,6 +214,28 @@ for name, module, *args in MODULES:
     case(f"module_{name}", module, *args)
 case("module_MarginRankingLoss", nn.MarginRankingLoss(margin=0.2), r(6), r(6), exact(1, -1, 1, 1, -1, -1))
 
+# ctc_loss: T=6 steps, N=3 sequences, C=5 classes (0 is the blank), targets up to 3 long
+ctc_x = r(6, 3, 5)
+ctc_t = torch.tensor([[1, 2, 2], [3, 1, 4], [4, 4, 2]])
+ctc_il, ctc_tl = torch.tensor([6, 5, 4]), torch.tensor([3, 2, 3])
+ctc_cat = torch.cat([ctc_t[i, :n] for i, n in enumerate(ctc_tl.tolist())])  # the 1-D layout
+for red in RED:
+    for zero_infinity in (False, True):
+        case(f"ctc_padded_{red}_{zero_infinity}", lambda x, red=red, z=zero_infinity: F.ctc_loss(
+            x.log_softmax(2), ctc_t, ctc_il, ctc_tl, reduction=red, zero_infinity=z), ctc_x,
+             second_order=False)
+        # one sequence too short for its target: an infinite loss (zeroed with zero_infinity)
+        case(f"ctc_concatenated_infinite_{red}_{zero_infinity}",
+             lambda x, red=red, z=zero_infinity: F.ctc_loss(
+                 x.log_softmax(2), ctc_cat, (6, 1, 4), (3, 2, 3), reduction=red, zero_infinity=z),
+             ctc_x, second_order=False)
+case("ctc_unbatched_blank", lambda x: F.ctc_loss(x.log_softmax(1), torch.tensor([1, 3]), torch.tensor(6),
+                                                 torch.tensor(2), blank=4), r(6, 5), second_order=False)
+case("ctc_int32_lengths", lambda x: torch.ctc_loss(x.log_softmax(2), ctc_t.int(), ctc_il.int(), ctc_tl.int(),
+                                                   0, 2, False), ctc_x, second_order=False)
+case("module_CTCLoss", nn.CTCLoss(blank=0, reduction="sum"),
+     r(6, 3, 5).log_softmax(2).detach().requires_grad_(), ctc_t, ctc_il, ctc_tl, second_order=False)
+
 
 def _oracle_op(fn, ref):
     """An op_db-like op: ``fn`` on graphgrad tensors, ``ref`` (default ``fn``) on torch's."""
@@ -306,3 +332,18 @@ def test_kl_div_keeps_input_values_only_for_the_target_gradient():
     assert _saved_bytes(lambda a, b: F.kl_div(a, b, reduction="batchmean"), x, t) < 2 * x.numel() * 8
     t_grad = gg.as_tensor(t, requires_grad=True)
     assert _saved_bytes(lambda a, b: F.kl_div(a, b, reduction="batchmean"), x, t_grad) >= 2 * x.numel() * 8
+
+
+def test_ctc_loss_second_order_raises():
+    """create_graph works; differentiating the gradient raises, in torch and in graphgrad."""
+    x = ctc_x.detach()
+    t_x, g_x = x.clone().requires_grad_(), gg.as_tensor(x.clone(), requires_grad=True)
+    t_first = torch.autograd.grad(F.ctc_loss(t_x.log_softmax(2), ctc_t, ctc_il, ctc_tl), t_x,
+                                  create_graph=True)[0]
+    g_first = gg.grad(F.ctc_loss(g_x.log_softmax(2), ctc_t, ctc_il, ctc_tl), g_x, create_graph=True)[0]
+    torch.testing.assert_close(g_first.detach().as_subclass(torch.Tensor), t_first.detach(),
+                               rtol=1e-7, atol=1e-7)
+    with pytest.raises(RuntimeError, match="_ctc_loss_backward is not implemented"):
+        torch.autograd.grad(t_first.sum(), t_x)
+    with pytest.raises(NotImplementedError, match="no second derivative of ctc_loss"):
+        gg.grad(g_first.sum(), g_x)

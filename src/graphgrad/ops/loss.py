@@ -1,5 +1,5 @@
 """Losses: mse_loss, l1_loss, smooth_l1_loss, huber_loss, cross_entropy, nll_loss,
-binary_cross_entropy, binary_cross_entropy_with_logits, kl_div, margin_ranking_loss.
+binary_cross_entropy, binary_cross_entropy_with_logits, kl_div, margin_ranking_loss, ctc_loss.
 
 l1_loss, kl_div and margin_ranking_loss are torch's composites, decomposed the same way, so
 they keep for backward what torch keeps (intermediates, not the inputs). The other rules sit
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..rules import decomposition, derivative
-from .nn import autocast_float32, autocast_has_kernel, autocast_off
+from .nn import autocast_float32, autocast_has_kernel, autocast_off, torch_body
 
 _aten = torch.ops.aten
 
@@ -472,3 +472,59 @@ def margin_ranking_loss(input1, input2, target, margin=0, size_average=None, red
             f"input1: {input1.size()}, input2: {input2.size()}, target: {target.size()} ")
     reduction = _reduction(size_average, reduce, reduction)
     return torch.margin_ranking_loss(input1, input2, target, margin, _REDUCTIONS.index(reduction))
+
+
+# -- ctc_loss: torch's composite over _ctc_loss and its backward kernel -----------------------
+decomposition(F.ctc_loss, view=False)(torch_body(F.ctc_loss))
+
+
+def _lengths(lengths) -> list[int]:
+    """CTC lengths as the kernels take them: a list of ints (torch reads a tensor's on the CPU)."""
+    if isinstance(lengths, torch.Tensor):
+        if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+            raise RuntimeError("input_lengths and target_lengths must be integral")
+        return [int(n) for n in lengths.reshape(-1).tolist()]
+    if isinstance(lengths, int):
+        return [lengths]
+    return [int(n) for n in lengths]
+
+
+@decomposition(torch.ctc_loss, view=False)
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0,
+             reduction=_REDUCTIONS.index("mean"), zero_infinity=False):
+    """ATen's ``ctc_loss``: ``_ctc_loss`` per sequence (an unbatched input as a batch of one),
+    infinite losses zeroed with ``zero_infinity``, then "mean" divides each by its target length
+    (at least 1) before averaging. (On CUDA torch may pick cuDNN's kernel; graphgrad ATen's.)"""
+    batched = log_probs.dim() == 3
+    if not batched:
+        log_probs = log_probs.unsqueeze(1)
+    target_lengths = _lengths(target_lengths)
+    loss = torch._ctc_loss(log_probs, targets.to(log_probs.device, torch.long), _lengths(input_lengths),
+                           target_lengths, blank, zero_infinity)[0]
+    if zero_infinity:
+        loss = torch.where(loss == math.inf, loss.new_zeros(()), loss)
+    if reduction == _REDUCTIONS.index("mean"):
+        lengths = torch.tensor(target_lengths, dtype=loss.dtype, device=loss.device).clamp_min(1)
+        return (loss / lengths).mean()
+    if reduction == _REDUCTIONS.index("sum"):
+        return loss.sum()
+    return loss if batched else loss.squeeze(0)
+
+
+@derivative(torch._ctc_loss, name="CtcLossBackward", multi_output=True, differentiable_outputs=1,
+            view=False)
+def ctc_loss_forward(grads, log_probs, targets, input_lengths, target_lengths, blank=0,
+                     zero_infinity=False, *, result):
+    """torch's backward kernel, on the forward's losses and log-alphas (as torch's node keeps)."""
+    return _aten._ctc_loss_backward.default(
+        grads[0], log_probs, targets, _lengths(input_lengths), _lengths(target_lengths), result[0],
+        result[1], blank, zero_infinity)
+
+
+@derivative(_aten._ctc_loss_backward.default, name="CtcLossBackwardBackward", view=False)
+def ctc_loss_backward(grad, grad_out, log_probs, targets, input_lengths, target_lengths,
+                      neg_log_likelihood, log_alpha, blank, zero_infinity=False):
+    """Not implemented, graphgrad and torch alike: create_graph works, differentiating the
+    gradient raises (torch: "derivative for aten::_ctc_loss_backward is not implemented")."""
+    raise NotImplementedError("graphgrad has no second derivative of ctc_loss (torch has none "
+                              "either: the derivative of _ctc_loss_backward is not implemented)")
