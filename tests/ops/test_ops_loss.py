@@ -33,6 +33,16 @@ REFERENCE = {
     "nn.functional.binary_cross_entropy_with_logits": {},
     "nn.functional.kl_div": {},
     "nn.functional.margin_ranking_loss": {},
+    "nn.functional.poisson_nll_loss": {},
+    "nn.functional.gaussian_nll_loss": {},
+    "nn.functional.cosine_embedding_loss": {},
+    "nn.functional.hinge_embedding_loss": {},
+    "nn.functional.triplet_margin_loss": {},
+    "nn.functional.triplet_margin_with_distance_loss": {},
+    "nn.functional.soft_margin_loss": {},
+    "nn.functional.multilabel_soft_margin_loss": {},
+    "nn.functional.multi_margin_loss": {"second_order": False, "why": "torch has no second derivative"},
+    "nn.functional.multilabel_margin_loss": {"second_order": False, "why": "torch has no second derivative"},
     "nn.functional.ctc_loss": {"second_order": False,
                                "why": "torch has no second derivative: both raise "
                                       "(test_ctc_loss_second_order_raises)"},
@@ -235,6 +245,62 @@ case("ctc_int32_lengths", lambda x: torch.ctc_loss(x.log_softmax(2), ctc_t.int()
                                                    0, 2, False), ctc_x, second_order=False)
 case("module_CTCLoss", nn.CTCLoss(blank=0, reduction="sum"),
      r(6, 3, 5).log_softmax(2).detach().requires_grad_(), ctc_t, ctc_il, ctc_tl, second_order=False)
+
+pm1 = exact(1.0, -1.0, 1.0, -1.0, grad=False)
+case("poisson_nll_full_prob",
+     lambda x, t: F.poisson_nll_loss(x, t, log_input=False, full=True, reduction="sum"),
+     prob(4, 3), pos(4, 3) * 2)
+case("gaussian_nll_full_bcast_var", lambda x, t, v: F.gaussian_nll_loss(x, t, v, full=True, reduction="none"),
+     r(4, 3), r(4, 3), pos(4, 1, grad=True))
+case("cosine_embedding_1d", lambda a, b, t: F.cosine_embedding_loss(a, b, t, 0.2), r(5), r(5),
+     exact(-1.0, grad=False)[0])
+case("cosine_embedding_sum", lambda a, b, t: F.cosine_embedding_loss(a, b, t, -0.3, reduction="sum"),
+     r(4, 5), r(4, 5), pm1)
+case("hinge_embedding_none", lambda x, t: F.hinge_embedding_loss(x, t, 0.5, reduction="none"), r(3, 4),
+     exact([1.0, -1.0, -1.0, 1.0], grad=False))
+case("triplet_swap_p1",
+     lambda a, p, n: F.triplet_margin_loss(a, p, n, 0.5, p=1, swap=True, reduction="sum"),
+     r(4, 5), r(4, 5), r(4, 5))
+case("triplet_distance_fn", lambda a, p, n: F.triplet_margin_with_distance_loss(
+    a, p, n, distance_function=lambda x, y: 1 - F.cosine_similarity(x, y), margin=0.3, swap=True),
+     r(4, 5), r(4, 5), r(4, 5))
+case("soft_margin_target_grad", lambda x, t: F.soft_margin_loss(x, t), r(3, 4), r(3, 4),
+     ref=lambda x, t: torch.log1p(torch.exp(-x * t)).mean())
+case("multilabel_soft_margin_weight",
+     lambda x, t, w: F.multilabel_soft_margin_loss(x, t, w, reduction="none"),
+     r(3, 4), prob(3, 4, grad=False).round(), pos(4))
+case("multi_margin_p2_weight", lambda x, t, w: F.multi_margin_loss(x, t, 2, 0.7, w, reduction="sum"),
+     r(4, 5), ints(5, 4), pos(5), second_order=False)
+case("multi_margin_1d", lambda x, t: F.multi_margin_loss(x, t), r(5), torch.tensor([3]), second_order=False)
+case("multilabel_margin", lambda x, t: F.multilabel_margin_loss(x, t, reduction="none"), r(3, 5),
+     torch.tensor([[3, 0, -1, 1, 2], [1, 2, 3, -1, 0], [0, -1, 2, 2, 2]]), second_order=False)
+for name, module, *args in [
+        ("PoissonNLLLoss", nn.PoissonNLLLoss(log_input=True, full=True), r(3, 4), pos(3, 4) * 2),
+        ("GaussianNLLLoss", nn.GaussianNLLLoss(eps=1e-3), r(3, 4), r(3, 4), pos(3, 4, grad=True)),
+        ("CosineEmbeddingLoss", nn.CosineEmbeddingLoss(0.1), r(4, 5), r(4, 5), pm1),
+        ("HingeEmbeddingLoss", nn.HingeEmbeddingLoss(0.7), r(4), pm1),
+        ("TripletMarginLoss", nn.TripletMarginLoss(0.4, p=3.0), r(4, 5), r(4, 5), r(4, 5)),
+        ("SoftMarginLoss", nn.SoftMarginLoss(reduction="sum"), r(3, 4),
+         prob(3, 4, grad=False).round() * 2 - 1),
+        ("MultiLabelSoftMarginLoss", nn.MultiLabelSoftMarginLoss(), r(3, 4), prob(3, 4, grad=False).round())]:
+    case(f"module_{name}", module, *args)
+
+
+def test_margin_losses_second_order_raises():
+    """multi_margin_loss and multilabel_margin_loss: create_graph works, differentiating the
+    gradient raises, in torch and in graphgrad."""
+    t = torch.tensor([[3, 0, -1, 1, 2], [1, 2, 3, -1, 0]])
+    for fn in (lambda x: F.multi_margin_loss(x, torch.tensor([1, 4])),
+               lambda x: F.multilabel_margin_loss(x, t)):
+        x = r(2, 5, grad=False)
+        t_x, g_x = x.clone().requires_grad_(), gg.as_tensor(x.clone(), requires_grad=True)
+        t_first = torch.autograd.grad(fn(t_x), t_x, create_graph=True)[0]
+        g_first = gg.grad(fn(g_x), g_x, create_graph=True)[0]
+        torch.testing.assert_close(g_first.detach().as_subclass(torch.Tensor), t_first.detach())
+        with pytest.raises((RuntimeError, NotImplementedError), match="not implemented"):
+            torch.autograd.grad((t_first * t_first).sum(), t_x)
+        with pytest.raises(NotImplementedError, match="no second derivative"):
+            gg.grad((g_first * g_first).sum(), g_x)
 
 
 def _oracle_op(fn, ref):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphgrad as gg
-from op_cases import Randoms, T, check_to_order
+from op_cases import Randoms, T, check, check_to_order
 from opdb_harness import opdb_test
 
 pytestmark = pytest.mark.filterwarnings("ignore:`nn.functional.upsample` is deprecated:UserWarning")
@@ -27,6 +27,7 @@ REFERENCE = {
     "nn.functional.pixel_shuffle": {},
     "nn.functional.pixel_unshuffle": {},
     "nn.functional.unfold": {},
+    "nn.functional.channel_shuffle": {},
     "nn.functional.grid_sample": {},
     "grid_sampler_2d": {},
     "grid_sampler_3d": {"max_samples": 2},  # the rest are up to 20x21x22x23x24: minutes
@@ -79,6 +80,7 @@ CASES = {
     "nn_ReflectionPad2d": (nn.ReflectionPad2d((1, 2, 0, 3)), r(1, 2, 4, 4)),
     "pixel_shuffle_batch_dims": (lambda x: F.pixel_shuffle(x, 2), r(2, 3, 8, 2, 3)),
     "pixel_unshuffle_unbatched": (lambda x: F.pixel_unshuffle(x, 3), r(2, 6, 3)),
+    "channel_shuffle_module": (nn.ChannelShuffle(3), r(2, 6, 2, 3)),
 }
 
 
@@ -186,3 +188,8 @@ def test_grid_sample_uses_torch_kernel_without_create_graph():
     have = gg.grad(F.grid_sample(gx, gg_, mode="bicubic", align_corners=False).sum(), [gx, gg_])
     for a, b in zip(have, want):
         assert torch.equal(a.detach().as_subclass(torch.Tensor), b)
+
+
+def test_native_channel_shuffle():
+    """torch has no derivative for native_channel_shuffle; graphgrad's is channel_shuffle's."""
+    check(lambda x: torch.native_channel_shuffle(x, 2), r(2, 4, 3), ref=lambda x: torch.channel_shuffle(x, 2))

@@ -1,5 +1,5 @@
 """Resampling: pad (constant, reflect, replicate, circular), interpolate (every mode),
-pixel_shuffle / pixel_unshuffle, unfold / fold, affine_grid, grid_sample.
+pixel_shuffle / pixel_unshuffle, channel_shuffle, unfold / fold, affine_grid, grid_sample.
 
 All of these are linear in the input, so each gradient is the op's adjoint, written so that
 the adjoint is differentiable again: constant padding's adjoint is padding by the negated
@@ -124,6 +124,13 @@ def pixel_shuffle(grad, input, upscale_factor):
 @derivative(torch.pixel_unshuffle, name="PixelUnshuffleBackward", view=False)
 def pixel_unshuffle(grad, input, downscale_factor):
     return torch.pixel_shuffle(grad, downscale_factor)
+
+
+@derivative(torch.channel_shuffle, torch.native_channel_shuffle, name="ChannelShuffleBackward",
+            view=False)
+def channel_shuffle(grad, input: Meta, groups):
+    """A permutation of the channels: its inverse is the shuffle by ``channels // groups``."""
+    return torch.channel_shuffle(grad, grad.shape[1] // groups)
 
 
 @derivative(F.unfold, view=False)
