@@ -348,3 +348,116 @@ def cosine_similarity(x1, x2, dim=1, eps=1e-8):
 def pairwise_distance(x1, x2, p=2.0, eps=1e-6, keepdim=False):
     """``‖x1 - x2 + eps‖_p`` over the last dimension (ATen's formula)."""
     return torch.linalg.vector_norm(x1 - x2 + eps, p, max(x1.dim(), x2.dim()) - 1, keepdim)
+
+
+# -- recurrent layers: ATen's CPU composites, recorded ---------------------------------------
+def _linear(x, w, b):
+    return F.linear(x, w, b)
+
+
+@decomposition(torch.rnn_tanh_cell, view=False)
+def rnn_tanh_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    return torch.tanh(_linear(input, w_ih, b_ih) + _linear(hx, w_hh, b_hh))
+
+
+@decomposition(torch.rnn_relu_cell, view=False)
+def rnn_relu_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    return torch.relu(_linear(input, w_ih, b_ih) + _linear(hx, w_hh, b_hh))
+
+
+@decomposition(torch.lstm_cell, view=False)
+def lstm_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    """ATen's ``lstm_cell``: gates ``i, f, g, o`` from one matmul each for input and state."""
+    h, c = hx
+    i, f, g, o = (_linear(input, w_ih, b_ih) + _linear(h, w_hh, b_hh)).chunk(4, 1)
+    cy = f.sigmoid() * c + i.sigmoid() * g.tanh()
+    return o.sigmoid() * cy.tanh(), cy
+
+
+@decomposition(torch.gru_cell, view=False)
+def gru_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    """ATen's ``gru_cell``: reset and update gates; the new gate reads the reset state."""
+    ir, iz, in_ = _linear(input, w_ih, b_ih).chunk(3, 1)
+    hr, hz, hn = _linear(hx, w_hh, b_hh).chunk(3, 1)
+    reset, update = (hr + ir).sigmoid(), (hz + iz).sigmoid()
+    new = (in_ + hn * reset).tanh()
+    return (hx - new) * update + new
+
+
+def _rnn_stack(input, hidden, params, has_biases, num_layers, dropout, train, bidirectional,
+               batch_first, cell, per_cell):
+    """ATen's ``_rnn_impl``: layer after layer (dropout between them when training), each
+    direction a loop of ``cell`` over time (the reverse one from the end), outputs concatenated
+    along features. ``hidden``: per (layer, direction), the initial state (a tuple for LSTM)."""
+    if batch_first:
+        input = input.transpose(0, 1)
+    directions = 2 if bidirectional else 1
+    finals = []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            k = layer * directions + direction
+            weights = params[k * per_cell:(k + 1) * per_cell]
+            state = hidden[k]
+            steps = range(input.shape[0] - 1, -1, -1) if direction else range(input.shape[0])
+            out = [None] * input.shape[0]
+            for t in steps:
+                state = cell(input[t], state, weights, has_biases)
+                out[t] = state[0] if isinstance(state, tuple) else state
+            outputs.append(torch.stack(out, 0))
+            finals.append(state)
+        input = outputs[0] if directions == 1 else torch.cat(outputs, -1)
+        if dropout > 0 and train and layer < num_layers - 1:
+            input = torch.dropout(input, dropout, train)
+    return (input.transpose(0, 1) if batch_first else input), finals
+
+
+def _packed(name):
+    return NotImplementedError(f"torch.{name} on a PackedSequence has no graphgrad rule: pass "
+                               "padded sequences (with their lengths masked by hand)")
+
+
+def _simple_rnn(cell_fn, name):
+    def cell(x, h, weights, has_biases):
+        return cell_fn(x, h, weights[0], weights[1], *(weights[2:4] if has_biases else ()))
+
+    def rnn(input, hx, params, *args):
+        if isinstance(params, torch.Tensor):  # (data, batch_sizes, hx, params, ...)
+            raise _packed(name)
+        has_biases, num_layers, dropout, train, bidirectional, batch_first = args
+        out, finals = _rnn_stack(input, list(hx.unbind(0)), params, has_biases, num_layers, dropout,
+                                 train, bidirectional, batch_first, cell, 4 if has_biases else 2)
+        return out, torch.stack(finals, 0)
+
+    rnn.__name__ = rnn.__qualname__ = name
+    rnn.__doc__ = f"ATen's ``{name}`` on CPU: its cells in a loop, recorded."
+    return rnn
+
+
+decomposition(torch.rnn_tanh, view=False)(_simple_rnn(rnn_tanh_cell, "rnn_tanh"))
+decomposition(torch.rnn_relu, view=False)(_simple_rnn(rnn_relu_cell, "rnn_relu"))
+decomposition(torch.gru, view=False)(_simple_rnn(gru_cell, "gru"))
+
+
+def _lstm_step(x, state, weights, has_biases):
+    """One LSTM step; a fifth (third without biases) weight projects the output (proj_size)."""
+    n = 4 if has_biases else 2
+    h, c = lstm_cell(x, state, weights[0], weights[1], *(weights[2:4] if has_biases else ()))
+    if len(weights) > n:
+        h = h.matmul(weights[n].t())
+    return h, c
+
+
+@decomposition(torch.lstm, view=False)
+def lstm(input, hx, params, *args):
+    """ATen's ``lstm`` on CPU: its cells in a loop, recorded (with projections when the hidden
+    and cell states differ in size)."""
+    if isinstance(hx, torch.Tensor):  # (data, batch_sizes, hx, params, ...)
+        raise _packed("lstm")
+    has_biases, num_layers, dropout, train, bidirectional, batch_first = args
+    h0, c0 = hx
+    per_cell = (4 if has_biases else 2) + (1 if h0.shape[-1] != c0.shape[-1] else 0)
+    hidden = list(zip(h0.unbind(0), c0.unbind(0)))
+    out, finals = _rnn_stack(input, hidden, params, has_biases, num_layers, dropout, train,
+                             bidirectional, batch_first, _lstm_step, per_cell)
+    return out, torch.stack([h for h, _ in finals], 0), torch.stack([c for _, c in finals], 0)
