@@ -387,8 +387,9 @@ def test_recurrent_modules_train_like_torch():
     """nn.LSTM with dropout between layers (the same masks from the same seed), an unbatched
     nn.GRU and the cells, adopted: one SGD step gives torch's parameters."""
     torch.manual_seed(0)
-    want = torch.nn.ModuleList([torch.nn.LSTM(3, 4, 3, dropout=0.4), torch.nn.GRU(4, 3), torch.nn.LSTMCell(3, 3),
-                                torch.nn.GRUCell(3, 2), torch.nn.RNNCell(2, 2)]).double()
+    nn = torch.nn
+    want = nn.ModuleList([nn.LSTM(3, 4, 3, dropout=0.4), nn.GRU(4, 3), nn.LSTMCell(3, 3), nn.GRUCell(3, 2),
+                          nn.RNNCell(2, 2)]).double()
     have = gg.nn.adopt(copy.deepcopy(want))
     x = r(6, 2, 3)
 
