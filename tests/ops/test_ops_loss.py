@@ -285,6 +285,19 @@ for name, module, *args in [
         ("MultiLabelSoftMarginLoss", nn.MultiLabelSoftMarginLoss(), r(3, 4), prob(3, 4, grad=False).round())]:
     case(f"module_{name}", module, *args)
 
+lce_t = ints(4, 6)
+case("linear_cross_entropy_bias_smoothing", lambda x, w, b: F.linear_cross_entropy(
+    x, w, lce_t, linear_bias=b, label_smoothing=0.1, ignore_index=2), r(6, 5), r(4, 5), r(4))
+case("linear_cross_entropy_kdim_probs", lambda x, w, t: F.linear_cross_entropy(x, w, t, reduction="sum"),
+     r(3, 5), r(4, 2, 5), dist(3, 4, 2))
+case("module_LinearCrossEntropyLoss", nn.LinearCrossEntropyLoss(5, 4, bias=True).double(), r(6, 5), lce_t)
+
+
+def test_linear_cross_entropy_chunked_path_raises():
+    x = gg.as_tensor(r(6, 5, grad=False), requires_grad=True)
+    with pytest.raises(NotImplementedError, match="graphgrad"):
+        F.linear_cross_entropy(x, r(4, 5), ints(4, 6), options=nn.LinearCrossEntropyOptions())
+
 
 def test_margin_losses_second_order_raises():
     """multi_margin_loss and multilabel_margin_loss: create_graph works, differentiating the

@@ -2,7 +2,7 @@
 binary_cross_entropy, binary_cross_entropy_with_logits, kl_div, margin_ranking_loss, ctc_loss,
 poisson_nll_loss, gaussian_nll_loss, cosine_embedding_loss, hinge_embedding_loss,
 triplet_margin_loss (also with a distance function), soft_margin_loss,
-multilabel_soft_margin_loss, multi_margin_loss, multilabel_margin_loss.
+multilabel_soft_margin_loss, multi_margin_loss, multilabel_margin_loss, linear_cross_entropy.
 
 l1_loss, kl_div and margin_ranking_loss are torch's composites, decomposed the same way, so
 they keep for backward what torch keeps (intermediates, not the inputs). The other rules sit
@@ -642,3 +642,21 @@ def multilabel_margin_loss_backward(grad, grad_output, input, target, reduction,
     """Not implemented, graphgrad and torch alike (torch's kernel has no derivative)."""
     raise NotImplementedError("graphgrad has no second derivative of multilabel_margin_loss "
                               "(torch has none either)")
+
+
+# -- linear_cross_entropy: torch's reference path ---------------------------------------------
+_linear_cross_entropy_body = torch_body(F.linear_cross_entropy)
+
+
+@decomposition(F.linear_cross_entropy, view=False)
+def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None,
+                         reduction="mean", ignore_index=None, label_smoothing=0.0, options=None):
+    """torch's reference path, ``cross_entropy(linear(input, linear_weight))``, recorded. The
+    chunked path (``options``) runs torch custom ops with torch's own autograd, which graphgrad
+    does not record: it raises rather than lose the gradient."""
+    if options is not None:
+        raise NotImplementedError("F.linear_cross_entropy(options=...) (the chunked path) has no "
+                                  "graphgrad rule: use options=None, the reference path")
+    return _linear_cross_entropy_body(input, linear_weight, target, linear_bias=linear_bias,
+                                      weight=weight, reduction=reduction,
+                                      ignore_index=ignore_index, label_smoothing=label_smoothing)
