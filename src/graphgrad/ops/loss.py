@@ -644,19 +644,7 @@ def multilabel_margin_loss_backward(grad, grad_output, input, target, reduction,
                               "(torch has none either)")
 
 
-# -- linear_cross_entropy: torch's reference path ---------------------------------------------
-_linear_cross_entropy_body = torch_body(F.linear_cross_entropy)
-
-
-@decomposition(F.linear_cross_entropy, view=False)
-def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None,
-                         reduction="mean", ignore_index=None, label_smoothing=0.0, options=None):
-    """torch's reference path, ``cross_entropy(linear(input, linear_weight))``, recorded. The
-    chunked path (``options``) runs torch custom ops with torch's own autograd, which graphgrad
-    does not record: it raises rather than lose the gradient."""
-    if options is not None:
-        raise NotImplementedError("F.linear_cross_entropy(options=...) (the chunked path) has no "
-                                  "graphgrad rule: use options=None, the reference path")
-    return _linear_cross_entropy_body(input, linear_weight, target, linear_bias=linear_bias,
-                                      weight=weight, reduction=reduction,
-                                      ignore_index=ignore_index, label_smoothing=label_smoothing)
+# -- linear_cross_entropy: torch's own code, recorded ------------------------------------------
+# The reference path (options=None) is cross_entropy(linear(...)); the chunked path calls torch
+# custom ops, which have no graphgrad rule and raise graphgrad's error naming them.
+decomposition(F.linear_cross_entropy, view=False, family="loss")(torch_body(F.linear_cross_entropy))

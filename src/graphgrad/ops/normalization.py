@@ -418,7 +418,7 @@ def weight_norm(v, g, dim=0):
     v, g = v.contiguous(), g.contiguous()
     if dim == 0 or dim == v.dim() - 1:
         return torch._weight_norm_interface(v, g, dim)[0]
-    return v * (g / norm_except_dim(v, 2, dim))
+    return v * (g / torch.norm_except_dim(v, 2, dim))
 
 
 def _norms_only(values, keep, needs):
@@ -436,7 +436,7 @@ def weight_norm_interface(grads, v, g, dim=0, *, result):
     grad = grads[0].contiguous()
     if not torch.is_grad_enabled():
         return _aten._weight_norm_interface_backward.default(grad, v, g, result[1], dim)
-    norms = norm_except_dim(v, 2, dim).to(g.dtype)
+    norms = torch.norm_except_dim(v, 2, dim).to(g.dtype)
     dims = [d for d in range(v.dim()) if d != dim]
     per_dir_sums = (grad * v).sum(dims, keepdim=True)
     grad_v = (g / norms) * (grad - v * (per_dir_sums / (norms * norms)))
