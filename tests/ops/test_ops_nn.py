@@ -1,9 +1,7 @@
 """torch.nn.functional pieces: dropout, embedding, embedding_bag, normalize, cosine_similarity,
-pairwise_distance, one_hot, and the recurrent layers (rnn_tanh, rnn_relu, gru, lstm and their
-cells). op_db samples (dropout's are seeded, so graphgrad must draw the
+pairwise_distance, one_hot. op_db samples (dropout's are seeded, so graphgrad must draw the
 same mask as torch) and hand-written cases."""
 
-import copy
 from functools import partial
 
 import pytest
@@ -335,80 +333,3 @@ def test_embedding_bag_sparse_is_unsupported():
     w = gg.as_tensor(r(10, 3), requires_grad=True)
     with pytest.raises(NotImplementedError, match="graphgrad"):
         F.embedding_bag(BAG_IDX, w, BAG_OFF, sparse=True)
-
-
-# -- recurrent layers ------------------------------------------------------------------------
-RNNS = [  # (module, its torch function, options)
-    ("rnn_tanh_2layers", lambda: torch.nn.RNN(3, 4, 2), torch.rnn_tanh),
-    ("rnn_relu_bidirectional_batch_first", lambda: torch.nn.RNN(3, 4, nonlinearity="relu", bidirectional=True,
-                                                                 batch_first=True), torch.rnn_relu),
-    ("gru_bidirectional_2layers", lambda: torch.nn.GRU(3, 4, 2, bidirectional=True), torch.gru),
-    ("gru_no_bias", lambda: torch.nn.GRU(3, 4, bias=False), torch.gru),
-    ("lstm_2layers", lambda: torch.nn.LSTM(3, 4, 2), torch.lstm),
-    ("lstm_proj_bidirectional_batch_first", lambda: torch.nn.LSTM(3, 4, 2, proj_size=2, bidirectional=True,
-                                                                   batch_first=True), torch.lstm),
-    ("lstm_no_bias", lambda: torch.nn.LSTM(3, 4, bias=False), torch.lstm),
-]
-
-
-@pytest.mark.parametrize("name,make,fn", RNNS, ids=[c[0] for c in RNNS])
-def test_recurrent(name, make, fn):
-    """torch's function on the module's weights: outputs, final states, first and second
-    derivatives w.r.t. the input, the initial states and every weight."""
-    torch.manual_seed(0)
-    m = make().double()
-    weights = [w.detach() for w in m._flat_weights]
-    d = 2 if m.bidirectional else 1
-    x = r(2, 5, 3) if m.batch_first else r(5, 2, 3)
-    h0 = r(m.num_layers * d, 2, m.proj_size or m.hidden_size, seed=1)
-    options = (m.bias, m.num_layers, 0.0, True, m.bidirectional, m.batch_first)
-    if fn is torch.lstm:
-        c0 = r(m.num_layers * d, 2, m.hidden_size, seed=2)
-        compare(lambda x, h, c, *w: fn(x, (h, c), list(w), *options), [x, h0, c0] + weights)
-    else:
-        compare(lambda x, h, *w: fn(x, h, list(w), *options), [x, h0] + weights)
-
-
-CELLS = [("rnn_tanh_cell", torch.rnn_tanh_cell, 4), ("rnn_relu_cell", torch.rnn_relu_cell, 4),
-         ("gru_cell", torch.gru_cell, 12), ("lstm_cell", torch.lstm_cell, 16)]
-
-
-@pytest.mark.parametrize("name,fn,gates", CELLS, ids=[c[0] for c in CELLS])
-def test_recurrent_cell(name, fn, gates):
-    x, h, c = r(2, 3), r(2, 4, seed=1), r(2, 4, seed=2)
-    w = [r(gates, 3, seed=3), r(gates, 4, seed=4), r(gates, seed=5), r(gates, seed=6)]
-    if fn is torch.lstm_cell:
-        compare(lambda x, h, c, *w: fn(x, (h, c), *w), [x, h, c] + w)
-    else:
-        compare(lambda x, h, *w: fn(x, h, *w), [x, h] + w)
-
-
-def test_recurrent_modules_train_like_torch():
-    """nn.LSTM with dropout between layers (the same masks from the same seed), an unbatched
-    nn.GRU and the cells, adopted: one SGD step gives torch's parameters."""
-    torch.manual_seed(0)
-    nn = torch.nn
-    want = nn.ModuleList([nn.LSTM(3, 4, 3, dropout=0.4), nn.GRU(4, 3), nn.LSTMCell(3, 3), nn.GRUCell(3, 2),
-                          nn.RNNCell(2, 2)]).double()
-    have = gg.nn.adopt(copy.deepcopy(want))
-    x = r(6, 2, 3)
-
-    def run(m, x):
-        y, _ = m[0](x)
-        y, _ = m[1](y[:, 0])  # unbatched
-        h, _ = m[2](y)
-        return m[4](m[3](h)).square().sum()
-
-    for model, inp in ((want, x), (have, gg.as_tensor(x))):
-        torch.manual_seed(5)
-        run(model, inp).backward()
-        torch.optim.SGD(model.parameters(), 0.1).step()
-    for (n, a), b in zip(want.named_parameters(), have.parameters()):
-        torch.testing.assert_close(plain(b), a.detach(), rtol=1e-7, atol=1e-7, msg=n)
-
-
-def test_packed_sequences_are_unsupported():
-    m = gg.nn.adopt(torch.nn.LSTM(3, 4).double())
-    packed = torch.nn.utils.rnn.pack_padded_sequence(gg.as_tensor(r(5, 2, 3)), [5, 3])
-    with pytest.raises(NotImplementedError, match="PackedSequence"):
-        m(packed)
