@@ -41,6 +41,7 @@ REFERENCE = {
     "nn.functional.softshrink": {},
     "nn.functional.prelu": {},
     "nn.functional.glu": {},
+    "nn.functional.rrelu": {},  # its samples are seeded: graphgrad must draw torch's slopes
 }
 
 unsupported = None
@@ -117,6 +118,9 @@ SPELLINGS = {
     "nn.LogSigmoid": (module(nn.LogSigmoid), r(3, 4)), "nn.Softsign": (module(nn.Softsign), r(3, 4)),
     "nn.GLU": (module(lambda: nn.GLU(0)), r(2, 3)),
     "nn.Threshold": (module(lambda: nn.Threshold(0.1, 20.0)), r(3, 4)),
+    "rrelu_eval": (lambda a: F.rrelu(a, 0.1, 0.4), r(3, 4)),
+    "rrelu_eval_inplace": (ip(F.rrelu, 0.2, 0.3, False, True), r(3, 4)),
+    "F.rrelu_eval": (ip(F.rrelu_, 0.2, 0.3), r(3, 4)),
 }
 
 
@@ -234,3 +238,23 @@ def test_prelu_keeps_the_weight_only_for_the_input_gradient():
     y = F.prelu(x, w)
     assert not isinstance(y.grad_fn.saved_values["weight"], T)
     check(F.prelu, r(2, 3, 4), pos(3))
+
+
+@pytest.mark.parametrize("spelling", ["F.rrelu", "F.rrelu_inplace", "torch.rrelu_", "nn.RReLU"])
+def test_rrelu_training_draws_torchs_slopes(spelling):
+    """In training each negative element gets a random slope: with the same seed, the same
+    slopes as torch, and the gradient is that slope."""
+    fn = {"F.rrelu": lambda a: F.rrelu(a, 0.1, 0.6, training=True),
+          "F.rrelu_inplace": lambda a: F.rrelu(a * 1.0, 0.1, 0.6, True, inplace=True),
+          "torch.rrelu_": lambda a: torch.rrelu_(a * 1.0, 0.2, 0.5, True),
+          "nn.RReLU": lambda a: nn.RReLU(0.05, 0.3).train()(a)}[spelling]
+    x = r(4, 5)
+    tx, gx = x.clone().requires_grad_(), gg.as_tensor(x.clone(), requires_grad=True)
+    torch.manual_seed(3)
+    want = fn(tx)
+    torch.manual_seed(3)
+    have = fn(gx)
+    torch.testing.assert_close(plain(have), want.detach(), rtol=0, atol=0)
+    v = r(4, 5)
+    torch.testing.assert_close(plain(gg.grad(have, gx, v)[0]), torch.autograd.grad(want, tx, v)[0],
+                               rtol=0, atol=0)

@@ -159,3 +159,11 @@ def test_matrix_norm_bad_ord_raises_torchs_error():
     a = gg.as_tensor(r(3, 3), requires_grad=True)
     with pytest.raises(RuntimeError, match="Order 3"):
         torch.linalg.matrix_norm(a, 3)
+
+
+def test_linear_with_no_output_features():
+    """A Linear(8, 0) (AdaptiveLogSoftmaxWithLoss makes one for a small cluster): empty
+    gradients, not a reshape error."""
+    from op_cases import compare
+    compare(lambda x, w: torch.nn.functional.linear(x, w), [torch.randn(2, 3, 8, dtype=F64),
+                                                          torch.randn(0, 8, dtype=F64)])

@@ -1,6 +1,7 @@
 """Losses against torch.autograd: op_db samples, then hand-written cases for what op_db lacks
 (weights, label smoothing with both target kinds, N-d and 1-D inputs, boundaries, target and
-weight gradients, torch.* spellings, nn.Module losses), plus finite-difference checks."""
+weight gradients, torch.* spellings, nn.Module losses, ctc_loss's target layouts and
+zero_infinity), plus finite-difference checks."""
 
 from types import SimpleNamespace
 
@@ -32,9 +33,33 @@ REFERENCE = {
     "nn.functional.binary_cross_entropy_with_logits": {},
     "nn.functional.kl_div": {},
     "nn.functional.margin_ranking_loss": {},
+    "nn.functional.poisson_nll_loss": {},
+    "nn.functional.gaussian_nll_loss": {},
+    "nn.functional.cosine_embedding_loss": {},
+    "nn.functional.hinge_embedding_loss": {},
+    "nn.functional.triplet_margin_loss": {},
+    "nn.functional.triplet_margin_with_distance_loss": {},
+    "nn.functional.soft_margin_loss": {},
+    "nn.functional.multilabel_soft_margin_loss": {},
+    "nn.functional.multi_margin_loss": {"second_order": False, "why": "torch has no second derivative"},
+    "nn.functional.multilabel_margin_loss": {"second_order": False, "why": "torch has no second derivative"},
+    "nn.functional.linear_cross_entropy": {},
+    "nn.functional.ctc_loss": {"second_order": False,
+                               "why": "torch has no second derivative: both raise "
+                                      "(test_ctc_loss_second_order_raises)"},
 }
 
-unsupported = None
+def unsupported(op, sample):
+    """linear_cross_entropy's chunked path runs torch custom ops, which have no graphgrad rule
+    (torch takes it for options=... unless it falls back to the reference path, as here)."""
+    if op.name != "nn.functional.linear_cross_entropy" or sample.kwargs.get("options") is None:
+        return None
+    weight, target = sample.args[0], sample.args[1]
+    if (weight.dim() == 2 and target.dtype == torch.int64 and sample.kwargs.get("label_smoothing", 0.0) == 0.0
+            and sample.kwargs.get("reduction", "mean") in ("mean", "sum", "none")):
+        return "the chunked path (options=...)"
+    return None
+
 
 test_opdb = opdb_test(REFERENCE, unsupported)
 
@@ -210,6 +235,97 @@ for name, module, *args in MODULES:
     case(f"module_{name}", module, *args)
 case("module_MarginRankingLoss", nn.MarginRankingLoss(margin=0.2), r(6), r(6), exact(1, -1, 1, 1, -1, -1))
 
+# ctc_loss: T=6 steps, N=3 sequences, C=5 classes (0 is the blank), targets up to 3 long
+ctc_x = r(6, 3, 5)
+ctc_t = torch.tensor([[1, 2, 2], [3, 1, 4], [4, 4, 2]])
+ctc_il, ctc_tl = torch.tensor([6, 5, 4]), torch.tensor([3, 2, 3])
+ctc_cat = torch.cat([ctc_t[i, :n] for i, n in enumerate(ctc_tl.tolist())])  # the 1-D layout
+for red in RED:
+    for zero_infinity in (False, True):
+        case(f"ctc_padded_{red}_{zero_infinity}", lambda x, red=red, z=zero_infinity: F.ctc_loss(
+            x.log_softmax(2), ctc_t, ctc_il, ctc_tl, reduction=red, zero_infinity=z), ctc_x,
+             second_order=False)
+        # one sequence too short for its target: an infinite loss (zeroed with zero_infinity)
+        case(f"ctc_concatenated_infinite_{red}_{zero_infinity}",
+             lambda x, red=red, z=zero_infinity: F.ctc_loss(
+                 x.log_softmax(2), ctc_cat, (6, 1, 4), (3, 2, 3), reduction=red, zero_infinity=z),
+             ctc_x, second_order=False)
+case("ctc_unbatched_blank", lambda x: F.ctc_loss(x.log_softmax(1), torch.tensor([1, 3]), torch.tensor(6),
+                                                 torch.tensor(2), blank=4), r(6, 5), second_order=False)
+case("ctc_int32_lengths", lambda x: torch.ctc_loss(x.log_softmax(2), ctc_t.int(), ctc_il.int(), ctc_tl.int(),
+                                                   0, 2, False), ctc_x, second_order=False)
+case("module_CTCLoss", nn.CTCLoss(blank=0, reduction="sum"),
+     r(6, 3, 5).log_softmax(2).detach().requires_grad_(), ctc_t, ctc_il, ctc_tl, second_order=False)
+
+pm1 = exact(1.0, -1.0, 1.0, -1.0, grad=False)
+case("poisson_nll_full_prob",
+     lambda x, t: F.poisson_nll_loss(x, t, log_input=False, full=True, reduction="sum"),
+     prob(4, 3), pos(4, 3) * 2)
+case("gaussian_nll_full_bcast_var", lambda x, t, v: F.gaussian_nll_loss(x, t, v, full=True, reduction="none"),
+     r(4, 3), r(4, 3), pos(4, 1, grad=True))
+case("cosine_embedding_1d", lambda a, b, t: F.cosine_embedding_loss(a, b, t, 0.2), r(5), r(5),
+     exact(-1.0, grad=False)[0])
+case("cosine_embedding_sum", lambda a, b, t: F.cosine_embedding_loss(a, b, t, -0.3, reduction="sum"),
+     r(4, 5), r(4, 5), pm1)
+case("hinge_embedding_none", lambda x, t: F.hinge_embedding_loss(x, t, 0.5, reduction="none"), r(3, 4),
+     exact([1.0, -1.0, -1.0, 1.0], grad=False))
+case("triplet_swap_p1",
+     lambda a, p, n: F.triplet_margin_loss(a, p, n, 0.5, p=1, swap=True, reduction="sum"),
+     r(4, 5), r(4, 5), r(4, 5))
+case("triplet_distance_fn", lambda a, p, n: F.triplet_margin_with_distance_loss(
+    a, p, n, distance_function=lambda x, y: 1 - F.cosine_similarity(x, y), margin=0.3, swap=True),
+     r(4, 5), r(4, 5), r(4, 5))
+case("soft_margin_target_grad", lambda x, t: F.soft_margin_loss(x, t), r(3, 4), r(3, 4),
+     ref=lambda x, t: torch.log1p(torch.exp(-x * t)).mean())
+case("multilabel_soft_margin_weight",
+     lambda x, t, w: F.multilabel_soft_margin_loss(x, t, w, reduction="none"),
+     r(3, 4), prob(3, 4, grad=False).round(), pos(4))
+case("multi_margin_p2_weight", lambda x, t, w: F.multi_margin_loss(x, t, 2, 0.7, w, reduction="sum"),
+     r(4, 5), ints(5, 4), pos(5), second_order=False)
+case("multi_margin_1d", lambda x, t: F.multi_margin_loss(x, t), r(5), torch.tensor([3]), second_order=False)
+case("multilabel_margin", lambda x, t: F.multilabel_margin_loss(x, t, reduction="none"), r(3, 5),
+     torch.tensor([[3, 0, -1, 1, 2], [1, 2, 3, -1, 0], [0, -1, 2, 2, 2]]), second_order=False)
+for name, module, *args in [
+        ("PoissonNLLLoss", nn.PoissonNLLLoss(log_input=True, full=True), r(3, 4), pos(3, 4) * 2),
+        ("GaussianNLLLoss", nn.GaussianNLLLoss(eps=1e-3), r(3, 4), r(3, 4), pos(3, 4, grad=True)),
+        ("CosineEmbeddingLoss", nn.CosineEmbeddingLoss(0.1), r(4, 5), r(4, 5), pm1),
+        ("HingeEmbeddingLoss", nn.HingeEmbeddingLoss(0.7), r(4), pm1),
+        ("TripletMarginLoss", nn.TripletMarginLoss(0.4, p=3.0), r(4, 5), r(4, 5), r(4, 5)),
+        ("SoftMarginLoss", nn.SoftMarginLoss(reduction="sum"), r(3, 4),
+         prob(3, 4, grad=False).round() * 2 - 1),
+        ("MultiLabelSoftMarginLoss", nn.MultiLabelSoftMarginLoss(), r(3, 4), prob(3, 4, grad=False).round())]:
+    case(f"module_{name}", module, *args)
+
+lce_t = ints(4, 6)
+case("linear_cross_entropy_bias_smoothing", lambda x, w, b: F.linear_cross_entropy(
+    x, w, lce_t, linear_bias=b, label_smoothing=0.1, ignore_index=2), r(6, 5), r(4, 5), r(4))
+case("linear_cross_entropy_kdim_probs", lambda x, w, t: F.linear_cross_entropy(x, w, t, reduction="sum"),
+     r(3, 5), r(4, 2, 5), dist(3, 4, 2))
+case("module_LinearCrossEntropyLoss", nn.LinearCrossEntropyLoss(5, 4, bias=True).double(), r(6, 5), lce_t)
+
+
+def test_linear_cross_entropy_chunked_path_raises():
+    x = gg.as_tensor(r(6, 5, grad=False), requires_grad=True)
+    with pytest.raises(NotImplementedError, match="no derivative rule .*_linear_cross_entropy_batch_chunked"):
+        F.linear_cross_entropy(x, r(4, 5), ints(4, 6), options=nn.LinearCrossEntropyOptions())
+
+
+def test_margin_losses_second_order_raises():
+    """multi_margin_loss and multilabel_margin_loss: create_graph works, differentiating the
+    gradient raises, in torch and in graphgrad."""
+    t = torch.tensor([[3, 0, -1, 1, 2], [1, 2, 3, -1, 0]])
+    for fn in (lambda x: F.multi_margin_loss(x, torch.tensor([1, 4])),
+               lambda x: F.multilabel_margin_loss(x, t)):
+        x = r(2, 5, grad=False)
+        t_x, g_x = x.clone().requires_grad_(), gg.as_tensor(x.clone(), requires_grad=True)
+        t_first = torch.autograd.grad(fn(t_x), t_x, create_graph=True)[0]
+        g_first = gg.grad(fn(g_x), g_x, create_graph=True)[0]
+        torch.testing.assert_close(g_first.detach().as_subclass(torch.Tensor), t_first.detach())
+        with pytest.raises((RuntimeError, NotImplementedError), match="not implemented"):
+            torch.autograd.grad((t_first * t_first).sum(), t_x)
+        with pytest.raises(NotImplementedError, match="no second derivative"):
+            gg.grad((g_first * g_first).sum(), g_x)
+
 
 def _oracle_op(fn, ref):
     """An op_db-like op: ``fn`` on graphgrad tensors, ``ref`` (default ``fn``) on torch's."""
@@ -306,3 +422,18 @@ def test_kl_div_keeps_input_values_only_for_the_target_gradient():
     assert _saved_bytes(lambda a, b: F.kl_div(a, b, reduction="batchmean"), x, t) < 2 * x.numel() * 8
     t_grad = gg.as_tensor(t, requires_grad=True)
     assert _saved_bytes(lambda a, b: F.kl_div(a, b, reduction="batchmean"), x, t_grad) >= 2 * x.numel() * 8
+
+
+def test_ctc_loss_second_order_raises():
+    """create_graph works; differentiating the gradient raises, in torch and in graphgrad."""
+    x = ctc_x.detach()
+    t_x, g_x = x.clone().requires_grad_(), gg.as_tensor(x.clone(), requires_grad=True)
+    t_first = torch.autograd.grad(F.ctc_loss(t_x.log_softmax(2), ctc_t, ctc_il, ctc_tl), t_x,
+                                  create_graph=True)[0]
+    g_first = gg.grad(F.ctc_loss(g_x.log_softmax(2), ctc_t, ctc_il, ctc_tl), g_x, create_graph=True)[0]
+    torch.testing.assert_close(g_first.detach().as_subclass(torch.Tensor), t_first.detach(),
+                               rtol=1e-7, atol=1e-7)
+    with pytest.raises(RuntimeError, match="_ctc_loss_backward is not implemented"):
+        torch.autograd.grad(t_first.sum(), t_x)
+    with pytest.raises(NotImplementedError, match="no second derivative of ctc_loss"):
+        gg.grad(g_first.sum(), g_x)

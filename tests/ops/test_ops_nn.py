@@ -1,4 +1,4 @@
-"""torch.nn.functional pieces: dropout, embedding, normalize, cosine_similarity,
+"""torch.nn.functional pieces: dropout, embedding, embedding_bag, normalize, cosine_similarity,
 pairwise_distance, one_hot. op_db samples (dropout's are seeded, so graphgrad must draw the
 same mask as torch) and hand-written cases."""
 
@@ -25,6 +25,9 @@ REFERENCE = {
     "nn.functional.normalize": {},
     "nn.functional.cosine_similarity": {},
     "nn.functional.pairwise_distance": {},
+    "nn.functional.embedding_bag": {"second_order": False,
+                                     "why": "torch has no second derivative (graphgrad has: "
+                                            "test_embedding_bag_second_order)"},
     # nn.functional.one_hot: its OpInfo has int64 samples only (no float64 ones to differentiate);
     # tested by hand below.
 }
@@ -233,3 +236,100 @@ def test_distance_gradchecks():
                lambda a, b: F.pairwise_distance(a, b, p=3.0).exp()):
         assert gg.gradcheck(fn, [a, b])
         assert gg.gradgradcheck(fn, [a, b])
+
+
+# -- embedding_bag -------------------------------------------------------------------------
+BAG_IDX = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 0, 0])
+BAG_OFF = torch.tensor([0, 3, 3, 7])  # an empty bag, and one that runs to the end
+BAG_LAST = torch.tensor([0, 3, 3, 7, 10])  # the same bags with include_last_offset
+BAGS = [
+    ("sum", {"mode": "sum"}), ("mean", {"mode": "mean"}), ("max", {"mode": "max"}),
+    ("sum_padding", {"mode": "sum", "padding_idx": 2}),
+    ("mean_padding", {"mode": "mean", "padding_idx": 4}),
+    ("max_padding_negative", {"mode": "max", "padding_idx": -1}),
+    ("mean_last_offset", {"mode": "mean", "include_last_offset": True}),
+    ("max_last_offset", {"mode": "max", "include_last_offset": True}),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", BAGS, ids=[b[0] for b in BAGS])
+def test_embedding_bag(name, kwargs):
+    """Every mode with padding and include_last_offset (first derivatives by torch's kernels,
+    under create_graph by graphgrad's formula: both compared with torch's kernel)."""
+    offsets = BAG_LAST if kwargs.get("include_last_offset") else BAG_OFF
+    fn = lambda w: F.embedding_bag(BAG_IDX, w, offsets, **kwargs)
+    compare_leaves(fn, [r(10, 3)], second_order=False)
+    compare(lambda w: fn(w).square(), [r(10, 3)], second_order=False)
+
+
+@pytest.mark.parametrize("layout", ["offsets", "2d", "last_offset_padding"])
+def test_embedding_bag_per_sample_weights(layout):
+    if layout == "offsets":
+        fn = lambda w, p: F.embedding_bag(BAG_IDX, w, BAG_OFF, mode="sum", per_sample_weights=p)
+    elif layout == "2d":
+        fn = lambda w, p: F.embedding_bag(BAG_IDX.view(2, 5), w, mode="sum", per_sample_weights=p.view(2, 5))
+    else:
+        fn = lambda w, p: F.embedding_bag(BAG_IDX, w, BAG_LAST, mode="sum", per_sample_weights=p,
+                                          include_last_offset=True, padding_idx=0)
+    compare_leaves(fn, [r(10, 3), r(10, seed=1)], second_order=False)
+    compare(lambda w, p: fn(w, p).square(), [r(10, 3), r(10, seed=1)], second_order=False)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_second_order(mode):
+    """torch raises for the second derivative; graphgrad's, by finite differences."""
+    w = gg.as_tensor(r(6, 2), requires_grad=True)
+    idx, off = torch.tensor([1, 2, 4, 5, 4, 0]), torch.tensor([0, 3, 3])
+    assert gg.gradgradcheck(lambda w: F.embedding_bag(idx, w, off, mode=mode).square(), [w])
+    if mode == "sum":
+        p = gg.as_tensor(r(6, seed=1), requires_grad=True)
+        assert gg.gradgradcheck(lambda w, p: F.embedding_bag(idx, w, off, mode="sum", per_sample_weights=p,
+                                                             padding_idx=4).square(), [w, p])
+    tw = r(6, 2).requires_grad_()
+    first = torch.autograd.grad(F.embedding_bag(idx, tw, off, mode=mode).square().sum(), tw,
+                                create_graph=True)
+    with pytest.raises(NotImplementedError, match="not implemented"):
+        torch.autograd.grad(first[0].sum(), tw)
+
+
+def _bag_reference(idx, w, offsets, mode, padding_idx=None):
+    """embedding_bag from F.embedding(scale_grad_by_freq=True): the scaling as torch documents it
+    (each index's gradient over its count in the batch)."""
+    rows = F.embedding(idx, w, scale_grad_by_freq=True)
+    keep = torch.ones_like(idx, dtype=torch.bool) if padding_idx is None else idx != padding_idx
+    bag = torch.bucketize(torch.arange(len(idx)), offsets, right=True) - 1
+    out = torch.zeros(len(offsets), w.shape[1], dtype=w.dtype).index_add(0, bag, rows * keep.unsqueeze(1))
+    if mode == "mean":
+        out = out / torch.bincount(bag[keep], minlength=len(offsets)).clamp_min(1).unsqueeze(1)
+    return out
+
+
+@pytest.mark.parametrize("mode,padding_idx", [("sum", None), ("mean", None), ("sum", 4)])
+def test_embedding_bag_scale_grad_by_freq(mode, padding_idx):
+    """torch's CPU kernel divides each index's rows by the count of another index; graphgrad
+    divides by the index's own count, as F.embedding does (and as torch documents)."""
+    fn = lambda w: F.embedding_bag(BAG_IDX, w, BAG_OFF, mode=mode, scale_grad_by_freq=True,
+                                   padding_idx=padding_idx)
+    ref = lambda w: _bag_reference(BAG_IDX, w, BAG_OFF, mode, padding_idx)
+    # first derivatives only: torch's second derivative of F.embedding leaves the counts out
+    compare_leaves(lambda w: fn(w) if isinstance(w, gg.Tensor) else ref(w), [r(10, 3)], second_order=False)
+    tw = r(10, 3).requires_grad_()
+    kernel = torch.autograd.grad(fn(tw).sum(), tw)[0]
+    assert not torch.allclose(kernel, torch.autograd.grad(ref(tw).sum(), tw)[0])
+
+
+def test_embedding_bag_module_trains_like_torch():
+    torch.manual_seed(0)
+    want = torch.nn.EmbeddingBag(10, 3, mode="max").double()
+    have = gg.nn.adopt(torch.nn.EmbeddingBag.from_pretrained(want.weight.detach().clone(), freeze=False,
+                                                             mode="max"))
+    idx = BAG_IDX.view(2, 5)
+    want(idx).sum().backward()
+    have(idx).sum().backward()
+    torch.testing.assert_close(plain(have.weight.grad), want.weight.grad, **TOL)
+
+
+def test_embedding_bag_sparse_is_unsupported():
+    w = gg.as_tensor(r(10, 3), requires_grad=True)
+    with pytest.raises(NotImplementedError, match="graphgrad"):
+        F.embedding_bag(BAG_IDX, w, BAG_OFF, sparse=True)

@@ -1,5 +1,6 @@
 """normalization ops: op_db samples (values, gradients, second derivatives) and hand-written cases
-for what op_db does not cover (running statistics, nn modules, shapes, gradcheck)."""
+for what op_db does not cover (running statistics, nn modules, shapes, gradcheck), and weight
+normalization (torch._weight_norm and the nn.utils reparametrizations built on it)."""
 
 from functools import partial
 
@@ -21,6 +22,7 @@ REFERENCE = {
     "nn.functional.layer_norm": {},
     "nn.functional.group_norm": {},
     "nn.functional.rms_norm": {},
+    "nn.functional.local_response_norm": {},
 }
 
 unsupported = None
@@ -264,3 +266,104 @@ def test_low_precision_close_to_torch(dtype, name):
     for a, b in zip(gg.grad(have, gs, gg.as_tensor(v)), torch.autograd.grad(want, ts, v)):
         assert a.dtype == dtype
         torch.testing.assert_close(plain(a), b, **tol)
+
+
+# -- local_response_norm: torch's composite -------------------------------------------------
+@pytest.mark.parametrize("shape,size", [((2, 5, 3), 3), ((1, 4, 3, 2, 2), 2), ((2, 3, 2, 2), 6)], ids=str)
+def test_local_response_norm(shape, size):
+    compare(lambda x: F.local_response_norm(x, size, alpha=1e-2, beta=0.6, k=1.5), [r(*shape)])
+    compare(torch.nn.LocalResponseNorm(size), [r(*shape, seed=3)])
+
+
+# -- weight_norm ---------------------------------------------------------------------------
+def _weight_norm_formula(v, g, dim):
+    """``v g / ‖v‖`` in torch's differentiable primitives: the oracle for second derivatives."""
+    return v * (g / torch.norm_except_dim(v, 2, dim))
+
+
+# (dim, v's shape, g's shape): dims 0 and last take torch's fused kernel, the others (and -1,
+# the whole tensor's norm) its formula
+WEIGHT_NORM = [(0, (3, 4), (3, 1)), (1, (3, 4), (1, 4)), (0, (3, 4, 2), (3, 1, 1)),
+               (1, (3, 4, 2), (1, 4, 1)), (2, (3, 4, 2), (1, 1, 2)), (-1, (3, 4, 2), ())]
+
+
+@pytest.mark.parametrize("dim,v_shape,g_shape", WEIGHT_NORM, ids=str)
+def test_weight_norm(dim, v_shape, g_shape):
+    """First derivatives vs torch's own _weight_norm; second derivatives vs the formula: torch's
+    fused kernel treats its saved norms as constants under create_graph, so its own second
+    derivative (dims 0 and last) is wrong, and graphgrad's is checked against the formula."""
+    v, g = r(*v_shape), r(*g_shape, seed=1)
+    compare(lambda v, g: torch._weight_norm(v, g, dim), [v, g], second_order=False)
+    have = compare(lambda v, g: torch._weight_norm(v, g, dim) if isinstance(v, gg.Tensor)
+                   else _weight_norm_formula(v, g, dim), [v, g])
+    assert have.grad_fn.name() == ("WeightNormInterfaceBackward" if dim in (0, len(v_shape) - 1)
+                                   else "MulBackward")
+
+
+def test_torch_weight_norm_second_derivative_is_wrong():
+    """Why the test above does not compare second derivatives with torch's _weight_norm."""
+    v, g = r(3, 4).requires_grad_(), r(3, 1, seed=1).requires_grad_()
+    u = r(3, 4, seed=2)
+
+    def second(fn):
+        first = torch.autograd.grad((fn(v, g, 0) * u).sum(), (v, g), create_graph=True)
+        return torch.autograd.grad(sum((f * f).sum() for f in first), (v, g))
+
+    assert not torch.allclose(second(torch._weight_norm)[0], second(_weight_norm_formula)[0])
+
+
+def test_weight_norm_gradcheck():
+    inputs = [gg.as_tensor(r(3, 4), requires_grad=True), gg.as_tensor(r(3, 1, seed=1), requires_grad=True)]
+    assert gg.gradcheck(lambda v, g: torch._weight_norm(v, g, 0), inputs)
+    assert gg.gradgradcheck(lambda v, g: torch._weight_norm(v, g, 0).pow(2), inputs)
+    inputs[1] = gg.as_tensor(r(1, 4, seed=1), requires_grad=True)
+    assert gg.gradgradcheck(lambda v, g: torch._weight_norm(v, g, 1).pow(2), inputs)
+
+
+def test_weight_norm_keeps_the_norms_not_the_output():
+    v = gg.as_tensor(r(3, 4), requires_grad=True)
+    out = torch._weight_norm(v * 1.0, gg.as_tensor(r(3, 1, seed=1), requires_grad=True), 0)
+    saved = out.grad_fn.saved_values
+    assert [t is None for t in saved["result"]] == [True, False]
+    assert saved["result"][1].shape == (3, 1)
+
+
+_P = torch.nn.utils.parametrizations
+REPARAMETRIZED = {
+    "utils.weight_norm": lambda: torch.nn.Sequential(
+        torch.nn.utils.weight_norm(torch.nn.Conv1d(3, 4, 3)), torch.nn.Tanh(), torch.nn.Flatten(),
+        torch.nn.utils.weight_norm(torch.nn.Linear(16, 2), dim=None)),
+    "parametrizations.weight_norm": lambda: torch.nn.Sequential(
+        _P.weight_norm(torch.nn.Conv1d(3, 4, 3), dim=1), torch.nn.Tanh(),
+        _P.weight_norm(torch.nn.Conv1d(4, 2, 3), dim=2), torch.nn.Flatten(),
+        _P.weight_norm(torch.nn.Linear(4, 2))),
+    "parametrizations.spectral_norm": lambda: torch.nn.Sequential(
+        _P.spectral_norm(torch.nn.Conv1d(3, 4, 3)), torch.nn.Tanh(), torch.nn.Flatten(),
+        _P.spectral_norm(torch.nn.Linear(16, 2), n_power_iterations=2)),
+    "utils.spectral_norm": lambda: torch.nn.Sequential(
+        torch.nn.utils.spectral_norm(torch.nn.Conv1d(3, 4, 3)), torch.nn.Tanh(), torch.nn.Flatten(),
+        torch.nn.utils.spectral_norm(torch.nn.Linear(16, 2))),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*is deprecated in favor of:FutureWarning")
+@pytest.mark.parametrize("name", REPARAMETRIZED)
+def test_reparametrized_model_trains_like_torch(name):
+    """Three SGD steps on an adopted model: the same parameters and buffers (spectral norm's
+    power-iteration vectors) as torch's."""
+    torch.manual_seed(0)
+    want = REPARAMETRIZED[name]().double()
+    torch.manual_seed(0)
+    have = gg.nn.adopt(REPARAMETRIZED[name]().double())
+    x = r(4, 3, 6, seed=5)
+    steps = [(want, torch.optim.SGD(want.parameters(), 0.1), x),
+             (have, torch.optim.SGD(have.parameters(), 0.1), gg.as_tensor(x))]
+    for _ in range(3):
+        for model, opt, inp in steps:
+            opt.zero_grad()
+            model(inp).square().sum().backward()
+            opt.step()
+    for (n, a), b in zip(want.named_parameters(), have.parameters()):
+        torch.testing.assert_close(plain(b), a.detach(), **TOL, msg=n)
+    for (n, a), b in zip(want.named_buffers(), have.buffers()):
+        torch.testing.assert_close(plain(b), a, **TOL, msg=n)

@@ -32,6 +32,8 @@ REFERENCE = {
     "nn.functional.max_unpool1d": {},
     "nn.functional.max_unpool2d": {},
     "nn.functional.max_unpool3d": {},
+    "nn.functional.fractional_max_pool2d": {},
+    "nn.functional.fractional_max_pool3d": {},
 }
 
 unsupported = None
@@ -47,6 +49,9 @@ def first(fn):
     """The values of a (values, indices) pair."""
     return lambda *a: fn(*a)[0]
 
+
+SAMPLES_2D = torch.rand(2, 3, 2, dtype=F64, generator=torch.Generator().manual_seed(1))
+SAMPLES_3D = torch.rand(2, 2, 3, dtype=F64, generator=torch.Generator().manual_seed(2))
 
 CASES = {
     "max_pool1d_unbatched": (lambda x: F.max_pool1d(x, 3, 2, 1, 2, True), r(3, 10)),
@@ -89,6 +94,17 @@ CASES = {
         lambda x: F.max_unpool1d(*F.max_pool1d(x, 3, 2, 1, return_indices=True), 3, 2, 1, output_size=[8]),
         r(2, 3, 8)),
     "nn_pool_modules": (lambda x: nn.AvgPool2d(2, ceil_mode=True)(nn.MaxPool2d(3, 1, 1)(x)), r(2, 3, 7, 7)),
+    "fractional_max_pool2d_samples": (
+        lambda x: F.fractional_max_pool2d(x, 2, output_size=3, _random_samples=SAMPLES_2D), r(2, 3, 7, 7)),
+    "fractional_max_pool2d_ratio_indices_unbatched": (
+        first(lambda x: F.fractional_max_pool2d(x, (2, 3), None, (0.5, 0.6), True, SAMPLES_2D[:1])),
+        r(3, 8, 9)),
+    "fractional_max_pool3d_samples": (
+        lambda x: F.fractional_max_pool3d(x, (2, 1, 2), output_size=(3, 4, 2), _random_samples=SAMPLES_3D),
+        r(2, 2, 6, 5, 5)),
+    "fractional_max_pool3d_ratio_indices": (
+        first(lambda x: F.fractional_max_pool3d(x, 2, output_ratio=0.5, return_indices=True,
+                                                _random_samples=SAMPLES_3D)), r(2, 2, 6, 6, 4)),
 }
 
 
@@ -100,7 +116,8 @@ def test_case(name):
 
 @pytest.mark.parametrize("name", ["max_pool2d_unbatched_indices", "avg_pool2d_all_options",
                                   "avg_pool3d_all_options", "adaptive_avg_pool2d_none",
-                                  "adaptive_max_pool3d"])
+                                  "adaptive_max_pool3d", "fractional_max_pool2d_samples",
+                                  "fractional_max_pool3d_ratio_indices"])
 def test_third_derivatives(name):
     """Each rule's backward is made of ops with rules: third derivatives match torch's."""
     fn, *args = CASES[name]
@@ -117,6 +134,23 @@ def test_gradcheck(fn, shape):
     x = gg.as_tensor(r(*shape), requires_grad=True)
     assert gg.gradcheck(fn, [x])
     assert gg.gradgradcheck(lambda x: fn(x).square(), [x])
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+def test_fractional_max_pool_draws_samples_as_torch(nd):
+    """Without ``_random_samples``, torch draws them from the global generator; graphgrad runs
+    torch's own code, so the same seed gives the same pooling regions (the module too)."""
+    x = r(2, 3, 7, 7, 7)[..., 0] if nd == 2 else r(2, 3, 7, 7, 7)
+    module = nn.FractionalMaxPool2d(2, output_ratio=0.5) if nd == 2 else nn.FractionalMaxPool3d(2, (3, 4, 3))
+    tx, gx = x.clone().requires_grad_(), gg.as_tensor(x.clone(), requires_grad=True)
+    torch.manual_seed(7)
+    want = module(tx)
+    torch.manual_seed(7)
+    have = module(gx)
+    torch.testing.assert_close(plain(have), want.detach(), rtol=0, atol=0)
+    v = r(*want.shape)
+    assert_grads_close(gg.grad(have, [gx], v), torch.autograd.grad(want, [tx], v), "grad")
+    assert have.grad_fn.name() == f"FractionalMaxPool{nd}dBackward"
 
 
 def test_max_pool_output_may_change_in_place():
@@ -159,7 +193,9 @@ def test_average_pooling_keeps_no_input_values(fn):
     lambda x: F.max_pool3d(x.unsqueeze(0), 2),
     lambda x: F.adaptive_max_pool2d(x, 3),
     lambda x: F.adaptive_max_pool1d(x.flatten(2), 5),
-], ids=["max_pool2d", "max_pool1d", "max_pool3d", "adaptive_max_pool2d", "adaptive_max_pool1d"])
+    lambda x: F.fractional_max_pool2d(x, 2, output_size=3, _random_samples=SAMPLES_2D),
+], ids=["max_pool2d", "max_pool1d", "max_pool3d", "adaptive_max_pool2d", "adaptive_max_pool1d",
+        "fractional_max_pool2d"])
 def test_max_pooling_saves_what_torch_saves(fn):
     """torch's node keeps the input and the indices (the output may change in place), and its
     backward kernel runs on them: an in-place change of the input before backward raises."""

@@ -1,6 +1,8 @@
 """Resampling: op_db samples, and hand-written cases for what the samples leave out.
 
-F.fold has no OpInfo: it gets hand-written cases. The others add antialiased and lanczos
+F.fold and F.affine_grid have no OpInfo: they get hand-written cases; grid_sample gets every
+mode, padding mode and align_corners in 2-d and 3-d, grids on the sampling knots, and third
+derivatives. The others add antialiased and lanczos
 interpolation, scale factors that are not exact, every padding mode with negative widths,
 the other torch spellings, nn modules, third derivatives and what the rules keep alive.
 """
@@ -11,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphgrad as gg
-from op_cases import Randoms, T, check_to_order
+from op_cases import Randoms, T, check, check_to_order
 from opdb_harness import opdb_test
 
 pytestmark = pytest.mark.filterwarnings("ignore:`nn.functional.upsample` is deprecated:UserWarning")
@@ -25,6 +27,10 @@ REFERENCE = {
     "nn.functional.pixel_shuffle": {},
     "nn.functional.pixel_unshuffle": {},
     "nn.functional.unfold": {},
+    "nn.functional.channel_shuffle": {},
+    "nn.functional.grid_sample": {},
+    "grid_sampler_2d": {},
+    "grid_sampler_3d": {"max_samples": 2},  # the rest are up to 20x21x22x23x24: minutes
 }
 
 unsupported = None
@@ -74,6 +80,7 @@ CASES = {
     "nn_ReflectionPad2d": (nn.ReflectionPad2d((1, 2, 0, 3)), r(1, 2, 4, 4)),
     "pixel_shuffle_batch_dims": (lambda x: F.pixel_shuffle(x, 2), r(2, 3, 8, 2, 3)),
     "pixel_unshuffle_unbatched": (lambda x: F.pixel_unshuffle(x, 3), r(2, 6, 3)),
+    "channel_shuffle_module": (nn.ChannelShuffle(3), r(2, 6, 2, 3)),
 }
 
 
@@ -110,3 +117,79 @@ def test_interpolate_keeps_no_tensors():
     y = F.interpolate(x * 1.0, scale_factor=2, mode="bilinear")
     saved = y.grad_fn.saved_values
     assert not any(isinstance(v, T) for v in saved.values()) and isinstance(saved["input"], gg.Meta)
+
+
+# -- affine_grid and grid_sample -------------------------------------------------------------
+GRID_CASES = {
+    "affine_grid_2d": (lambda t: F.affine_grid(t, [2, 1, 4, 5], align_corners=False), r(2, 2, 3)),
+    "affine_grid_3d_corners": (lambda t: F.affine_grid(t, [2, 3, 3, 4, 2], align_corners=True), r(2, 3, 4)),
+    "affine_then_sample": (
+        lambda t, x: F.grid_sample(x, F.affine_grid(t, [2, 2, 3, 4], align_corners=False),
+                                   align_corners=False),
+        r(2, 2, 3) * 0.7, r(2, 2, 4, 5)),
+    "nn_modules_3d": (lambda x, g: F.grid_sample(x, g, mode="nearest", align_corners=True), r(1, 2, 3, 4, 2),
+                      r(1, 2, 3, 2, 3)),
+}
+for _mode in ("bilinear", "nearest", "bicubic"):
+    for _padding in ("zeros", "border", "reflection"):
+        for _corners in (False, True):
+            GRID_CASES[f"grid_sample_2d_{_mode}_{_padding}_{_corners}"] = (
+                lambda x, g, m=_mode, p=_padding, c=_corners: F.grid_sample(
+                    x, g * 1.3, mode=m, padding_mode=p, align_corners=c), r(2, 2, 4, 5), r(2, 3, 2, 2))
+            if _mode != "bicubic":
+                GRID_CASES[f"grid_sample_3d_{_mode}_{_padding}_{_corners}"] = (
+                    lambda x, g, m=_mode, p=_padding, c=_corners: F.grid_sample(
+                        x, g * 1.3, mode=m, padding_mode=p, align_corners=c), r(1, 2, 3, 4, 3),
+                    r(1, 2, 2, 2, 3))
+
+
+@pytest.mark.parametrize("name", GRID_CASES)
+def test_grid_case(name):
+    fn, *args = GRID_CASES[name]
+    check_to_order(fn, *args)
+
+
+@pytest.mark.parametrize("name", ["affine_grid_2d", "affine_then_sample",
+                                  "grid_sample_2d_bicubic_reflection_True",
+                                  "grid_sample_3d_bilinear_border_False"])
+def test_grid_third_derivatives(name):
+    fn, *args = GRID_CASES[name]
+    check_to_order(lambda *a: fn(*a).square(), *args, order=3)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_grid_sample_on_the_knots(mode, align_corners):
+    """An identity grid reads exactly at input positions, where the weights' slopes jump:
+    graphgrad takes the side torch's kernels take, to every order compared."""
+    theta = torch.tensor([[[1.0, 0, 0], [0, 1.0, 0]]], dtype=torch.float64)
+    grid = F.affine_grid(theta, [1, 1, 4, 5], align_corners=align_corners)
+    check_to_order(lambda x, g: F.grid_sample(x, g, mode=mode, padding_mode="border",
+                                              align_corners=align_corners), r(1, 2, 4, 5), grid)
+
+
+def test_grid_sample_gradcheck():
+    x = gg.as_tensor(r(1, 2, 3, 4), requires_grad=True)
+    g = gg.as_tensor(r(1, 2, 3, 2) * 0.8, requires_grad=True)
+    for mode in ("bilinear", "bicubic"):
+        fn = lambda x, g, m=mode: F.grid_sample(x, g, mode=m, padding_mode="reflection", align_corners=False)
+        assert gg.gradcheck(fn, [x, g])
+        assert gg.gradgradcheck(lambda x, g, fn=fn: fn(x, g).square(), [x, g])
+    t = gg.as_tensor(r(1, 2, 3), requires_grad=True)
+    assert gg.gradcheck(lambda t: F.affine_grid(t, [1, 1, 3, 2], align_corners=True), [t])
+
+
+def test_grid_sample_uses_torch_kernel_without_create_graph():
+    """First derivatives come from torch's kernel: bitwise torch's."""
+    x, g = r(2, 3, 5, 4), r(2, 3, 3, 2)
+    tx, tg = x.clone().requires_grad_(), g.clone().requires_grad_()
+    gx, gg_ = gg.as_tensor(x.clone(), requires_grad=True), gg.as_tensor(g.clone(), requires_grad=True)
+    want = torch.autograd.grad(F.grid_sample(tx, tg, mode="bicubic", align_corners=False).sum(), [tx, tg])
+    have = gg.grad(F.grid_sample(gx, gg_, mode="bicubic", align_corners=False).sum(), [gx, gg_])
+    for a, b in zip(have, want):
+        assert torch.equal(a.detach().as_subclass(torch.Tensor), b)
+
+
+def test_native_channel_shuffle():
+    """torch has no derivative for native_channel_shuffle; graphgrad's is channel_shuffle's."""
+    check(lambda x: torch.native_channel_shuffle(x, 2), r(2, 4, 3), ref=lambda x: torch.channel_shuffle(x, 2))

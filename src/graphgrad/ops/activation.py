@@ -1,6 +1,6 @@
 """Activation functions: relu, relu6, leaky_relu, elu, selu, celu, gelu, silu (Swish), mish,
 softplus, hardtanh, hardsigmoid, hardswish, logsigmoid, softsign, glu, threshold, hardshrink,
-softshrink, tanhshrink, prelu.
+softshrink, tanhshrink, prelu, rrelu.
 
 Most ``torch.nn.functional`` activations are Python wrappers that reach graphgrad as
 themselves; each is a decomposition that calls the ``torch._C._nn`` (or ``torch``) primitive,
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .._compat import nn_functions as _nn
 from ..rules import decomposition, derivative
+from .nn import torch_body
 
 T = torch.Tensor
 _aten = torch.ops.aten
@@ -335,3 +336,31 @@ def glu_function(input, dim=-1):
     if input.dim() == 0:
         raise RuntimeError("glu does not support scalars because halving size must be even")
     return _nn.glu(input, dim)
+
+
+# -- rrelu: torch's kernel draws the slopes, the product is recorded ------------------------
+def _rrelu(input, lower, upper, training, generator, inplace):
+    """Training: torch's own ``rrelu_with_noise`` kernel draws each negative element's slope
+    (the same random stream as torch), on a detached copy; the output is then ``input * noise``,
+    recorded, which is the kernel's output and whose gradient is torch's (``grad * noise``).
+    Evaluation: leaky_relu with the mean slope, as ATen."""
+    if not training:
+        slope = (lower + upper) / 2
+        return _nn.leaky_relu_(input, slope) if inplace else _nn.leaky_relu(input, slope)
+    noise = torch.empty_like(input, memory_format=torch.contiguous_format)
+    with torch.no_grad():
+        _aten.rrelu_with_noise.default(input.detach(), noise, lower, upper, True, generator)
+    return input.mul_(noise) if inplace else input * noise
+
+
+@decomposition(torch.rrelu, view=False)
+def rrelu(input, lower=1.0 / 8, upper=1.0 / 3, training=False, generator=None):
+    return _rrelu(input, lower, upper, training, generator, False)
+
+
+@decomposition(torch.rrelu_, view=False)
+def rrelu_(input, lower=1.0 / 8, upper=1.0 / 3, training=False, generator=None):
+    return _rrelu(input, lower, upper, training, generator, True)
+
+
+decomposition(F.rrelu, view=False, family="activation")(torch_body(F.rrelu))

@@ -177,7 +177,8 @@ def linear(grad, input, weight, bias=None, *, needs_input_grad):
         if input.dim() == 1:
             grad_weight = grad.unsqueeze(-1) * input
         else:
-            grad_weight = grad.reshape(-1, grad.shape[-1]).mT @ input.reshape(-1, input.shape[-1])
+            # flatten, not reshape(-1, n): a layer with no output features has n == 0
+            grad_weight = grad.flatten(0, -2).mT @ input.flatten(0, -2)
     return grad_input, grad_weight, grad
 
 

@@ -1,5 +1,8 @@
 """Losses: mse_loss, l1_loss, smooth_l1_loss, huber_loss, cross_entropy, nll_loss,
-binary_cross_entropy, binary_cross_entropy_with_logits, kl_div, margin_ranking_loss.
+binary_cross_entropy, binary_cross_entropy_with_logits, kl_div, margin_ranking_loss, ctc_loss,
+poisson_nll_loss, gaussian_nll_loss, cosine_embedding_loss, hinge_embedding_loss,
+triplet_margin_loss (also with a distance function), soft_margin_loss,
+multilabel_soft_margin_loss, multi_margin_loss, multilabel_margin_loss, linear_cross_entropy.
 
 l1_loss, kl_div and margin_ranking_loss are torch's composites, decomposed the same way, so
 they keep for backward what torch keeps (intermediates, not the inputs). The other rules sit
@@ -22,8 +25,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._compat import nn_functions as _nn
 from ..rules import decomposition, derivative
-from .nn import autocast_float32, autocast_has_kernel, autocast_off
+from .nn import autocast_float32, autocast_has_kernel, autocast_off, torch_body
 
 _aten = torch.ops.aten
 
@@ -472,3 +476,175 @@ def margin_ranking_loss(input1, input2, target, margin=0, size_average=None, red
             f"input1: {input1.size()}, input2: {input2.size()}, target: {target.size()} ")
     reduction = _reduction(size_average, reduce, reduction)
     return torch.margin_ranking_loss(input1, input2, target, margin, _REDUCTIONS.index(reduction))
+
+
+# -- ctc_loss: torch's composite over _ctc_loss and its backward kernel -----------------------
+decomposition(F.ctc_loss, view=False)(torch_body(F.ctc_loss))
+
+
+def _lengths(lengths) -> list[int]:
+    """CTC lengths as the kernels take them: a list of ints (torch reads a tensor's on the CPU)."""
+    if isinstance(lengths, torch.Tensor):
+        if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+            raise RuntimeError("input_lengths and target_lengths must be integral")
+        return [int(n) for n in lengths.reshape(-1).tolist()]
+    if isinstance(lengths, int):
+        return [lengths]
+    return [int(n) for n in lengths]
+
+
+@decomposition(torch.ctc_loss, view=False)
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0,
+             reduction=_REDUCTIONS.index("mean"), zero_infinity=False):
+    """ATen's ``ctc_loss``: ``_ctc_loss`` per sequence (an unbatched input as a batch of one),
+    infinite losses zeroed with ``zero_infinity``, then "mean" divides each by its target length
+    (at least 1) before averaging. (On CUDA torch may pick cuDNN's kernel; graphgrad ATen's.)"""
+    batched = log_probs.dim() == 3
+    if not batched:
+        log_probs = log_probs.unsqueeze(1)
+    target_lengths = _lengths(target_lengths)
+    loss = torch._ctc_loss(log_probs, targets.to(log_probs.device, torch.long), _lengths(input_lengths),
+                           target_lengths, blank, zero_infinity)[0]
+    if zero_infinity:
+        loss = torch.where(loss == math.inf, loss.new_zeros(()), loss)
+    if reduction == _REDUCTIONS.index("mean"):
+        lengths = torch.tensor(target_lengths, dtype=loss.dtype, device=loss.device).clamp_min(1)
+        return (loss / lengths).mean()
+    if reduction == _REDUCTIONS.index("sum"):
+        return loss.sum()
+    return loss if batched else loss.squeeze(0)
+
+
+@derivative(torch._ctc_loss, name="CtcLossBackward", multi_output=True, differentiable_outputs=1,
+            view=False)
+def ctc_loss_forward(grads, log_probs, targets, input_lengths, target_lengths, blank=0,
+                     zero_infinity=False, *, result):
+    """torch's backward kernel, on the forward's losses and log-alphas (as torch's node keeps)."""
+    return _aten._ctc_loss_backward.default(
+        grads[0], log_probs, targets, _lengths(input_lengths), _lengths(target_lengths), result[0],
+        result[1], blank, zero_infinity)
+
+
+@derivative(_aten._ctc_loss_backward.default, name="CtcLossBackwardBackward", view=False)
+def ctc_loss_backward(grad, grad_out, log_probs, targets, input_lengths, target_lengths,
+                      neg_log_likelihood, log_alpha, blank, zero_infinity=False):
+    """Not implemented, graphgrad and torch alike: create_graph works, differentiating the
+    gradient raises (torch: "derivative for aten::_ctc_loss_backward is not implemented")."""
+    raise NotImplementedError("graphgrad has no second derivative of ctc_loss (torch has none "
+                              "either: the derivative of _ctc_loss_backward is not implemented)")
+
+
+# -- margin, embedding and likelihood losses: torch's composites, recorded ---------------------
+for _f in (F.gaussian_nll_loss, F.multilabel_soft_margin_loss, F.triplet_margin_with_distance_loss,
+           F.poisson_nll_loss, F.cosine_embedding_loss, F.hinge_embedding_loss, F.triplet_margin_loss,
+           F.soft_margin_loss, F.multi_margin_loss, F.multilabel_margin_loss):
+    decomposition(_f, view=False, family="loss")(torch_body(_f))
+
+
+@decomposition(torch.poisson_nll_loss, view=False)
+def poisson_nll_loss(input, target, log_input, full, eps, reduction):
+    """ATen's composite; ``full`` adds Stirling's term where the target exceeds 1."""
+    if log_input:
+        loss = torch.exp(input) - target * input
+    else:
+        loss = input - target * torch.log(input + eps)
+    if full:
+        stirling = target * torch.log(target) - target + 0.5 * torch.log(2 * math.pi * target)
+        loss = loss + stirling.masked_fill(target <= 1, 0)
+    return _reduce(loss, _REDUCTIONS[reduction])
+
+
+@decomposition(torch.cosine_embedding_loss, view=False)
+def cosine_embedding_loss(input1, input2, target, margin=0.0, reduction=_REDUCTIONS.index("mean")):
+    """ATen's composite: ``1 - cos`` where the target is 1, ``max(0, cos - margin)`` where -1
+    (the squared norms get 1e-12 added, as there)."""
+    if input1.dim() != input2.dim() or input1.dim() not in (1, 2) or target.dim() != input1.dim() - 1:
+        raise RuntimeError(f"cosine_embedding_loss: expected 1-D or 2-D inputs of one dimension and "
+                           f"a target of one less, got {input1.dim()}-D, {input2.dim()}-D and "
+                           f"{target.dim()}-D")
+    dim = input1.dim() - 1
+    prod_sum = (input1 * input2).sum(dim)
+    mag1 = (input1 * input1).sum(dim) + 1e-12
+    mag2 = (input2 * input2).sum(dim) + 1e-12
+    cos = prod_sum / (mag1 * mag2).sqrt()
+    zeros = torch.zeros_like(cos)
+    out = (torch.where(target == 1, 1 - cos, zeros)
+           + torch.where(target == -1, (cos - margin).clamp_min(0), zeros))
+    return _reduce(out, _REDUCTIONS[reduction])
+
+
+@decomposition(torch.hinge_embedding_loss, view=False)
+def hinge_embedding_loss(input, target, margin=1.0, reduction=_REDUCTIONS.index("mean")):
+    """ATen's composite: ``input`` where the target is not -1, ``max(0, margin - input)`` where it
+    is not 1."""
+    zeros = torch.zeros_like(input)
+    out = (torch.where(target != 1, (margin - input).clamp_min(0), zeros)
+           + torch.where(target != -1, input, zeros))
+    return _reduce(out, _REDUCTIONS[reduction])
+
+
+@decomposition(torch.triplet_margin_loss, view=False)
+def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2.0, eps=1e-6, swap=False,
+                        reduction=_REDUCTIONS.index("mean")):
+    """ATen's composite over pairwise_distance."""
+    if not (anchor.dim() == positive.dim() == negative.dim()):
+        raise RuntimeError("The anchor, positive, and negative tensors are expected to have the "
+                           "same number of dimensions")
+    dist_pos = torch.pairwise_distance(anchor, positive, p, eps)
+    dist_neg = torch.pairwise_distance(anchor, negative, p, eps)
+    if swap:
+        dist_neg = torch.min(dist_neg, torch.pairwise_distance(positive, negative, p, eps))
+    return _reduce(torch.clamp_min(margin + dist_pos - dist_neg, 0), _REDUCTIONS[reduction])
+
+
+@decomposition(_nn.soft_margin_loss, view=False)
+def soft_margin_loss(input, target, reduction=_REDUCTIONS.index("mean")):
+    """``log(1 + exp(-target * input))``, as ATen's kernel computes it; its derivatives (also in
+    the target, where torch raises) are those of torch's backward formulas."""
+    return _reduce(torch.log1p(torch.exp(-input * target)), _REDUCTIONS[reduction])
+
+
+@derivative(_nn.multi_margin_loss, view=False)
+def multi_margin_loss(grad, input, target, p=1, margin=1, weight=None,
+                      reduction=_REDUCTIONS.index("mean"), *, needs_input_grad):
+    """torch's backward kernel (the weight gets no gradient: torch's has none)."""
+    if needs_input_grad[4]:
+        raise NotImplementedError("graphgrad has no derivative of multi_margin_loss for 'weight' "
+                                  "(torch has none either)")
+    return _aten.multi_margin_loss_backward.default(grad, input, target, p, margin, weight, reduction)
+
+
+@derivative(_aten.multi_margin_loss_backward.default, name="MultiMarginLossBackwardBackward",
+            view=False)
+def multi_margin_loss_backward(grad, grad_output, input, target, p, margin, weight=None,
+                               reduction=_REDUCTIONS.index("mean")):
+    """Not implemented, graphgrad and torch alike (torch's kernel has no derivative)."""
+    raise NotImplementedError("graphgrad has no second derivative of multi_margin_loss (torch "
+                              "has none either)")
+
+
+@derivative(_aten.multilabel_margin_loss_forward.default, name="MultilabelMarginLossBackward",
+            multi_output=True, differentiable_outputs=1, view=False)
+def multilabel_margin_loss_forward(grads, input, target, reduction, *, result):
+    """torch's backward kernel, on the ``is_target`` mask the forward returned."""
+    return _aten.multilabel_margin_loss_backward.default(grads[0], input, target, reduction,
+                                                         result[1])
+
+
+@decomposition(_nn.multilabel_margin_loss, view=False)
+def multilabel_margin_loss(input, target, reduction=_REDUCTIONS.index("mean")):
+    return _aten.multilabel_margin_loss_forward.default(input, target, reduction)[0]
+
+
+@derivative(_aten.multilabel_margin_loss_backward.default,
+            name="MultilabelMarginLossBackwardBackward", view=False)
+def multilabel_margin_loss_backward(grad, grad_output, input, target, reduction, is_target):
+    """Not implemented, graphgrad and torch alike (torch's kernel has no derivative)."""
+    raise NotImplementedError("graphgrad has no second derivative of multilabel_margin_loss "
+                              "(torch has none either)")
+
+
+# -- linear_cross_entropy: torch's own code, recorded ------------------------------------------
+# The reference path (options=None) is cross_entropy(linear(...)); the chunked path calls torch
+# custom ops, which have no graphgrad rule and raise graphgrad's error naming them.
+decomposition(F.linear_cross_entropy, view=False, family="loss")(torch_body(F.linear_cross_entropy))

@@ -1,4 +1,4 @@
-"""torch.nn.functional odds and ends: dropout (all flavours), embedding, normalize,
+"""torch.nn.functional odds and ends: dropout (all flavours), embedding, embedding_bag, normalize,
 cosine_similarity, pairwise_distance, one_hot; and ``torch_body``, which the nn families use
 to run torch's own Python composites with their inner calls recorded.
 
@@ -221,6 +221,107 @@ def embedding_dense_backward(grad, grad_output, indices, num_weights, padding_id
         counts = torch.bincount(idx, minlength=num_weights)
         rows = rows / counts[idx].unsqueeze(-1).to(rows.dtype)
     return rows.view(tuple(indices.shape) + (-1,))
+
+
+# -- embedding_bag -----------------------------------------------------------------------
+_embedding_bag_body = torch_body(F.embedding_bag)
+
+
+@decomposition(F.embedding_bag, view=False)
+def embedding_bag_function(input, weight, offsets=None, max_norm=None, norm_type=2,
+                           scale_grad_by_freq=False, mode="mean", sparse=False,
+                           per_sample_weights=None, include_last_offset=False, padding_idx=None):
+    """torch's F.embedding_bag (its checks, 2-d inputs, max_norm's in-place renorm)."""
+    if sparse:
+        raise NotImplementedError("F.embedding_bag(sparse=True) has no graphgrad rule: graphgrad's "
+                                  "gradients are dense; use sparse=False")
+    return _embedding_bag_body(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
+                               mode, sparse, per_sample_weights, include_last_offset, padding_idx)
+
+
+@decomposition(torch.embedding_bag, view=False)
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                  per_sample_weights=None, include_last_offset=False, padding_idx=None):
+    """ATen's ``embedding_bag``: indices and offsets promoted to one dtype, ``padding_idx``
+    wrapped, then ``_embedding_bag``, whose extra outputs (offset2bag, bag sizes, argmax
+    indices) its backward reads."""
+    common = torch.promote_types(indices.dtype, offsets.dtype)
+    indices, offsets = indices.to(common), offsets.to(common)
+    if padding_idx is None:
+        padding_idx = -1
+    else:
+        n = weight.shape[0]
+        if not -n <= padding_idx < n:
+            raise RuntimeError(f"padding_idx must be within the number of embeddings, -{n} "
+                               f"through {n - 1}, but got {padding_idx}")
+        padding_idx %= n
+    return torch._embedding_bag(weight, indices.contiguous(), offsets.contiguous(),
+                                scale_grad_by_freq, mode, sparse, per_sample_weights,
+                                include_last_offset, padding_idx)
+
+
+@derivative(torch._embedding_bag, name="EmbeddingBagBackward", multi_output=True,
+            differentiable_outputs=1, view=False)
+def embedding_bag_rule(grads, weight, indices, offsets, scale_grad_by_freq=False, mode=0,
+                       sparse=False, per_sample_weights=None, include_last_offset=False,
+                       padding_idx=-1, *, result, needs_input_grad):
+    """torch's backward kernels (``_embedding_bag_backward``,
+    ``_embedding_bag_per_sample_weights_backward``) when no higher derivative is wanted. Under
+    ``create_graph`` the same gradients in recorded ops, which differentiate again (torch's
+    kernels have no derivative: its second derivative raises). With ``scale_grad_by_freq``
+    always the recorded formula: torch's CPU kernel divides each index's rows by the count of
+    another index (it looks the count up by the position of the index's group among the
+    sorted unique indices), so its gradient is wrong wherever counts differ."""
+    grad = grads[0]
+    if sparse:
+        raise NotImplementedError("torch._embedding_bag(sparse=True) has no graphgrad rule: "
+                                  "graphgrad's gradients are dense")
+    offset2bag, bag_size, max_indices = result[1], result[2], result[3]
+    if torch.is_grad_enabled() or scale_grad_by_freq:
+        return _embedding_bag_grads(grad, weight, indices, scale_grad_by_freq, mode,
+                                    per_sample_weights, padding_idx, offset2bag, bag_size,
+                                    max_indices, needs_input_grad)
+    grad_weight = grad_psw = None
+    if needs_input_grad[0]:
+        grad_weight = torch.ops.aten._embedding_bag_backward.default(
+            grad, indices, offsets, offset2bag, bag_size, max_indices, weight.shape[0],
+            scale_grad_by_freq, mode, False, per_sample_weights, padding_idx)
+    if needs_input_grad[6]:
+        grad_psw = torch.ops.aten._embedding_bag_per_sample_weights_backward.default(
+            grad, weight, indices, offsets, offset2bag, mode, padding_idx)
+    return grad_weight, None, None, None, None, None, grad_psw
+
+
+def _embedding_bag_grads(grad, weight, indices, scale_grad_by_freq, mode, per_sample_weights,
+                         padding_idx, offset2bag, bag_size, max_indices, needs):
+    """(weight, per_sample_weights) gradients of ``_embedding_bag`` in recorded ops: each kept
+    index adds its bag's gradient (times its weight, or over the bag's size for "mean") into its
+    row; "max" sends each bag's gradient to the row that held the maximum."""
+    num_weights = weight.shape[0]
+    keep = (indices != padding_idx) if padding_idx >= 0 else torch.ones_like(indices, dtype=torch.bool)
+    grad_weight = grad_psw = None
+    if needs[0] and mode == 2:  # max: the argmax rows, -1 for an empty bag
+        found = max_indices >= 0
+        rows = (grad * found).reshape(-1)
+        flat = (max_indices.clamp_min(0) * grad.shape[1]
+                + torch.arange(grad.shape[1], device=grad.device)).reshape(-1)
+        grad_weight = grad.new_zeros(num_weights * grad.shape[1]).index_add(0, flat, rows)
+        grad_weight = grad_weight.view(num_weights, grad.shape[1])
+    elif needs[0]:
+        scale = keep.to(grad.dtype)
+        if per_sample_weights is not None:
+            scale = scale * per_sample_weights
+        if mode == 1:
+            scale = scale / bag_size.clamp_min(1).to(grad.dtype)[offset2bag]
+        if scale_grad_by_freq:
+            counts = torch.bincount(indices, minlength=num_weights)
+            scale = scale / counts[indices].to(grad.dtype)
+        rows = grad.index_select(0, offset2bag) * scale.unsqueeze(1)
+        grad_weight = grad.new_zeros((num_weights, grad.shape[1])).index_add(0, indices, rows)
+    if needs[6]:
+        picked = (grad.index_select(0, offset2bag) * weight.index_select(0, indices)).sum(1)
+        grad_psw = picked * keep.to(grad.dtype)
+    return grad_weight, None, None, None, None, None, grad_psw
 
 
 nondifferentiable(F.one_hot, family="nn")

@@ -395,3 +395,54 @@ def rms_norm(grad, input, normalized_shape, weight=None, eps=None, *, needs_inpu
     if needs_input_grad[2]:
         grad_weight = g * x * rstd
     return grad_input, None, grad_weight
+
+
+# -- local_response_norm: torch's composite ------------------------------------------------
+decomposition(F.local_response_norm, view=False)(torch_body(F.local_response_norm))
+
+
+# -- weight_norm: torch's _weight_norm, its fused kernel and its formula --------------------
+@decomposition(torch.norm_except_dim, view=False)
+def norm_except_dim(v, pow=2, dim=0):
+    """torch's ``norm_except_dim``: the norm over every dimension but ``dim``, kept broadcastable
+    (``dim=-1``: the norm of the whole tensor)."""
+    if dim == -1:
+        return torch.linalg.vector_norm(v, pow)
+    if dim != 0 and dim != v.dim() - 1:
+        return norm_except_dim(v.transpose(0, dim), pow, 0).transpose(0, dim)
+    shape = [1] * v.dim()
+    shape[dim] = v.shape[dim]
+    flat = v.contiguous().view(v.shape[0], -1) if dim == 0 else v.contiguous().view(-1, v.shape[-1])
+    return torch.linalg.vector_norm(flat, pow, 1 - min(dim, 1)).view(shape)
+
+
+@decomposition(torch._weight_norm, view=False)
+def weight_norm(v, g, dim=0):
+    """torch's ``_weight_norm``: its fused kernel (``_weight_norm_interface``) where torch uses
+    it, for a dimension that is the first or the last; the formula ``v g / ‖v‖`` otherwise."""
+    v, g = v.contiguous(), g.contiguous()
+    if dim == 0 or dim == v.dim() - 1:
+        return torch._weight_norm_interface(v, g, dim)[0]
+    return v * (g / torch.norm_except_dim(v, 2, dim))
+
+
+def _norms_only(values, keep, needs):
+    """Of the outputs (w, norms), the backward reads the norms."""
+    return keep, (1,)
+
+
+@derivative(torch._weight_norm_interface, name="WeightNormInterfaceBackward", multi_output=True,
+            saves=_norms_only, differentiable_outputs=1, view=False)
+def weight_norm_interface(grads, v, g, dim=0, *, result):
+    """torch's fused kernel when no higher derivative is wanted. Under ``create_graph``, torch's
+    ``_weight_norm_differentiable_backward`` formula, with the norms recomputed from ``v`` in
+    recorded ops: torch reuses its saved norms as constants there, which drops their dependence
+    on ``v`` and gives a wrong second derivative (checked against the unfused formula)."""
+    grad = grads[0].contiguous()
+    if not torch.is_grad_enabled():
+        return _aten._weight_norm_interface_backward.default(grad, v, g, result[1], dim)
+    norms = torch.norm_except_dim(v, 2, dim).to(g.dtype)
+    dims = [d for d in range(v.dim()) if d != dim]
+    per_dir_sums = (grad * v).sum(dims, keepdim=True)
+    grad_v = (g / norms) * (grad - v * (per_dir_sums / (norms * norms)))
+    return grad_v, per_dir_sums / norms

@@ -291,3 +291,39 @@ def adaptive_avg_pool2d(grad, input: Meta, output_size):
 @derivative(F.adaptive_avg_pool3d, _nn.adaptive_avg_pool3d, name="AdaptiveAvgPool3dBackward", view=False)
 def adaptive_avg_pool3d(grad, input: Meta, output_size):
     return adaptive_avg_pool_grad(grad, input.shape, 3)
+
+
+# -- fractional max pooling: torch's kernels, as max pooling -------------------------------
+def _fractional_max_pool_function(with_indices):
+    """F.fractional_max_poolNd: ``return_indices`` (the fourth option) says whether to return
+    both; the rest goes to torch's own ``*_with_indices`` (which draws ``_random_samples`` as
+    torch does when none are given)."""
+
+    def fractional_max_pool(input, kernel_size, output_size=None, output_ratio=None,
+                            return_indices=False, _random_samples=None):
+        values, indices = with_indices(input, kernel_size, output_size, output_ratio, True,
+                                       _random_samples)
+        return (values, indices) if return_indices else values
+
+    return fractional_max_pool
+
+
+for _nd, _f, _f_pair, _kernel, _backward in [
+        (2, F.fractional_max_pool2d, F.fractional_max_pool2d_with_indices, _nn.fractional_max_pool2d,
+         _aten.fractional_max_pool2d_backward.default),
+        (3, F.fractional_max_pool3d, F.fractional_max_pool3d_with_indices, _nn.fractional_max_pool3d,
+         _aten.fractional_max_pool3d_backward.default)]:
+    decomposition(_f, view=False)(_fractional_max_pool_function(_f_pair))
+    decomposition(_f_pair, view=False, family="pooling")(torch_body(_f_pair))
+
+    def _fractional_rule(backward):
+        def fractional_max_pool(grads, input, kernel_size, output_size, random_samples, *, result):
+            """torch's backward kernel: each gradient to where its maximum was."""
+            return backward(grads[0], input, kernel_size, output_size, result[1])
+
+        return fractional_max_pool
+
+    derivative(_kernel, name=f"FractionalMaxPool{_nd}dBackward", multi_output=True,
+               saves=_indices_only, differentiable_outputs=1, view=False)(_fractional_rule(_backward))
+    derivative(_backward, name=f"FractionalMaxPool{_nd}dBackwardBackward", view=False)(
+        _max_pool_backward_rule(_nd, 2))

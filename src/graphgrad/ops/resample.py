@@ -1,19 +1,26 @@
 """Resampling: pad (constant, reflect, replicate, circular), interpolate (every mode),
-pixel_shuffle / pixel_unshuffle, unfold / fold.
+pixel_shuffle / pixel_unshuffle, channel_shuffle, unfold / fold, affine_grid, grid_sample.
 
 All of these are linear in the input, so each gradient is the op's adjoint, written so that
 the adjoint is differentiable again: constant padding's adjoint is padding by the negated
 widths; reflect/replicate/circular copy input positions, so gradients add back with
 ``index_add``; interpolation applies torch's own backward kernel through ``linear_adjoint``;
-``pixel_shuffle`` and ``pixel_unshuffle``, ``unfold`` and ``fold`` are each other's adjoints.
+``pixel_shuffle`` and ``pixel_unshuffle``, ``unfold`` and ``fold`` are each other's adjoints;
+``affine_grid`` is linear in theta, its adjoint torch's kernel. ``grid_sample`` is not linear in
+the grid: torch's backward kernel gives first derivatives, a formula in recorded ops the
+gradients under ``create_graph``.
 """
 
 from __future__ import annotations
 
+import itertools
+from math import prod
+
 import torch
 import torch.nn.functional as F
 
-from ..rules import Meta, derivative
+from ..rules import Meta, decomposition, derivative
+from .nn import torch_body
 from .pooling import adaptive_avg_pool_grad, linear_adjoint
 
 _aten = torch.ops.aten
@@ -119,6 +126,13 @@ def pixel_unshuffle(grad, input, downscale_factor):
     return torch.pixel_shuffle(grad, downscale_factor)
 
 
+@derivative(torch.channel_shuffle, torch.native_channel_shuffle, name="ChannelShuffleBackward",
+            view=False)
+def channel_shuffle(grad, input: Meta, groups):
+    """A permutation of the channels: its inverse is the shuffle by ``channels // groups``."""
+    return torch.channel_shuffle(grad, grad.shape[1] // groups)
+
+
 @derivative(F.unfold, view=False)
 def unfold(grad, input: Meta, kernel_size, dilation=1, padding=0, stride=1):
     return F.fold(grad, tuple(input.shape[-2:]), kernel_size, dilation, padding, stride)
@@ -127,3 +141,173 @@ def unfold(grad, input: Meta, kernel_size, dilation=1, padding=0, stride=1):
 @derivative(F.fold, view=False)
 def fold(grad, input, output_size, kernel_size, dilation=1, padding=0, stride=1):
     return F.unfold(grad, kernel_size, dilation, padding, stride)
+
+
+# -- affine_grid and grid_sample ----------------------------------------------------------
+decomposition(F.affine_grid, view=False)(torch_body(F.affine_grid))
+decomposition(F.grid_sample, view=False)(torch_body(F.grid_sample))
+
+
+@derivative(torch.affine_grid_generator, name="AffineGridGeneratorBackward", view=False)
+def affine_grid_generator(grad, theta: Meta, size, align_corners):
+    """Linear in ``theta``: torch's adjoint kernel, whose own gradient is the grid again."""
+
+    def forward(t):
+        return torch.affine_grid_generator(t, size, align_corners)
+
+    def adjoint(g):
+        return _aten.affine_grid_generator_backward.default(g, list(size), align_corners)
+
+    return linear_adjoint(grad, forward, adjoint)
+
+
+@derivative(torch.grid_sampler, torch.grid_sampler_2d, torch.grid_sampler_3d,
+            saved_for={"input": "grid", "grid": ("input", "grid")}, view=False)
+def grid_sampler(grad, input, grid, interpolation_mode, padding_mode, align_corners, *,
+                 needs_input_grad):
+    """torch's backward kernel (``grid_sampler_2d_backward`` / ``_3d_``) when no higher derivative
+    is wanted; under ``create_graph`` the same gradients as a formula in recorded ops (taps read
+    with ``gather``, added back with ``scatter_add``, weights as functions of the grid), which
+    graphgrad differentiates again to any order."""
+    if torch.is_grad_enabled():
+        return _grid_sample_grads(grad, input, grid, interpolation_mode, padding_mode,
+                                  align_corners, needs_input_grad)
+    kernel = (_aten.grid_sampler_2d_backward.default if input.dim() == 4
+              else _aten.grid_sampler_3d_backward.default)
+    return kernel(grad, input, grid, interpolation_mode, padding_mode, align_corners,
+                  [needs_input_grad[0], needs_input_grad[1]])
+
+
+_BILINEAR, _NEAREST, _BICUBIC = 0, 1, 2  # torch's interpolation enum
+_BORDER, _REFLECTION = 1, 2  # torch's padding enum (0: zeros)
+_CUBIC_A = -0.75  # torch's bicubic convolution constant
+
+
+def _clip(c, size):
+    """torch's ``clip_coordinates_set_grad``: the clipped value and its slope (0 where clipped)."""
+    return c.clamp(0, size - 1), ((c > 0) & (c < size - 1)).to(c.dtype)
+
+
+def _reflect(c, twice_low, twice_high):
+    """torch's ``reflect_coordinates_set_grad``: the reflected value and its slope (±1)."""
+    if twice_low == twice_high:
+        return torch.zeros_like(c), torch.zeros_like(c)
+    low, span = twice_low / 2, (twice_high - twice_low) / 2
+    d = c - low
+    sign = torch.where(d < 0, -1.0, 1.0).to(c.dtype)
+    d = d.abs()
+    extra = torch.fmod(d, span)
+    even = torch.fmod(torch.floor(d / span), 2) == 0
+    return torch.where(even, extra + low, span - extra + low), torch.where(even, sign, -sign)
+
+
+def _source_coordinate(x, size, nd, mode, padding, align_corners):
+    """Where grid coordinate ``x`` reads along a dimension of ``size``: torch's unnormalizing
+    (its 2-d CPU kernel's arithmetic, or the 3-d kernel's) and, except for bicubic, its padding.
+    It is piecewise linear in ``x``: computed without recording, then made a recorded function
+    of ``x`` with that slope (``c + slope * (x - x.detach())`` is ``c``, with derivative
+    ``slope`` and second derivative 0, as the coordinate's)."""
+    with torch.no_grad():
+        scale = (size - 1) / 2 if align_corners else size / 2
+        if nd == 2:
+            c = (x + 1) * scale if align_corners else (x + 1) * scale - 0.5
+        else:
+            c = (x + 1) / 2 * (size - 1) if align_corners else ((x + 1) * size - 1) / 2
+        slope = torch.full_like(x, scale)
+        if mode != _BICUBIC and padding == _BORDER:
+            c, s = _clip(c, size)
+            slope = slope * s
+        elif mode != _BICUBIC and padding == _REFLECTION:
+            c, s = _reflect(c, 0, 2 * (size - 1)) if align_corners else _reflect(c, -1, 2 * size - 1)
+            c, s2 = _clip(c, size)
+            slope = slope * s * s2
+    return c + slope * (x - x.detach()), slope
+
+
+def _cubic_weights(t):
+    """torch's bicubic coefficients at offsets -1, 0, 1, 2 and their derivatives in ``t``."""
+    a = _CUBIC_A
+
+    def inner(u):  # |u| <= 1
+        return ((a + 2) * u - (a + 3)) * u * u + 1
+
+    def outer(u):  # 1 < |u| < 2
+        return ((a * u - 5 * a) * u + 8 * a) * u - 4 * a
+
+    weights = [outer(t + 1), inner(t), inner(1 - t), outer(2 - t)]
+    u = t + 1  # d/dt of each weight above
+    slopes = [(3 * a * u - 10 * a) * u + 8 * a, (3 * (a + 2) * t - 2 * (a + 3)) * t,
+              -(3 * (a + 2) * (1 - t) - 2 * (a + 3)) * (1 - t),
+              -(3 * a * (2 - t) - 10 * a) * (2 - t) - 8 * a]
+    return weights, slopes
+
+
+def _coordinate_taps(x, size, nd, mode, padding, align_corners):
+    """Along one dimension: the taps (index, in bounds, weight, d weight / d x) that one grid
+    coordinate reads, as torch's kernels take them."""
+    c, slope = _source_coordinate(x, size, nd, mode, padding, align_corners)
+    if mode == _NEAREST:
+        index = torch.round(c.detach())  # nearbyint: half to even, as torch
+        return [(index, torch.ones_like(slope), torch.zeros_like(slope))]
+    base = torch.floor(c.detach())
+    t = c - base
+    if mode == _BILINEAR:
+        return [(base, 1 - t, -slope), (base + 1, t, slope)]
+    weights, slopes = _cubic_weights(t)
+    taps = []
+    for i, (w, dw) in enumerate(zip(weights, slopes)):
+        index = base + (i - 1)
+        if padding == _BORDER:  # each tap's own coordinate is padded (torch's compute_coordinates)
+            index = _clip(index, size)[0]
+        elif padding == _REFLECTION:
+            twice = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+            index = _clip(_reflect(index, *twice)[0], size)[0]
+        taps.append((index, w, dw * slope))
+    return taps
+
+
+def _grid_sample_grads(grad, input, grid, mode, padding, align_corners, needs):
+    """grid_sample's (input, grid) gradients in recorded ops: the output is a weighted sum of
+    taps, ``sum_taps prod_k w_k(x_k) input[tap]``, so the input's gradient adds ``grad`` times the
+    weight into each tap, and the grid's is ``sum_c grad * input[tap] * d(prod_k w_k) / d x_k``."""
+    nd = input.dim() - 2
+    n, channels = input.shape[0], input.shape[1]
+    sizes = tuple(input.shape[2:])
+    points = grid.reshape(n, -1, nd)
+    g = grad.reshape(n, channels, -1)
+    flat = input.reshape(n, channels, -1)
+    # grid coordinate k indexes spatial dimension nd - 1 - k (x is the width)
+    axes = [_coordinate_taps(points[..., k], sizes[nd - 1 - k], nd, mode, padding, align_corners)
+            for k in range(nd)]
+    strides = [prod(sizes[nd - k:]) for k in range(nd)]
+    indices, sources = [], []
+    grid_parts = [0.0] * nd
+    for taps in itertools.product(*axes):
+        inside = torch.ones_like(taps[0][0], dtype=torch.bool)
+        index = torch.zeros_like(taps[0][0], dtype=torch.long)
+        for k, (i, _, _) in enumerate(taps):
+            inside = inside & (i >= 0) & (i < sizes[nd - 1 - k])
+            index = index + i.long() * strides[k]
+        index = index.masked_fill(~inside, 0).unsqueeze(1).expand(n, channels, -1)
+        mask = inside.to(grad.dtype)
+        weight = mask
+        for _, w, _ in taps:
+            weight = weight * w
+        if needs[0]:
+            indices.append(index)
+            sources.append(g * weight.unsqueeze(1))
+        if needs[1]:
+            read = (g * flat.gather(2, index)).sum(1) * mask
+            for k in range(nd):
+                term = read * taps[k][2]
+                for j, (_, w, _) in enumerate(taps):
+                    if j != k:
+                        term = term * w
+                grid_parts[k] = grid_parts[k] + term
+    grad_input = grad_grid = None
+    if needs[0]:
+        grad_input = flat.new_zeros(flat.shape).scatter_add(
+            2, torch.cat(indices, 2), torch.cat(sources, 2)).view(input.shape)
+    if needs[1]:
+        grad_grid = torch.stack(grid_parts, -1).view(grid.shape)
+    return grad_input, grad_grid
