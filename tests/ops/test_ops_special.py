@@ -82,12 +82,32 @@ CASES = [
     case("sinc_method_zero", T.sinc, ZEROS_IN),
     case("sinc_", inplace(T.sinc_), r(5)),
     case("special_sinc", sp.sinc, r(5)),
+    # functions differentiable in their second argument only
+    case("igamma", torch.igamma, Const(pos(4)), pos(4)),
+    case("igamma_method_broadcast", lambda a, x: a.igamma(x), Const(pos(3, 1)), pos(4)),
+    case("igamma_", inplace(T.igamma_), Const(pos(4)), pos(4)),
+    case("gammainc", sp.gammainc, Const(pos(4)), pos(4)),
+    case("igammac", torch.igammac, Const(pos(4)), pos(4)),
+    case("igammac_method", lambda a, x: a.igammac(x), Const(pos(4)), pos(4)),
+    case("gammaincc", sp.gammaincc, Const(pos(2, 3)), pos(2, 3)),
+    case("zeta", sp.zeta, Const(pos(4, low=1.5)), pos(4)),
+    case("zeta_scalar_x", lambda q: sp.zeta(3.0, q), pos(4)),
 ]
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_case(c):
     check_case(c)
+
+
+@pytest.mark.parametrize("fn", [torch.igamma, torch.igammac, sp.gammainc, sp.gammaincc, sp.zeta])
+def test_first_argument_without_a_derivative_raises(fn):
+    """torch has no derivative in the first argument of these: graphgrad raises too."""
+    a = gg.as_tensor(pos(3, low=1.5), requires_grad=True)
+    x = gg.as_tensor(pos(3), requires_grad=True)
+    out = fn(a, x).sum()
+    with pytest.raises(NotImplementedError, match="with respect to input"):
+        gg.grad(out, [a, x])
 
 
 def test_polygamma_order_has_no_gradient_and_derivatives_run_deep():

@@ -1,6 +1,9 @@
 """Special functions: lgamma (gammaln), digamma (psi), polygamma, mvlgamma (multigammaln),
 the modified Bessel functions i0 i0e i1 i1e, the normal distribution's ndtr ndtri log_ndtr,
-entr, xlog1py and sinc.
+entr, xlog1py and sinc; the incomplete gammas igamma/igammac (gammainc/gammaincc)
+and the Hurwitz zeta, which torch differentiates in their second argument only (the first
+raises, as in torch). (erfcx stays without a rule: the README writes it as the example of a
+user's own rule.)
 
 Formulas are torch's (``derivatives.yaml``). The gamma family differentiates into itself:
 lgamma' is digamma, digamma' is polygamma(1), polygamma(n)' is polygamma(n + 1), and the
@@ -139,3 +142,42 @@ def sinc(grad, input):
     x2_pi = input * input * math.pi
     out = grad * (x_pi * x_pi.cos() - x_pi.sin()) / x2_pi
     return torch.where(x2_pi == 0, 0.0, out)
+
+
+# -- functions torch differentiates in one argument only --------------------------------------
+def _no_derivative(name, argument):
+    """torch has no formula for this argument either: say so rather than return a wrong one."""
+    return NotImplementedError(
+        f"graphgrad: the derivative of {name} with respect to {argument} is not implemented "
+        "(torch has none either); detach() it if no gradient should flow there")
+
+
+def _igamma_density(input, other):
+    """``d/dx P(a, x) = x^(a-1) e^-x / Gamma(a)``, as torch writes it."""
+    return ((input - 1) * other.log() - other - torch.lgamma(input)).exp()
+
+
+@derivative(torch.igamma, T.igamma, _special.special_gammainc, inplace=(T.igamma_,),
+            elementwise=True)
+def igamma(grad, input, other, *, needs_input_grad):
+    """The regularized lower incomplete gamma ``P(a, x)``: differentiable in x only."""
+    if needs_input_grad[0]:
+        raise _no_derivative("torch.igamma (torch.special.gammainc)", "input (a)")
+    return None, grad * _igamma_density(input, other)
+
+
+@derivative(torch.igammac, T.igammac, _special.special_gammaincc, inplace=(T.igammac_,),
+            elementwise=True)
+def igammac(grad, input, other, *, needs_input_grad):
+    """The regularized upper incomplete gamma ``Q(a, x) = 1 - P(a, x)``: in x only."""
+    if needs_input_grad[0]:
+        raise _no_derivative("torch.igammac (torch.special.gammaincc)", "input (a)")
+    return None, -grad * _igamma_density(input, other)
+
+
+@derivative(_special.special_zeta, elementwise=True)
+def zeta(grad, input, other, *, needs_input_grad):
+    """The Hurwitz zeta ``zeta(x, q)``: in q only, ``-x zeta(x + 1, q)``."""
+    if needs_input_grad[0]:
+        raise _no_derivative("torch.special.zeta", "input (x)")
+    return None, grad * -input * _special.special_zeta(input + 1.0, other)
