@@ -282,6 +282,23 @@ CASES = [
     case("cdist_mm_when_large", torch.cdist, r(2, 27, 3), r(2, 4, 3)),
     case("cdist_mm_broadcast_batch", lambda a, b: torch.cdist(a, b, 2, "use_mm_for_euclid_dist"),
          r(2, 1, 3, 2), r(4, 5, 2)),
+    # every argument by its keyword, as torch names them
+    case("solve_keywords", lambda a, b: torch.linalg.solve(A=a, B=b, left=True), well(3, 3), r(3, 2)),
+    case("solve_triangular_keywords", lambda a, b: torch.linalg.solve_triangular(
+        input=a, B=b, upper=False, left=True, unitriangular=False), chol(3, 3), r(3, 2)),
+    case("cholesky_keywords", lambda a: torch.linalg.cholesky(input=sym(a) / 2, upper=False), spd(3, 3)),
+    case("eigh_keywords", lambda a: torch.linalg.eigh(input=sym(a), UPLO="L")[0], r(3, 3)),
+    case("eigvalsh_keywords", lambda a: torch.linalg.eigvalsh(input=sym(a), UPLO="U"), r(3, 3)),
+    case("lstsq_keywords", lambda a, b: torch.linalg.lstsq(input=a, b=b, rcond=None, driver="gelsd")[0],
+         r(4, 3), r(4, 2)),
+    case("matrix_power_keywords", lambda a: torch.linalg.matrix_power(input=a, n=3), r(3, 3)),
+    case("torch_matrix_power_keywords", lambda a: torch.matrix_power(input=a, n=2), r(3, 3)),
+    case("cholesky_solve_keywords", lambda b, u: torch.cholesky_solve(input=b, input2=u.triu(), upper=True),
+         r(3, 2), chol(3, 3, upper=True)),
+    case("triangular_solve_keywords", lambda b, a: torch.triangular_solve(
+        input=b, A=a.tril(), upper=False, transpose=False, unitriangular=False)[0], r(3, 2), chol(3, 3)),
+    case("cdist_keywords", lambda a, b: torch.cdist(
+        x1=a, x2=b, p=2.0, compute_mode="use_mm_for_euclid_dist"), r(3, 2), r(4, 2)),
     case("cdist_mm_equal_points", lambda a, b: torch.cdist(a, b, compute_mode="use_mm_for_euclid_dist"),
          torch.tensor([[0.0, 1.0], [2.0, 2.0]], dtype=F64),
          torch.tensor([[0.0, 1.0], [1.0, -1.0]], dtype=F64), gradcheck=False),

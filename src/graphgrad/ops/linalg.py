@@ -447,11 +447,12 @@ def solve_ex(grads, A, B: Meta, *, left=True, check_errors=False, out=None, resu
 
 
 @derivative(linalg.solve_triangular, view=False)
-def solve_triangular(grad, A, B: Meta, *, upper, left=True, unitriangular=False, out=None,
+def solve_triangular(grad, input, B: Meta, *, upper, left=True, unitriangular=False, out=None,
                      result, needs_input_grad):
-    """As a solve, with A's gradient kept to its triangle (without the diagonal if unit)."""
-    _real_only("torch.linalg.solve_triangular", A)
-    gB = linalg.solve_triangular(A.mH, grad, upper=not upper, left=left,
+    """As a solve (``input`` is the triangular A), with A's gradient kept to its triangle
+    (without the diagonal if unit)."""
+    _real_only("torch.linalg.solve_triangular", input)
+    gB = linalg.solve_triangular(input.mH, grad, upper=not upper, left=left,
                                  unitriangular=unitriangular)
     gA = None
     if needs_input_grad[0]:
@@ -581,7 +582,7 @@ def _cholesky_grad(gL, L, upper):
 
 
 @derivative(linalg.cholesky, view=False)
-def cholesky(grad, A: Meta, *, upper=False, out=None, result):
+def cholesky(grad, input: Meta, *, upper=False, out=None, result):
     return _cholesky_grad(grad, result, upper)
 
 
@@ -592,7 +593,7 @@ def cholesky_legacy(grad, input: Meta, upper=False, *, out=None, result):
 
 
 @derivative(linalg.cholesky_ex, multi_output=True, differentiable_outputs=1, view=False)
-def cholesky_ex(grads, A: Meta, *, upper=False, check_errors=False, out=None, result):
+def cholesky_ex(grads, input: Meta, *, upper=False, check_errors=False, out=None, result):
     """``(L, info)``."""
     if grads[0] is None:
         return None
@@ -621,7 +622,7 @@ def cholesky_inverse(grad, input, upper=False, *, out=None, result):
 
 
 @derivative(linalg.eigh, multi_output=True, view=False)
-def eigh(grads, A: Meta, UPLO="L", *, out=None, result):
+def eigh(grads, input: Meta, UPLO="L", *, out=None, result):
     """torch's ``linalg_eig_backward`` for Hermitian matrices: ``V (skew(V^H gV) / E +
     diag(gL)) V^H`` with ``E[i, j] = L[j] - L[i]`` (distinct eigenvalues)."""
     gL, gV = grads
@@ -639,10 +640,10 @@ def eigh(grads, A: Meta, UPLO="L", *, out=None, result):
 
 
 @decomposition(linalg.eigvalsh, view=False)
-def eigvalsh(A, UPLO="L", *, out=None):
+def eigvalsh(input, UPLO="L", *, out=None):
     """torch computes the eigenvectors too when a gradient may be needed: so does graphgrad."""
     _check_no_out("torch.linalg.eigvalsh", out)
-    return linalg.eigh(A, UPLO)[0]
+    return linalg.eigh(input, UPLO)[0]
 
 
 def _qr_grad_tall(gQ, gR, Q, R):
@@ -727,9 +728,10 @@ def pinverse(input, rcond=1e-15):
 
 
 @derivative(linalg.lstsq, multi_output=True, differentiable_outputs=2, view=False)
-def lstsq(grads, A, B, rcond=None, *, driver=None, result, needs_input_grad):
+def lstsq(grads, input, b, rcond=None, *, driver=None, result, needs_input_grad):
     """``(solution, residuals, rank, singular_values)``: the solution is ``pinv(A) B``; the
     residuals ``|A X - B|^2`` are at a minimum in X, so only their explicit dependence counts."""
+    A, B = input, b
     _real_only("torch.linalg.lstsq", A)
     gX, g_res = grads[0], grads[1]
     X = result[0]
@@ -755,11 +757,12 @@ def lstsq(grads, A, B, rcond=None, *, driver=None, result, needs_input_grad):
 
 
 @decomposition(linalg.matrix_power, torch.matrix_power, T.matrix_power, view=False)
-def matrix_power(A, n, *, out=None):
+def matrix_power(input, n, *, out=None):
     """torch's composite: products by repeated squaring (the inverse first for ``n < 0``);
     ``n == 0`` gives the identity with a zero gradient."""
     _check_no_out("torch.linalg.matrix_power", out)
-    _check_like_torch(linalg.matrix_power, A, n)
+    _check_like_torch(linalg.matrix_power, input, n)
+    A = input
     if n == 0:
         eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
         return A.clone(memory_format=torch.contiguous_format).copy_(eye.expand(A.shape))
@@ -822,7 +825,8 @@ def _cdist_term(grad, x1, x2, p, dist):
 
 
 @derivative(torch.cdist, view=False)
-def cdist(grad, x1, x2, p=2.0, compute_mode=None, *, result, needs_input_grad):
+def cdist(grad, x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary", *, result,
+          needs_input_grad):
     """On the matrix-product path (p = 2) torch's ``_euclidean_dist_backward``, differentiable
     as torch's is; otherwise ``_cdist_backward``'s formulas, written in recorded ops (torch
     itself has no second derivative there)."""
