@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
-from op_cases import F64, Randoms, T, case, check_case, inplace
+from op_cases import F64, Randoms, T, case, check_case, compare, inplace
 from opdb_harness import opdb_test
 
 REFERENCE = {
@@ -222,3 +222,11 @@ def test_prod_zero_gradient_is_product_of_others(fn):
     want = torch.stack([torch.stack([torch.cat([row[:i], row[i + 1:]]).prod() for i in range(len(row))])
                         for row in rows]).reshape(ONE_ZERO.shape)
     torch.testing.assert_close(x.grad, want)
+
+
+@pytest.mark.parametrize("x", [ONE_ZERO, TWO_ZEROS, ROW_ZEROS, t([0.0, 2.0, -1.5, 0.0, 3.0]),
+                               torch.zeros(2, 3, dtype=F64)], ids=lambda x: str(tuple(x.shape)))
+@pytest.mark.parametrize("dim", [0, -1])
+def test_cumprod_first_derivative_with_zeros(x, dim):
+    """Without create_graph, the O(n) formula (with it, the O(n^2) one: the cases above)."""
+    compare(lambda a: a.cumprod(dim), [x], second_order=False)

@@ -387,16 +387,35 @@ def _reversed_cumsum(t, dim):
     return t.flip(dim).cumsum(dim).flip(dim)
 
 
+def _cumprod_grad_zeros(grad, input, dim, result, is_zero):
+    """torch's O(n) first derivative with zeros: before the first zero the usual formula, at
+    the first zero the products that skip it (up to the second zero), after it nothing."""
+    zeros_seen = is_zero.cumsum(dim)
+    before = zeros_seen == 0
+    w = (grad * result).masked_fill(~before, 0)
+    out = torch.where(before, _reversed_cumsum(w, dim) / input.masked_fill(~before, 1), 0)
+    first = is_zero & (zeros_seen == 1)
+    between = (zeros_seen == 1) & ~first
+    prefix = input.masked_fill(~before, 1).prod(dim, keepdim=True)
+    after_first = input.masked_fill(~between, 1).cumprod(dim)
+    at_first = prefix * (grad * after_first).masked_fill(zeros_seen != 1, 0).sum(dim, keepdim=True)
+    return torch.where(first, at_first, out)
+
+
 @derivative(torch.cumprod, T.cumprod, inplace=(T.cumprod_,), view=False)
 def cumprod(grad, input, dim, *, dtype=None, result):
     """torch's ``cumprod_backward``: without zeros ``reversed_cumsum(grad * result) / input``;
-    with zeros, each element's gradient from the products that omit it, formed explicitly (as
-    torch does under create_graph) so that they differentiate again."""
+    with zeros, an O(n) pass for a first derivative, and under create_graph each element's
+    gradient from the products that omit it, formed explicitly (O(n^2), as torch does) so
+    that they differentiate again."""
     grad = grad.to(input.dtype)
     if input.dim() == 0 or input.shape[dim] <= 1:
         return grad
-    if not (input == 0).any():
+    is_zero = input == 0
+    if not is_zero.any():
         return _reversed_cumsum(grad * result, dim) / input
+    if not torch.is_grad_enabled():
+        return _cumprod_grad_zeros(grad, input, dim, result, is_zero)
     x, g = input.movedim(dim, -1), grad.movedim(dim, -1)
     ones = torch.ones(x.shape[:-1] + (1,), dtype=x.dtype, device=x.device)
     slices = []
