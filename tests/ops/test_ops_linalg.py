@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import graphgrad as gg
-from op_cases import F64, Const, Randoms, T, case, check, check_case, inplace
+from op_cases import F64, Const, Randoms, T, case, check, check_case, compare, inplace
 from opdb_harness import opdb_test
 
 REFERENCE = {
@@ -327,6 +327,12 @@ def test_cdist_first_derivative_with_equal_points_and_p_below_1():
     b = torch.tensor([[0.0, 1.0, 2.0], [1.0, 3.0, 1.0]], dtype=F64)
     for p in (0.5, 1.0, 1.5, 2.0, 3.0):
         check(lambda x, y, p=p: torch.cdist(x, y, p), a, b, second_order=False)
+
+
+@pytest.mark.parametrize("fn", [lambda a: torch.linalg.slogdet(a)[1], torch.logdet])
+def test_log_determinant_of_a_singular_matrix_first_derivative(fn):
+    """torch's first derivative solves with the LU factors: infinities, not an error."""
+    compare(fn, [torch.tensor([[1.0, 2.0], [2.0, 4.0]], dtype=F64)], second_order=False)
 
 
 def test_qr_mode_r_and_complete_tall_are_not_differentiable():

@@ -556,10 +556,16 @@ def det(grad, A, *, out=None, result):
 
 @derivative(linalg.slogdet, torch.slogdet, T.slogdet, multi_output=True, view=False)
 def slogdet(grads, A, *, out=None):
-    """``(sign, logabsdet)``: the sign is constant for real matrices; log|det|' is ``A^-H``."""
+    """``(sign, logabsdet)``: the sign is constant for real matrices; log|det|' is ``A^-H``.
+    As torch: a first derivative solves with the LU factors (a singular matrix gives infs, not
+    an error), one under create_graph with ``linalg.solve``."""
     _real_only("torch.linalg.slogdet", A)
     if grads[1] is None:
         return None
+    if not torch.is_grad_enabled():
+        LU, pivots, _ = linalg.lu_factor_ex(A)
+        d = torch.diag_embed(grads[1].unsqueeze(-1).expand(pivots.shape))
+        return linalg.lu_solve(LU, pivots, d, adjoint=True)
     return _det_grad_nonsingular(A, grads[1])
 
 
