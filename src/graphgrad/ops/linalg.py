@@ -1,6 +1,9 @@
 """Linear algebra: matmul mm bmm mv dot vdot inner vecdot outer/ger, addmm addmv addr
 baddbmm addbmm, einsum, F.linear, linalg.matrix_norm and linalg.norm, and the SVD they need
-(linalg.svd, linalg.svdvals, svd; real inputs).
+(linalg.svd, linalg.svdvals, svd; real inputs); solves (solve, solve_triangular,
+triangular_solve, cholesky_solve), inverses (inv, cholesky_inverse, pinv), determinants
+(det, slogdet, logdet), factorizations (cholesky, eigh, qr), lstsq, matrix_power,
+matrix_exp and cdist (real inputs: a complex one raises NotImplementedError).
 
 Formulas follow torch's (``derivatives.yaml``), so ``beta=0`` gives a zero gradient to
 ``input`` like torch does.
