@@ -89,6 +89,7 @@ CASES = [
     case("gammainc", sp.gammainc, Const(pos(4)), pos(4)),
     case("igammac", torch.igammac, Const(pos(4)), pos(4)),
     case("igammac_method", lambda a, x: a.igammac(x), Const(pos(4)), pos(4)),
+    case("igammac_", inplace(T.igammac_), Const(pos(4)), pos(4)),
     case("gammaincc", sp.gammaincc, Const(pos(2, 3)), pos(2, 3)),
     case("zeta", sp.zeta, Const(pos(4, low=1.5)), pos(4)),
     case("zeta_scalar_x", lambda q: sp.zeta(3.0, q), pos(4)),
