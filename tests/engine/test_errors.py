@@ -108,9 +108,9 @@ def test_grad_and_backward_inputs_misuse():
 
 # -- functions without a rule -----------------------------------------------------------------
 NO_RULE = {
-    "torch.cumprod": (lambda t: torch.cumprod(t, 0), r"torch\.cumprod"),
-    "torch.Tensor.cumprod": (lambda t: t.cumprod(0), r"torch\.Tensor\.cumprod"),
-    "torch.special.i0e": (lambda t: torch.special.i0e(t), r"i0e"),
+    "torch.renorm": (lambda t: torch.renorm(t.reshape(1, -1), 2, 0, 1.0), r"torch\.renorm"),
+    "torch.Tensor.renorm": (lambda t: t.reshape(1, -1).renorm(2, 0, 1.0), r"torch\.Tensor\.renorm"),
+    "torch.special.bessel_j0": (lambda t: torch.special.bessel_j0(t), r"bessel_j0"),
 }
 
 
@@ -135,8 +135,8 @@ def test_inplace_function_without_rule_changes_nothing():
     x = leaf()
     h = x * 3
     node, version, values = h.grad_fn, h._version, plain(h)
-    with pytest.raises(NotImplementedError, match=r"in-place function torch\.Tensor\.lgamma_.*derivative"):
-        h.lgamma_()
+    with pytest.raises(NotImplementedError, match=r"in-place function torch\.Tensor\.nextafter_.*derivative"):
+        h.nextafter_(torch.zeros(3, dtype=F64))
     assert_same(plain(h), values)
     assert h._version == version and h.grad_fn is node
     h.sum().backward()
@@ -257,7 +257,7 @@ LEAF_INPLACE = {
     "add_": (lambda x: x.add_(1), r"torch\.Tensor\.add_"),
     "iadd": (_iadd, r"torch\.Tensor\."),
     "setitem": (_setitem, r"torch\.Tensor\.__setitem__"),
-    "lgamma_": (lambda x: x.lgamma_(), r"torch\.Tensor\.lgamma_"),
+    "nextafter_": (lambda x: x.nextafter_(torch.zeros(3, dtype=F64)), r"torch\.Tensor\.nextafter_"),
 }
 
 

@@ -173,7 +173,7 @@ def test_forward_soak_without_backward(record_property):
     assert cyclic_graph_objects() == []
 
 
-MESSAGES = ("cumprod", "hook failed", "inplace operation", "second time", "Mismatch in shape")
+MESSAGES = ("bessel_j0", "hook failed", "inplace operation", "second time", "Mismatch in shape")
 
 
 def _raise(_grad):
@@ -217,7 +217,7 @@ def test_soak_with_errors_in_forward_and_backward(record_property):
         before = [None if p.grad is None else p.grad.clone() for p in params]
         h = hidden(params, x)
         if kind == 0:
-            expect(0, torch.cumprod, h, 1)
+            expect(0, torch.special.bessel_j0, h)
         elif kind == 1:
             loss, handle = head(params, h, y, hook=_raise)  # runs before any leaf's gradient
             expect(1, loss.backward, retain_graph=True)

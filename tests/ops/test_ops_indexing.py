@@ -27,6 +27,10 @@ REFERENCE = {
     "masked_select": {},
     "masked_scatter": {},
     "unfold": {},
+    "sort": {},
+    "topk": {},
+    "msort": {},
+    "repeat_interleave": {},
 }
 
 unsupported = None
@@ -149,6 +153,28 @@ CASES = [
     case("take_along_dim_flat", lambda a, i: torch.take_along_dim(a, i), r(3, 4), idx(11, 0, 11)),
     case("take_along_dim_bcast", lambda a, i: a.take_along_dim(i, 1), r(3, 4), idx([0, 3, 3])),
     case("unfold_overlapping", lambda a: a.unfold(1, 3, 1), r(2, 5)),
+    # sort, topk, msort: directions, stability, ties (compared with torch, no finite
+    # differences at a tie), dims, methods
+    case("sort_descending_dim0", lambda a: torch.sort(a, 0, descending=True), r(3, 4)),
+    case("sort_stable_ties", lambda a: torch.sort(a, stable=True, dim=1)[0],
+         torch.tensor([[1.0, 3.0, 1.0, 2.0], [2.0, 2.0, 2.0, -1.0]], dtype=F64), gradcheck=False),
+    case("sort_method_stable_descending", lambda a: a.sort(descending=True, stable=True).values,
+         torch.tensor([[0.5, 0.5, -1.0, 0.5]], dtype=F64), gradcheck=False),
+    case("sort_scalar", lambda a: a.sort()[0], r()),
+    case("topk_smallest_unsorted", lambda a: torch.topk(a, 2, 0, largest=False, sorted=False)[0], r(4, 3)),
+    case("topk_method", lambda a: a.topk(3), r(2, 5)),
+    case("msort_method", T.msort, r(4, 2)),
+    # repeat_interleave: int and tensor repeats, dims, output_size, flattened
+    case("repeat_interleave_int_dim", lambda a: torch.repeat_interleave(a, 3, dim=1), r(2, 3)),
+    case("repeat_interleave_int_flat", lambda a: a.repeat_interleave(2), r(2, 3)),
+    case("repeat_interleave_tensor_dim0", lambda a: a.repeat_interleave(idx(2, 0, 3), 0), r(3, 2)),
+    case("repeat_interleave_output_size", lambda a: torch.repeat_interleave(
+        a, idx(1, 2), dim=-1, output_size=3), r(2, 2)),
+    case("repeat_interleave_one_element_tensor", lambda a: torch.repeat_interleave(a, idx(2), dim=0),
+         r(3, 2)),
+    case("repeat_interleave_scalar_tensor_flat", lambda a: a.repeat_interleave(torch.tensor(2)), r(2, 2)),
+    case("repeat_interleave_zero_dim_input", lambda a: a.repeat_interleave(3), r()),
+
 ]
 
 

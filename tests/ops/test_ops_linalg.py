@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import graphgrad as gg
-from op_cases import F64, Const, Randoms, T, case, check_case, inplace
+from op_cases import F64, Const, Randoms, T, case, check, check_case, compare, inplace
 from opdb_harness import opdb_test
 
 REFERENCE = {
@@ -38,6 +38,32 @@ REFERENCE = {
     "linalg.svdvals": {},
     "linalg.svd": {},
     "trace": {},
+    "linalg.solve": {},
+    "linalg.solve_ex": {},
+    "linalg.solve_triangular": {"max_samples": 96},
+    "triangular_solve": {},
+    "cholesky": {},
+    "linalg.cholesky": {},
+    "linalg.cholesky_ex": {},
+    "cholesky_solve": {},
+    "cholesky_inverse": {},
+    "linalg.eigh": {},
+    "linalg.eigvalsh": {},
+    "linalg.qr": {},
+    "qr": {},
+    "linalg.inv": {},
+    "linalg.inv_ex": {},
+    "linalg.det": {},
+    "linalg.slogdet": {},
+    "logdet": {},
+    "linalg.lstsq": {},
+    "matrix_exp": {},
+    "linalg.pinv": {"max_samples": 24},
+    "pinverse": {},
+    "linalg.matrix_power": {},
+    "cdist": {"second_order": False,
+              "why": "torch has no second derivative of cdist off the matrix-product path; "
+                     "hand-written cases check graphgrad's against the norm of differences"},
 }
 
 unsupported = None
@@ -49,6 +75,39 @@ test_opdb = opdb_test(REFERENCE, unsupported)
 r = Randoms(0).r
 
 WITH_NAN = torch.full((2, 4), math.nan, dtype=F64)
+
+def well(*shape):
+    """A well-conditioned square matrix (or batch): random plus n on the diagonal."""
+    n = shape[-1]
+    return r(*shape) + n * torch.eye(n, dtype=F64)
+
+
+def spd(*shape):
+    """A symmetric positive-definite matrix (or batch)."""
+    a = r(*shape)
+    return a @ a.mT + shape[-1] * torch.eye(shape[-1], dtype=F64)
+
+
+def chol(*shape, upper=False):
+    """A Cholesky factor with a diagonal well away from 0."""
+    L = torch.linalg.cholesky(spd(*shape))
+    return L.mT if upper else L
+
+
+def sym(a):
+    """Symmetrize inside the function: the factorizations read one triangle, but their
+    gradients (torch's too) are symmetric, which finite differences only see this way."""
+    return a + a.mT
+
+
+SINGULAR = torch.tensor([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.5, -1.0, 2.0]], dtype=F64)
+RANK1 = torch.outer(torch.tensor([1.0, -2.0, 0.5], dtype=F64), torch.tensor([0.3, 1.0, 2.0], dtype=F64))
+
+
+def cdist_ref(p):
+    """The same distances as a norm of differences (torch differentiates this twice)."""
+    return lambda a, b: torch.linalg.vector_norm(a.unsqueeze(-2) - b.unsqueeze(-3), p, -1)
+
 
 CASES = [
     # products and their aliases
@@ -134,12 +193,174 @@ CASES = [
     case("svd_method_batched", lambda a: a.svd()[1], r(2, 3, 3)),
     case("svd_no_uv", lambda a: torch.svd(a, compute_uv=False)[1], r(3, 4)),
     case("svdvals_wide", torch.linalg.svdvals, r(2, 5)),
+    # solves: left=False, broadcast batches, vector right-hand sides, a constant side
+    case("solve_right", lambda a, b: torch.linalg.solve(a, b, left=False), well(3, 3), r(2, 3)),
+    case("solve_broadcast_batch", torch.linalg.solve, well(2, 1, 3, 3), r(4, 3, 2)),
+    case("solve_batched_vector", torch.linalg.solve, well(2, 3, 3), r(2, 3)),
+    case("solve_const_A", torch.linalg.solve, Const(well(3, 3)), r(3, 2)),
+    case("solve_const_B", torch.linalg.solve, well(3, 3), Const(r(3, 2))),
+    case("solve_ex_right", lambda a, b: torch.linalg.solve_ex(a, b, left=False)[0], well(2, 3, 3),
+         r(2, 4, 3)),
+    case("solve_triangular_right_lower", lambda a, b: torch.linalg.solve_triangular(
+        a, b, upper=False, left=False), chol(3, 3), r(2, 3)),
+    case("solve_triangular_unit", lambda a, b: torch.linalg.solve_triangular(
+        a, b, upper=True, unitriangular=True), chol(3, 3, upper=True), r(3, 2)),
+    case("triangular_solve_transpose", lambda b, a: torch.triangular_solve(b, a, upper=False,
+                                                                          transpose=True),
+         r(3, 2), chol(3, 3)),
+    case("triangular_solve_method_unit", lambda b, a: b.triangular_solve(a, unitriangular=True)[0],
+         r(2, 3, 2), chol(2, 3, 3, upper=True)),
+    # cholesky: every spelling, upper and lower, batches (a factor is read as a triangle:
+    # tril/triu inside, for finite differences)
+    case("cholesky_lower", lambda a: torch.cholesky(sym(a) + 6 * torch.eye(3, dtype=F64)), r(3, 3)),
+    case("cholesky_method_upper", lambda a: (sym(a) / 2).cholesky(True), spd(2, 3, 3)),
+    case("linalg_cholesky_batched", lambda a: torch.linalg.cholesky(sym(a) / 2), spd(2, 4, 4)),
+    case("cholesky_ex_upper", lambda a: torch.linalg.cholesky_ex(sym(a) / 2, upper=True).L, spd(3, 3)),
+    case("cholesky_solve_method_upper", lambda b, u: b.cholesky_solve(u.triu(), True), r(3, 2),
+         chol(3, 3, upper=True)),
+    case("cholesky_solve_broadcast", lambda b, L: torch.cholesky_solve(b, L.tril()), r(2, 3, 1),
+         chol(3, 3)),
+    case("cholesky_inverse_method_upper", lambda u: u.triu().cholesky_inverse(upper=True),
+         chol(3, 3, upper=True)),
+    case("cholesky_inverse_lower", lambda L: torch.cholesky_inverse(L.tril()), chol(4, 4)),
+    # eigh: gauge-invariant functions of the eigenvectors, both triangles
+    case("eigh_upper", lambda a: (lambda L, V: (L, V.abs()))(*torch.linalg.eigh(sym(a), "U")), r(4, 4)),
+    case("eigh_vectors_only", lambda a: (lambda L, V: V @ V.mT.abs())(*torch.linalg.eigh(sym(a))),
+         r(2, 3, 3)),
+    case("eigh_projector", lambda a: (lambda L, V: V[..., :1] @ V[..., :1].mT)(*torch.linalg.eigh(sym(a))),
+         r(3, 3)),
+    case("eigvalsh_upper", lambda a: torch.linalg.eigvalsh(sym(a), UPLO="U"), r(2, 4, 4)),
+    case("eigvalsh_one_triangle", lambda a: torch.linalg.eigvalsh(a), r(3, 3), gradcheck=False),
+    # qr: every mode and shape torch differentiates
+    case("qr_reduced_wide", torch.linalg.qr, r(3, 5)),
+    case("qr_complete_square", lambda a: torch.linalg.qr(a, mode="complete"), r(2, 4, 4)),
+    case("qr_complete_wide", lambda a: torch.linalg.qr(a, "complete"), r(3, 4)),
+    case("qr_only_R_tall", lambda a: torch.linalg.qr(a)[1], r(5, 3)),
+    case("qr_only_Q_wide", lambda a: torch.linalg.qr(a)[0], r(3, 5)),
+    case("qr_legacy_some_false", lambda a: torch.qr(a, some=False), r(3, 3)),
+    case("qr_method", lambda a: a.qr(), r(4, 3)),
+    # inverse and determinants: every spelling, singular matrices
+    case("inverse", torch.inverse, well(3, 3)),
+    case("inverse_method_batched", T.inverse, well(2, 3, 3)),
+    case("inv_ex", lambda a: torch.linalg.inv_ex(a).inverse, well(3, 3)),
+    case("det", torch.det, well(3, 3)),
+    case("det_method_batched", T.det, r(2, 3, 3)),
+    # (torch's first derivative at an exactly zero determinant is grad * det * A^-H = 0, not
+    # the cofactors; graphgrad gives the same, so finite differences disagree with both there)
+    case("det_singular", torch.linalg.det, SINGULAR, gradcheck=False),
+    case("det_rank1", torch.linalg.det, RANK1),
+    case("det_batch_singular_and_not", torch.linalg.det, torch.stack([SINGULAR, well(3, 3), RANK1]),
+         gradcheck=False),
+    case("det_zero_matrix", torch.linalg.det, torch.zeros(2, 2, dtype=F64)),
+    case("slogdet", torch.slogdet, r(3, 3)),
+    case("slogdet_method_batched", lambda a: a.slogdet()[1], r(2, 3, 3)),
+    case("logdet_method", T.logdet, spd(3, 3)),
+    case("logdet_negative_det_is_nan", torch.logdet, -spd(3, 3), gradcheck=False),
+    # least squares: vector and matrix right-hand sides, residuals, drivers
+    case("lstsq_vector_rhs", lambda a, b: torch.linalg.lstsq(a, b).solution, r(5, 3), r(5)),
+    case("lstsq_residuals_gelsd", lambda a, b: torch.linalg.lstsq(a, b, driver="gelsd")[:2],
+         r(5, 3), r(5, 2)),
+    case("lstsq_batched_wide", lambda a, b: torch.linalg.lstsq(a, b, driver="gelsd").solution,
+         r(2, 3, 5), r(2, 3, 2)),
+    case("lstsq_rcond", lambda a, b: torch.linalg.lstsq(a, b, 1e-10)[0], r(4, 4), r(4, 1)),
+    # pinv: every overload
+    case("pinv_atol_rtol", lambda a: torch.linalg.pinv(a, atol=1e-8, rtol=1e-10), r(3, 5)),
+    case("pinv_rcond_positional", lambda a: torch.linalg.pinv(a, 1e-12), r(4, 2)),
+    case("pinv_hermitian", lambda a: torch.linalg.pinv(sym(a), hermitian=True), r(3, 3)),
+    case("pinverse_method", lambda a: a.pinverse(rcond=1e-12), r(2, 4, 3)),
+    # matrix_power and matrix_exp: every spelling
+    *[case(f"matrix_power_{n}", lambda a, n=n: torch.linalg.matrix_power(a, n), well(3, 3) / 3)
+      for n in (0, 1, 2, 3, 6, -1, -3)],
+    case("matrix_power_torch_batched", lambda a: torch.matrix_power(a, 5), r(2, 3, 3) / 2),
+    case("matrix_power_method", lambda a: a.matrix_power(-2), well(3, 3)),
+    case("matrix_exp_torch", torch.matrix_exp, r(3, 3)),
+    case("matrix_exp_method_batched", T.matrix_exp, r(2, 3, 3)),
+    case("linalg_matrix_exp", torch.linalg.matrix_exp, r(4, 4) / 2),
+    # cdist on the matrix-product path: torch differentiates it twice too
+    case("cdist_mm", lambda a, b: torch.cdist(a, b, compute_mode="use_mm_for_euclid_dist"), r(4, 3),
+         r(5, 3)),
+    case("cdist_mm_when_large", torch.cdist, r(2, 27, 3), r(2, 4, 3)),
+    case("cdist_mm_broadcast_batch", lambda a, b: torch.cdist(a, b, 2, "use_mm_for_euclid_dist"),
+         r(2, 1, 3, 2), r(4, 5, 2)),
+    # every argument by its keyword, as torch names them
+    case("solve_keywords", lambda a, b: torch.linalg.solve(A=a, B=b, left=True), well(3, 3), r(3, 2)),
+    case("solve_triangular_keywords", lambda a, b: torch.linalg.solve_triangular(
+        input=a, B=b, upper=False, left=True, unitriangular=False), chol(3, 3), r(3, 2)),
+    case("cholesky_keywords", lambda a: torch.linalg.cholesky(input=sym(a) / 2, upper=False), spd(3, 3)),
+    case("eigh_keywords", lambda a: torch.linalg.eigh(input=sym(a), UPLO="L")[0], r(3, 3)),
+    case("eigvalsh_keywords", lambda a: torch.linalg.eigvalsh(input=sym(a), UPLO="U"), r(3, 3)),
+    case("lstsq_keywords", lambda a, b: torch.linalg.lstsq(input=a, b=b, rcond=None, driver="gelsd")[0],
+         r(4, 3), r(4, 2)),
+    case("matrix_power_keywords", lambda a: torch.linalg.matrix_power(input=a, n=3), r(3, 3)),
+    case("torch_matrix_power_keywords", lambda a: torch.matrix_power(input=a, n=2), r(3, 3)),
+    case("cholesky_solve_keywords", lambda b, u: torch.cholesky_solve(input=b, input2=u.triu(), upper=True),
+         r(3, 2), chol(3, 3, upper=True)),
+    case("triangular_solve_keywords", lambda b, a: torch.triangular_solve(
+        input=b, A=a.tril(), upper=False, transpose=False, unitriangular=False)[0], r(3, 2), chol(3, 3)),
+    case("cdist_keywords", lambda a, b: torch.cdist(
+        x1=a, x2=b, p=2.0, compute_mode="use_mm_for_euclid_dist"), r(3, 2), r(4, 2)),
+    case("cdist_mm_equal_points", lambda a, b: torch.cdist(a, b, compute_mode="use_mm_for_euclid_dist"),
+         torch.tensor([[0.0, 1.0], [2.0, 2.0]], dtype=F64),
+         torch.tensor([[0.0, 1.0], [1.0, -1.0]], dtype=F64), gradcheck=False),
 ]
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_case(c):
     check_case(c)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, math.inf])
+def test_cdist_twice_against_the_norm_of_differences(p):
+    """Off the matrix-product path torch has no second derivative of cdist: graphgrad's first
+    and second derivatives are checked against the same distances written as vector_norm."""
+    a, b = r(2, 4, 3), r(2, 5, 3)
+    mode = "donot_use_mm_for_euclid_dist"
+    check(lambda x, y: torch.cdist(x, y, p, mode), a, b, ref=cdist_ref(p))
+    assert gg.gradcheck(lambda x, y: torch.cdist(x, y, p, mode),
+                        [gg.as_tensor(a, requires_grad=True), gg.as_tensor(b, requires_grad=True)])
+
+
+def test_cdist_first_derivative_with_equal_points_and_p_below_1():
+    """Where a distance or a coordinate difference is 0, torch's choice (0) is kept."""
+    a = torch.tensor([[0.0, 1.0, 2.0], [1.0, 1.0, 1.0]], dtype=F64)
+    b = torch.tensor([[0.0, 1.0, 2.0], [1.0, 3.0, 1.0]], dtype=F64)
+    for p in (0.5, 1.0, 1.5, 2.0, 3.0):
+        check(lambda x, y, p=p: torch.cdist(x, y, p), a, b, second_order=False)
+
+
+@pytest.mark.parametrize("fn", [lambda a: torch.linalg.slogdet(a)[1], torch.logdet])
+def test_log_determinant_of_a_singular_matrix_first_derivative(fn):
+    """torch's first derivative solves with the LU factors: infinities, not an error."""
+    compare(fn, [torch.tensor([[1.0, 2.0], [2.0, 4.0]], dtype=F64)], second_order=False)
+
+
+def test_qr_mode_r_and_complete_tall_are_not_differentiable():
+    a = gg.as_tensor(r(4, 3), requires_grad=True)
+    with pytest.raises(RuntimeError, match="mode='r'"):
+        torch.linalg.qr(a, mode="r")[1].sum().backward()
+    with pytest.raises(RuntimeError, match="mode='complete' and nrows > ncols"):
+        torch.linalg.qr(a, mode="complete")[0].sum().backward()
+
+
+@pytest.mark.parametrize("fn", [torch.linalg.inv, torch.linalg.det, torch.linalg.matrix_exp,
+                                lambda a: torch.linalg.solve(a, a), torch.linalg.cholesky])
+def test_complex_inputs_raise_a_clear_error(fn):
+    """The rules are real-only: a complex input raises instead of a gradient lacking its
+    conjugations."""
+    a = torch.eye(3, dtype=torch.complex128) * 2 + 0.1j
+    x = gg.as_tensor(a, requires_grad=True)
+    out = fn(x)
+    with pytest.raises(NotImplementedError, match="complex inputs"):
+        gg.grad(out.abs().sum(), x)
+
+
+def test_linalg_out_is_refused_while_recording():
+    a = gg.as_tensor(well(3, 3), requires_grad=True)
+    with pytest.raises(RuntimeError, match="out="):
+        torch.linalg.inv(a, out=torch.empty(3, 3, dtype=F64))
+    with pytest.raises(RuntimeError, match="out="):
+        torch.linalg.matrix_power(a, 2, out=torch.empty(3, 3, dtype=F64))
 
 
 def test_einsum_gradient_only_for_operands_that_need_it():

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
-from op_cases import F64, Randoms, T, case, check_case, inplace
+from op_cases import F64, Randoms, T, case, check_case, compare, inplace
 from opdb_harness import opdb_test
 
 REFERENCE = {
@@ -35,6 +35,14 @@ REFERENCE = {
     "logsumexp": {},
     "cumsum": {},
     "nn.functional.softmin": {},
+    "cumprod": {},
+    "logcumsumexp": {},
+    "cummax": {},
+    "cummin": {},
+    "median": {},
+    "nanmedian": {},
+    "mode": {},
+    "kthvalue": {},
 }
 
 unsupported = None
@@ -155,6 +163,40 @@ CASES = [
     case("special_softmax", lambda a: torch.special.softmax(a, 1), r(3, 4)),
     case("special_log_softmax", lambda a: torch.special.log_softmax(a, -1, dtype=F64), r(3, 4)),
     case("F_softmax_dtype", lambda a: F.softmax(a, dim=0, dtype=F64), r(3, 4)),
+    # cumprod: zeros anywhere (torch's products of the others), dims, dtype, in-place
+    case("cumprod_one_zero", lambda a: torch.cumprod(a, 1), ONE_ZERO),
+    case("cumprod_zeros_rows_dim0", lambda a: a.cumprod(0), ROW_ZEROS),
+    case("cumprod_two_zeros_in_a_row", lambda a: a.cumprod(-1), ROW_ZEROS),
+    case("cumprod_zero_first_and_last", lambda a: a.cumprod(0), t([0.0, 2.0, -1.5, 0.0])),
+    case("cumprod_all_zero", lambda a: a.cumprod(1), torch.zeros(2, 3, dtype=F64)),
+    case("cumprod_dtype", lambda a: torch.cumprod(a, 1, dtype=F64), r(2, 4)),
+    case("cumprod_scalar", lambda a: a.cumprod(0), r()),
+    case("cumprod_", inplace(T.cumprod_, 1), ONE_ZERO),
+    case("cumprod__no_zeros", inplace(T.cumprod_, 0), r(3, 2)),
+    # logcumsumexp: large values (no overflow), dims
+    case("logcumsumexp_method_large", lambda a: a.logcumsumexp(1), r(2, 4) * 300),
+    case("logcumsumexp_dim0", lambda a: torch.logcumsumexp(a, 0), r(3, 2)),
+    case("logcumsumexp_neg_inf", lambda a: a.logcumsumexp(1), NEG_INF, gradcheck=False),
+    # running extremes, median, mode, kthvalue: ties, keepdim, NaNs, methods (compared with
+    # torch, which picks one index at a tie; finite differences are meaningless there)
+    case("cummax_ties", lambda a: torch.cummax(a, 1), TIES, gradcheck=False),
+    case("cummax_method_values", lambda a: a.cummax(0).values, r(4, 2)),
+    case("cummin_ties_method", lambda a: a.cummin(1)[0], TIES, gradcheck=False),
+    case("cummin_scalar", lambda a: torch.cummin(a, 0)[0], r()),
+    case("median_all_even_count", torch.median, r(2, 3)),
+    case("median_all_ties", lambda a: a.median(), TIES, gradcheck=False),
+    case("median_all_nan", torch.median, WITH_NAN, gradcheck=False),
+    case("median_dim_keepdim", lambda a: torch.median(a, 1, keepdim=True), r(3, 4)),
+    case("median_dim_method", lambda a: a.median(dim=0).values, TIES, gradcheck=False),
+    case("median_dim_nan", lambda a: a.median(1)[0], WITH_NAN, gradcheck=False),
+    case("nanmedian_all_nan", torch.nanmedian, WITH_NAN, gradcheck=False),
+    case("nanmedian_dim_nan_method", lambda a: a.nanmedian(1, True)[0], WITH_NAN, gradcheck=False),
+    case("mode_repeats", lambda a: torch.mode(a, 1), TIES, gradcheck=False),
+    case("mode_method_keepdim", lambda a: a.mode(0, keepdim=True).values, TIES, gradcheck=False),
+    case("mode_scalar", lambda a: a.mode()[0], r()),
+    case("kthvalue_method_keepdim", lambda a: a.kthvalue(2, 0, True)[0], r(3, 4)),
+    case("kthvalue_ties", lambda a: torch.kthvalue(a, 3, 1), TIES, gradcheck=False),
+
 ]
 
 
@@ -180,3 +222,11 @@ def test_prod_zero_gradient_is_product_of_others(fn):
     want = torch.stack([torch.stack([torch.cat([row[:i], row[i + 1:]]).prod() for i in range(len(row))])
                         for row in rows]).reshape(ONE_ZERO.shape)
     torch.testing.assert_close(x.grad, want)
+
+
+@pytest.mark.parametrize("x", [ONE_ZERO, TWO_ZEROS, ROW_ZEROS, t([0.0, 2.0, -1.5, 0.0, 3.0]),
+                               torch.zeros(2, 3, dtype=F64)], ids=lambda x: str(tuple(x.shape)))
+@pytest.mark.parametrize("dim", [0, -1])
+def test_cumprod_first_derivative_with_zeros(x, dim):
+    """Without create_graph, the O(n) formula (with it, the O(n^2) one: the cases above)."""
+    compare(lambda a: a.cumprod(dim), [x], second_order=False)

@@ -26,6 +26,8 @@ REFERENCE = {
     "t": {},
     "T": {},
     "mT": {},
+    "mH": {},
+    "H": {},
     "permute": {},
     "movedim": {},
     "expand": {},
@@ -52,6 +54,9 @@ REFERENCE = {
     "slice_scatter": {},
     "select_scatter": {},
     "diagonal_scatter": {},
+    "diag_embed": {},
+    "diag": {},
+    "diagflat": {},
     "flip": {},
     "fliplr": {},
     "flipud": {},
@@ -175,6 +180,17 @@ CASES = [
     case("to_other_tensor", lambda a, c: a.to(c) * c, r(3), Const(r(3))),
     case("to_copy_kw", lambda a: a.to(dtype=F64, copy=True) * 2, r(3)),
     case("clone_contiguous", lambda a: a.t().contiguous().clone() * 2, r(3, 2)),
+    # conjugate transposes (real inputs: transposes) and diagonals
+    case("adjoint", torch.adjoint, r(2, 3, 4)),
+    case("adjoint_method", lambda a: a.adjoint() * 2, r(3, 4)),
+    case("mH_batched", lambda a: a.mH @ a, r(2, 3, 4)),
+    case("H_matrix", lambda a: a.H * 2, r(3, 4)),
+    case("diag_embed_offset_dims", lambda a: torch.diag_embed(a, -1, 0, 2), r(2, 3)),
+    case("diag_embed_method", lambda a: a.diag_embed(2), r(3, 2)),
+    case("diag_vector_offset", lambda a: torch.diag(a, -2), r(3)),
+    case("diag_matrix_method", lambda a: a.diag(1), r(3, 4)),
+    case("diagflat_matrix_offset", lambda a: torch.diagflat(a, 1), r(2, 2)),
+    case("diagflat_method", T.diagflat, r(3)),
 ]
 
 

@@ -1,5 +1,6 @@
 """Indexing ops: __getitem__/__setitem__, copy_, index_select/index_add/index_copy/index_fill/index_put,
-gather/scatter/scatter_add, take/take_along_dim, masked_fill/masked_select/masked_scatter, unfold.
+gather/scatter/scatter_add, take/take_along_dim, masked_fill/masked_select/masked_scatter, unfold;
+the selections sort/msort/topk, and repeat_interleave.
 
 Selections that may pick an element several times (integer indices, ``unfold``) send the
 gradient back with ``index_add``/``scatter_add``, so repeated picks add up; an index with no
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rules import Meta, derivative
+from ..rules import KEEP_META, Meta, decomposition, derivative
 
 T = torch.Tensor
 
@@ -221,3 +222,57 @@ def masked_scatter(grad, input, mask, source: Meta, *, needs_input_grad):
     picked = grad.masked_select(mask)
     unused = grad.new_zeros(source.numel() - picked.numel())
     return grad.masked_fill(mask, 0.0), None, torch.cat([picked, unused]).reshape(source.shape)
+
+
+# -- sort, topk, repeat_interleave ----------------------------------------------------------
+def _indices_only(values, keep, needs):
+    """The backward reads the input's shape and the indices, never the values."""
+    return (KEEP_META,) + tuple(keep[1:]), (1,)
+
+
+def _scatter_to_indices(grad, input, dim, indices):
+    """torch's ``value_selecting_reduction_backward`` (keepdim): each value's gradient goes
+    back to where it was taken from."""
+    if grad is None:
+        return None
+    if input.ndim == 0:
+        return grad
+    return grad.new_zeros(input.shape).scatter(dim, indices, grad)
+
+
+@derivative(torch.sort, T.sort, multi_output=True, saves=_indices_only, view=False)
+def sort(grads, input: Meta, dim=-1, descending=False, *, stable=None, result):
+    """``(values, indices)``, stable or not, either direction."""
+    return _scatter_to_indices(grads[0], input, dim, result[1])
+
+
+@derivative(torch.topk, T.topk, multi_output=True, saves=_indices_only, view=False)
+def topk(grads, input: Meta, k, dim=-1, largest=True, sorted=True, *, result):
+    """``(values, indices)``."""
+    return _scatter_to_indices(grads[0], input, dim, result[1])
+
+
+@decomposition(torch.msort, T.msort, view=False)
+def msort(input, *, out=None):
+    """Sorted along the first dimension: ``sort(input, 0).values``."""
+    if out is not None:
+        raise RuntimeError(
+            "torch.msort(): functions with out=... arguments don't support automatic "
+            "differentiation, but one of the arguments requires grad. Call it without out=, "
+            "or under gg.no_grad().")
+    return torch.sort(input, 0)[0]
+
+
+@decomposition(torch.repeat_interleave, T.repeat_interleave, view=False)
+def repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
+    """torch's composite: ``index_select`` with each position repeated (the index needs no
+    grad, so ``output_size`` only saves torch a sync)."""
+    if repeats is None:  # repeat_interleave(repeats): integers in, integers out
+        return torch.repeat_interleave(input.detach(), output_size=output_size)
+    if dim is None:
+        input, dim = input.flatten(), 0
+    positions = torch.arange(input.shape[dim], device=input.device)
+    if isinstance(repeats, torch.Tensor) and (repeats.dim() == 0 or repeats.shape == (1,)):
+        repeats = repeats.reshape(1).expand(positions.shape)
+    index = torch.repeat_interleave(positions, repeats, output_size=output_size)
+    return input.index_select(dim, index)

@@ -1,6 +1,9 @@
 """Linear algebra: matmul mm bmm mv dot vdot inner vecdot outer/ger, addmm addmv addr
 baddbmm addbmm, einsum, F.linear, linalg.matrix_norm and linalg.norm, and the SVD they need
-(linalg.svd, linalg.svdvals, svd; real inputs).
+(linalg.svd, linalg.svdvals, svd; real inputs); solves (solve, solve_triangular,
+triangular_solve, cholesky_solve), inverses (inv, cholesky_inverse, pinv), determinants
+(det, slogdet, logdet), factorizations (cholesky, eigh, qr), lstsq, matrix_power,
+matrix_exp and cdist (real inputs: a complex one raises NotImplementedError).
 
 Formulas follow torch's (``derivatives.yaml``), so ``beta=0`` gives a zero gradient to
 ``input`` like torch does. For complex tensors each factor's gradient multiplies by the
@@ -408,3 +411,452 @@ def linalg_norm(input, ord=None, dim=None, keepdim=False, *, out=None, dtype=Non
 def trace(grad, input: Meta):
     """The gradient is ``grad`` on the diagonal of a matrix of the input's shape."""
     return torch.eye(input.shape[0], input.shape[1], dtype=grad.dtype, device=grad.device) * grad
+
+
+# -- solves, inverses, determinants, factorizations ------------------------------------------
+# Formulas are torch's (FunctionsManual.cpp). Each gradient is written with the same functions
+# (a solve's gradient is a solve with the adjoint), so under create_graph it is recorded and
+# differentiates again. Real inputs only: the complex forms need conjugations these omit.
+linalg = torch.linalg
+
+
+def _real_only(name, *tensors):
+    """Raise for a complex input instead of returning a gradient that lacks the conjugations."""
+    for t in tensors:
+        if t is not None and t.dtype.is_complex:
+            raise NotImplementedError(
+                f"graphgrad: the derivative of {name} for complex inputs is not implemented "
+                "(real inputs only)")
+
+
+def _is_vector_rhs(A, B) -> bool:
+    """torch's ``linalg_solve_is_vector_rhs``: B is a (batch of) vector(s), not matrices."""
+    return B.ndim == 1 or (B.ndim == A.ndim - 1 and tuple(B.shape) == tuple(A.shape[:-1]))
+
+
+def _solve_grads(grad, A, B, X, left, need_A):
+    """``X = A^-1 B`` (or ``B A^-1``): ``gB = A^-H gX``, ``gA = -gB X^H`` (or ``-X^H gB``)."""
+    _real_only("torch.linalg.solve", A)
+    vector = left and _is_vector_rhs(A, B)
+    g = grad.unsqueeze(-1) if vector else grad
+    gB = linalg.solve(A.mH, g, left=left)
+    gA = None
+    if need_A:
+        Xm = X.unsqueeze(-1) if vector else X
+        gA = -(gB @ Xm.mH) if left else -(Xm.mH @ gB)
+    return gA, gB.squeeze(-1) if vector else gB
+
+
+@derivative(linalg.solve, view=False)
+def solve(grad, A, B: Meta, *, left=True, out=None, result, needs_input_grad):
+    return _solve_grads(grad, A, B, result, left, needs_input_grad[0])
+
+
+@derivative(linalg.solve_ex, multi_output=True, differentiable_outputs=1, view=False)
+def solve_ex(grads, A, B: Meta, *, left=True, check_errors=False, out=None, result,
+             needs_input_grad):
+    """``(result, info)``: info is an integer tensor."""
+    if grads[0] is None:
+        return None
+    return _solve_grads(grads[0], A, B, result[0], left, needs_input_grad[0])
+
+
+@derivative(linalg.solve_triangular, view=False)
+def solve_triangular(grad, input, B: Meta, *, upper, left=True, unitriangular=False, out=None,
+                     result, needs_input_grad):
+    """As a solve (``input`` is the triangular A), with A's gradient kept to its triangle
+    (without the diagonal if unit)."""
+    _real_only("torch.linalg.solve_triangular", input)
+    gB = linalg.solve_triangular(input.mH, grad, upper=not upper, left=left,
+                                 unitriangular=unitriangular)
+    gA = None
+    if needs_input_grad[0]:
+        gA = -(gB @ result.mH) if left else -(result.mH @ gB)
+        gA = gA.triu(int(unitriangular)) if upper else gA.tril(-int(unitriangular))
+    return gA, gB
+
+
+@derivative(torch.triangular_solve, T.triangular_solve, multi_output=True, view=False)
+def triangular_solve(grads, input, A, upper=True, transpose=False, unitriangular=False, *,
+                     out=None, result, needs_input_grad):
+    """``(solution, cloned_coefficient)`` of ``op(A) X = input``, ``op`` a transpose or not;
+    the copy of A passes its gradient straight back to A."""
+    _real_only("torch.triangular_solve", A)
+    gX, gM = grads
+    g_input = g_A = None
+    if gX is not None:
+        g_input = torch.triangular_solve(gX, A, upper, not transpose, unitriangular)[0]
+        if needs_input_grad[1]:
+            X = result[0]
+            g_A = -(X @ g_input.mT) if transpose else -(g_input @ X.mT)
+            g_A = g_A.triu(int(unitriangular)) if upper else g_A.tril(-int(unitriangular))
+    if gM is not None and needs_input_grad[1]:
+        g_A = gM if g_A is None else g_A + gM
+    return g_input, g_A
+
+
+def _inv_grad(grad, inverse):
+    _real_only("torch.linalg.inv", inverse)
+    return -(inverse.mH @ (grad @ inverse.mH))
+
+
+@derivative(linalg.inv, torch.inverse, T.inverse, view=False)
+def inv(grad, A: Meta, *, out=None, result):
+    """``-A^-H grad A^-H``."""
+    return _inv_grad(grad, result)
+
+
+@derivative(linalg.inv_ex, multi_output=True, differentiable_outputs=1, view=False)
+def inv_ex(grads, A: Meta, *, check_errors=False, out=None, result):
+    """``(inverse, info)``."""
+    if grads[0] is None:
+        return None
+    return _inv_grad(grads[0], result[0])
+
+
+def _prod_safe_zeros_backward(grad, input):
+    """The gradient of ``prod(input, -1)``, exact where elements are zero (torch's helper)."""
+    if input.shape[-1] == 0:
+        return grad.expand_as(input)
+    ones = torch.ones(input.shape[:-1] + (1,), dtype=input.dtype, device=input.device)
+    before = torch.cat((ones, input[..., :-1]), -1).cumprod(-1)
+    after = torch.cat((ones, input[..., 1:].flip(-1)), -1).cumprod(-1).flip(-1)
+    return grad * (before * after)
+
+
+def _det_grad_singular(A, grad):
+    """Through the SVD, ``det A = det U det Vh prod S``: no division by a zero determinant."""
+    U, S, Vh = linalg.svd(A)
+    alpha = linalg.det(U) * linalg.det(Vh)
+    D = _prod_safe_zeros_backward((grad * alpha).unsqueeze(-1), S)
+    return (U * D.unsqueeze(-2)) @ Vh
+
+
+def _det_grad_nonsingular(A, d):
+    """``d A^-H`` as a solve with the diagonal matrix ``d I``."""
+    return linalg.solve(A.mH, torch.diag_embed(d.unsqueeze(-1).expand(A.shape[:-1])))
+
+
+@derivative(linalg.det, torch.det, T.det, view=False)
+def det(grad, A, *, out=None, result):
+    """torch's ``linalg_det_backward``: ``grad det A^-H``. A first derivative solves with the
+    LU factors, a zero pivot nudged to eps (det is C^1, so singular matrices get the limit);
+    under ``create_graph`` (nearly) singular matrices take the SVD formula, whose own
+    derivative exists there, as torch does."""
+    _real_only("torch.linalg.det", A)
+    if A.numel() == 0:
+        return torch.zeros_like(A)
+    d = grad * result
+    eps = torch.finfo(A.dtype).eps
+    if not torch.is_grad_enabled():
+        transposed = A.is_contiguous()
+        LU, pivots, _ = linalg.lu_factor_ex(A.mH if transposed else A)
+        LU = LU + torch.diag_embed((LU.diagonal(0, -2, -1) == 0).to(LU.dtype) * eps)
+        eye = torch.diag_embed(d.unsqueeze(-1).expand(pivots.shape))
+        return linalg.lu_solve(LU, pivots, eye, adjoint=not transposed)
+    singular = result.abs() < 100 * eps
+    if not singular.any():
+        return _det_grad_nonsingular(A, d)
+    if singular.all():
+        return _det_grad_singular(A, grad)
+    n = A.shape[-1]
+    flat_A, flat_g, flat_d = A.reshape(-1, n, n), grad.reshape(-1), d.reshape(-1)
+    where_s = singular.reshape(-1).nonzero().squeeze(1)
+    where_n = (~singular).reshape(-1).nonzero().squeeze(1)
+    out = torch.zeros_like(flat_A)
+    out = out.index_copy(0, where_s, _det_grad_singular(flat_A[where_s], flat_g[where_s]))
+    out = out.index_copy(0, where_n, _det_grad_nonsingular(flat_A[where_n], flat_d[where_n]))
+    return out.reshape(A.shape)
+
+
+@derivative(linalg.slogdet, torch.slogdet, T.slogdet, multi_output=True, view=False)
+def slogdet(grads, A, *, out=None):
+    """``(sign, logabsdet)``: the sign is constant for real matrices; log|det|' is ``A^-H``.
+    As torch: a first derivative solves with the LU factors (a singular matrix gives infs, not
+    an error), one under create_graph with ``linalg.solve``."""
+    _real_only("torch.linalg.slogdet", A)
+    if grads[1] is None:
+        return None
+    if not torch.is_grad_enabled():
+        LU, pivots, _ = linalg.lu_factor_ex(A)
+        d = torch.diag_embed(grads[1].unsqueeze(-1).expand(pivots.shape))
+        return linalg.lu_solve(LU, pivots, d, adjoint=True)
+    return _det_grad_nonsingular(A, grads[1])
+
+
+@decomposition(torch.logdet, T.logdet, view=False)
+def logdet(input):
+    """torch's composite: ``log|det|``, NaN where the determinant is negative."""
+    sign, logabsdet = linalg.slogdet(input)
+    return logabsdet.masked_fill(sign == -1, math.nan)
+
+
+def _cholesky_grad(gL, L, upper):
+    """torch's ``cholesky_backward``: ``L^-H sym(tril(L^H gL)) L^-1``."""
+    _real_only("torch.linalg.cholesky", L)
+    if upper:
+        L, gL = L.mH, gL.mH
+    gA = (L.mH @ gL).tril()
+    gA = 0.5 * (gA + gA.tril(-1).mH)
+    gA = linalg.solve_triangular(L.mH, gA, upper=True, left=True)
+    return linalg.solve_triangular(L, gA, upper=False, left=False)
+
+
+@derivative(linalg.cholesky, view=False)
+def cholesky(grad, input: Meta, *, upper=False, out=None, result):
+    return _cholesky_grad(grad, result, upper)
+
+
+@derivative(torch.cholesky, T.cholesky, name="CholeskyBackward", view=False)
+def cholesky_legacy(grad, input: Meta, upper=False, *, out=None, result):
+    """``torch.cholesky(A, upper)``: ``upper`` is positional here."""
+    return _cholesky_grad(grad, result, upper)
+
+
+@derivative(linalg.cholesky_ex, multi_output=True, differentiable_outputs=1, view=False)
+def cholesky_ex(grads, input: Meta, *, upper=False, check_errors=False, out=None, result):
+    """``(L, info)``."""
+    if grads[0] is None:
+        return None
+    return _cholesky_grad(grads[0], result[0], upper)
+
+
+@derivative(torch.cholesky_solve, T.cholesky_solve, view=False)
+def cholesky_solve(grad, input, input2, upper=False, *, out=None, result, needs_input_grad):
+    """``X = (L L^H)^-1 B`` (``input`` is B, ``input2`` the factor L, or U with ``upper``)."""
+    _real_only("torch.cholesky_solve", input2)
+    g_input = torch.cholesky_solve(grad, input2, upper)
+    g_input2 = None
+    if needs_input_grad[1]:
+        common = g_input @ result.mH
+        common = common + common.mH
+        g_input2 = -(input2 @ common) if upper else -(common @ input2)
+    return g_input, g_input2
+
+
+@derivative(torch.cholesky_inverse, T.cholesky_inverse, view=False)
+def cholesky_inverse(grad, input, upper=False, *, out=None, result):
+    """``(L L^H)^-1`` from the factor L (or U with ``upper``)."""
+    _real_only("torch.cholesky_inverse", input)
+    common = result @ ((grad + grad.mH) @ result)
+    return -(input @ common) if upper else -(common @ input)
+
+
+@derivative(linalg.eigh, multi_output=True, view=False)
+def eigh(grads, input: Meta, UPLO="L", *, out=None, result):
+    """torch's ``linalg_eig_backward`` for Hermitian matrices: ``V (skew(V^H gV) / E +
+    diag(gL)) V^H`` with ``E[i, j] = L[j] - L[i]`` (distinct eigenvalues)."""
+    gL, gV = grads
+    L, V = result
+    _real_only("torch.linalg.eigh", V)
+    if gV is None:
+        return (V * gL.unsqueeze(-2)) @ V.mH
+    VhgV = V.mH @ gV
+    VhgV = 0.5 * (VhgV - VhgV.mH)
+    eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
+    inner = VhgV / (L.unsqueeze(-2) - L.unsqueeze(-1) + eye)
+    if gL is not None:
+        inner = inner + torch.diag_embed(gL)
+    return V @ (inner @ V.mH)
+
+
+@decomposition(linalg.eigvalsh, view=False)
+def eigvalsh(input, UPLO="L", *, out=None):
+    """torch computes the eigenvectors too when a gradient may be needed: so does graphgrad."""
+    _check_no_out("torch.linalg.eigvalsh", out)
+    return linalg.eigh(input, UPLO)[0]
+
+
+def _qr_grad_tall(gQ, gR, Q, R):
+    """A = QR with R square: ``(gQ + Q copyltu(M)) R^-H``, ``M = R gR^H - gQ^H Q``."""
+    M = None
+    if gR is not None:
+        M = R @ gR.mH
+    if gQ is not None:
+        M = -(gQ.mH @ Q) if M is None else M - gQ.mH @ Q
+    b = Q @ (M.tril() + M.tril(-1).mH)
+    if gQ is not None:
+        b = b + gQ
+    return linalg.solve_triangular(R.mH, b, upper=False, left=False)
+
+
+def _qr_grad(gQ, gR, Q, R, mode):
+    """torch's checks, then the square-R formula; a wide A = [X | Y] (X square) is split:
+    ``Y = Q V`` adds ``Y``'s share to Q's gradient."""
+    _real_only("torch.linalg.qr", R)
+    if mode == "r":
+        raise RuntimeError(
+            "The derivative of linalg.qr depends on Q, which is not computed when mode='r'. "
+            "Please use linalg.qr(A, mode='reduced') if you are going to differentiate through "
+            "linalg.qr.")
+    m, n = Q.shape[-2], R.shape[-1]
+    if mode == "complete" and m > n:
+        raise RuntimeError("The QR decomposition is not differentiable when mode='complete' and "
+                           "nrows > ncols.")
+    if gQ is None and gR is None:
+        return None
+    if m >= n:
+        return _qr_grad_tall(gQ, gR, Q, R)
+    U, V = R[..., :m], R[..., m:]
+    gU = gV = None
+    if gR is not None:
+        gU, gV = gR[..., :m], gR[..., m:]
+        extra = Q @ (V @ gV.mH)
+        gQ = extra if gQ is None else gQ + extra
+    gX = _qr_grad_tall(gQ, gU, Q, U)
+    gY = Q @ gV if gV is not None else torch.zeros_like(V)
+    return torch.cat((gX, gY), -1)
+
+
+@derivative(linalg.qr, multi_output=True, view=False)
+def qr(grads, A: Meta, mode="reduced", *, out=None, result):
+    """``(Q, R)``; mode 'r' returns an empty Q and is not differentiable, as in torch."""
+    return _qr_grad(grads[0], grads[1], result[0], result[1], mode)
+
+
+@derivative(torch.qr, T.qr, multi_output=True, name="QrBackward", view=False)
+def qr_legacy(grads, input: Meta, some=True, *, out=None, result):
+    """``torch.qr(A, some)``: ``some=False`` is mode 'complete'."""
+    return _qr_grad(grads[0], grads[1], result[0], result[1], "reduced" if some else "complete")
+
+
+# -- least squares, the pseudo-inverse, powers, the exponential -----------------------------
+def _pinv_grad(grad, pinvA, A):
+    """torch's ``pinv_backward`` (the smaller of the two products is formed)."""
+    _real_only("torch.linalg.pinv", A)
+    m, n = A.shape[-2], A.shape[-1]
+    pinvAh, gradh = pinvA.mH, grad.mH
+    if m <= n:
+        K = gradh @ pinvA
+        KpinvAh = K @ pinvAh
+        return (-(pinvA @ K).mH + KpinvAh - (A @ pinvA) @ KpinvAh
+                + (pinvAh @ pinvA) @ (gradh - K @ A))
+    K = pinvA @ gradh
+    pinvAhK = pinvAh @ K
+    return (-(K @ pinvA).mH + (gradh - A @ K) @ pinvA @ pinvAh + pinvAhK
+            - pinvAhK @ pinvA @ A)
+
+
+@derivative(linalg.pinv, view=False)
+def pinv(grad, input, *args, result, **kwargs):
+    """Every overload (``rcond``, or ``atol``/``rtol``; ``hermitian``)."""
+    return _pinv_grad(grad, result, input)
+
+
+@decomposition(torch.pinverse, T.pinverse, view=False)
+def pinverse(input, rcond=1e-15):
+    return linalg.pinv(input, rcond)
+
+
+@derivative(linalg.lstsq, multi_output=True, differentiable_outputs=2, view=False)
+def lstsq(grads, input, b, rcond=None, *, driver=None, result, needs_input_grad):
+    """``(solution, residuals, rank, singular_values)``: the solution is ``pinv(A) B``; the
+    residuals ``|A X - B|^2`` are at a minimum in X, so only their explicit dependence counts."""
+    A, B = input, b
+    _real_only("torch.linalg.lstsq", A)
+    gX, g_res = grads[0], grads[1]
+    X = result[0]
+    vector = _is_vector_rhs(A, B)
+    B_m, X_m = (B.unsqueeze(-1), X.unsqueeze(-1)) if vector else (B, X)
+    gA = gB = None
+    if gX is not None:
+        gX_m = gX.unsqueeze(-1) if vector else gX
+        pinvA = linalg.pinv(A)
+        if needs_input_grad[0]:
+            gA = _pinv_grad(gX_m @ B_m.mH, pinvA, A)
+        if needs_input_grad[1]:
+            gB = pinvA.mH @ gX_m
+    if g_res is not None and g_res.numel() > 0:
+        scaled = 2 * (A @ X_m - B_m) * g_res.unsqueeze(-2)
+        if needs_input_grad[0]:
+            gA = scaled @ X_m.mH if gA is None else gA + scaled @ X_m.mH
+        if needs_input_grad[1]:
+            gB = -scaled if gB is None else gB - scaled
+    if gB is not None and vector:
+        gB = gB.squeeze(-1)
+    return gA, gB
+
+
+@decomposition(linalg.matrix_power, torch.matrix_power, T.matrix_power, view=False)
+def matrix_power(input, n, *, out=None):
+    """torch's composite: products by repeated squaring (the inverse first for ``n < 0``);
+    ``n == 0`` gives the identity with a zero gradient."""
+    _check_no_out("torch.linalg.matrix_power", out)
+    _check_like_torch(linalg.matrix_power, input, n)
+    A = input
+    if n == 0:
+        eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+        return A.clone(memory_format=torch.contiguous_format).copy_(eye.expand(A.shape))
+    if n < 0:
+        A, n = linalg.inv(A), -n
+    if n == 1:
+        return A.clone(memory_format=torch.contiguous_format)
+    result = None
+    while n:
+        if n & 1:
+            result = A if result is None else result @ A
+        n >>= 1
+        if n:
+            A = A @ A
+    return result
+
+
+@derivative(linalg.matrix_exp, torch.matrix_exp, T.matrix_exp, view=False)
+def matrix_exp(grad, input):
+    """The adjoint of the Fréchet derivative: the top-right block of ``exp([[A^H, G], [0, A^H]])``."""
+    _real_only("torch.linalg.matrix_exp", input)
+    n = input.shape[-1]
+    top = torch.cat((input.mH, grad), -1)
+    bottom = torch.cat((torch.zeros_like(grad), input.mH), -1)
+    return linalg.matrix_exp(torch.cat((top, bottom), -2))[..., :n, n:]
+
+
+# -- cdist ---------------------------------------------------------------------------------
+def _cdist_uses_mm(x1, x2, p, compute_mode):
+    """torch's choice of the matrix-product path for p = 2 (``_euclidean_dist``)."""
+    if p != 2:
+        return False
+    if compute_mode == "use_mm_for_euclid_dist":
+        return True
+    if compute_mode == "donot_use_mm_for_euclid_dist":
+        return False
+    return x1.shape[-2] > 25 or x2.shape[-2] > 25
+
+
+def _cdist_term(grad, x1, x2, p, dist):
+    """The gradient of each ``|x1_i - x2_j|_p`` w.r.t. ``x1_i``, times grad: torch's
+    ``_cdist_backward`` formulas, per p, in differentiable ops (``(..., P, R, M)``)."""
+    diff = x1.unsqueeze(-2) - x2.unsqueeze(-3)
+    g, d = grad.unsqueeze(-1), dist.unsqueeze(-1)
+    if p == 0:
+        return torch.zeros_like(diff)
+    if p == 1:
+        return g * diff.sign()
+    if math.isinf(p):
+        return g * diff.sign() * (diff.abs() == d)
+    zero = d == 0
+    if p == 2:
+        return (g * diff / d).masked_fill(zero, 0)
+    if p < 2:
+        term = diff.sign() * diff.abs().pow(p - 1) * g / d.pow(p - 1)
+        if p < 1:
+            zero = zero | (diff == 0)
+        return term.masked_fill(zero, 0)
+    return (diff * diff.abs().pow(p - 2) * g / d.pow(p - 1)).masked_fill(zero, 0)
+
+
+@derivative(torch.cdist, view=False)
+def cdist(grad, x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary", *, result,
+          needs_input_grad):
+    """On the matrix-product path (p = 2) torch's ``_euclidean_dist_backward``, differentiable
+    as torch's is; otherwise ``_cdist_backward``'s formulas, written in recorded ops (torch
+    itself has no second derivative there)."""
+    _real_only("torch.cdist", x1, x2)
+    if _cdist_uses_mm(x1, x2, p, compute_mode):
+        ratio = (grad / result).masked_fill(result == 0, 0)
+        g1 = x1 * ratio.sum(-1, keepdim=True) - ratio @ x2 if needs_input_grad[0] else None
+        g2 = (x2 * ratio.sum(-2).unsqueeze(-1) - ratio.mT @ x1) if needs_input_grad[1] else None
+        return g1, g2
+    term = _cdist_term(grad, x1, x2, float(p), result)
+    return (term.sum(-2) if needs_input_grad[0] else None,
+            -term.sum(-3) if needs_input_grad[1] else None)

@@ -1,5 +1,6 @@
 """Reductions: sum mean prod, amax amin max min, var std (and var_mean std_mean), norm and
-linalg.vector_norm, logsumexp, cumsum, softmax log_softmax softmin.
+linalg.vector_norm, logsumexp, cumsum, softmax log_softmax softmin; cumprod logcumsumexp
+cummax cummin, median nanmedian mode kthvalue.
 
 The formulas follow torch's own (``torch/csrc/autograd/FunctionsManual.cpp``), so ties,
 zeros and NaNs are treated alike and second derivatives agree.
@@ -12,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..rules import Meta, decomposition, derivative
+from ..rules import KEEP_META, Meta, decomposition, derivative
 
 T = torch.Tensor
 
@@ -384,3 +385,148 @@ def softmin_function(input, dim=None, _stacklevel=3, dtype=None):
     if dim is None:
         dim = F._get_softmax_dim("softmin", input.dim(), _stacklevel)
     return (-input).softmax(dim, dtype=dtype)
+
+
+# -- cumprod logcumsumexp cummax cummin ------------------------------------------------------
+def _reversed_cumsum(t, dim):
+    return t.flip(dim).cumsum(dim).flip(dim)
+
+
+def _cumprod_grad_zeros(grad, input, dim, result, is_zero):
+    """torch's O(n) first derivative with zeros: before the first zero the usual formula, at
+    the first zero the products that skip it (up to the second zero), after it nothing."""
+    zeros_seen = is_zero.cumsum(dim)
+    before = zeros_seen == 0
+    w = (grad * result).masked_fill(~before, 0)
+    out = torch.where(before, _reversed_cumsum(w, dim) / input.masked_fill(~before, 1), 0)
+    first = is_zero & (zeros_seen == 1)
+    between = (zeros_seen == 1) & ~first
+    prefix = input.masked_fill(~before, 1).prod(dim, keepdim=True)
+    after_first = input.masked_fill(~between, 1).cumprod(dim)
+    at_first = prefix * (grad * after_first).masked_fill(zeros_seen != 1, 0).sum(dim, keepdim=True)
+    return torch.where(first, at_first, out)
+
+
+@derivative(torch.cumprod, T.cumprod, inplace=(T.cumprod_,), view=False)
+def cumprod(grad, input, dim, *, dtype=None, result):
+    """torch's ``cumprod_backward``: without zeros ``reversed_cumsum(grad * result) / input``;
+    with zeros, an O(n) pass for a first derivative, and under create_graph each element's
+    gradient from the products that omit it, formed explicitly (O(n^2), as torch does) so
+    that they differentiate again."""
+    grad = grad.to(input.dtype)
+    if input.dim() == 0 or input.shape[dim] <= 1:
+        return grad
+    is_zero = input == 0
+    if not is_zero.any():
+        return _reversed_cumsum(grad * result, dim) / input
+    if not torch.is_grad_enabled():
+        return _cumprod_grad_zeros(grad, input, dim, result, is_zero)
+    x, g = input.movedim(dim, -1), grad.movedim(dim, -1)
+    ones = torch.ones(x.shape[:-1] + (1,), dtype=x.dtype, device=x.device)
+    slices = []
+    for k in range(x.shape[-1]):
+        before = x[..., :k].prod(-1, keepdim=True) if k else ones
+        omitted = torch.cat((before, before * x[..., k + 1:].cumprod(-1)), -1)
+        slices.append((g[..., k:] * omitted).sum(-1, keepdim=True))
+    return torch.cat(slices, -1).movedim(-1, dim)
+
+
+@derivative(torch.logcumsumexp, T.logcumsumexp, view=False)
+def logcumsumexp(grad, input, dim, *, result):
+    """torch's formula: the positive and negative parts of ``grad`` summed in log space, so
+    nothing overflows."""
+    if grad.dim() == 0 or grad.numel() == 0:
+        return grad
+    lowest = torch.finfo(grad.dtype).min
+    log_abs = grad.abs().log()
+
+    def reversed_lcse(t):
+        return t.flip(dim).logcumsumexp(dim).flip(dim)
+
+    pos = (reversed_lcse(torch.where(grad > 0, log_abs, lowest) - result) + input).exp()
+    neg = (reversed_lcse(torch.where(grad < 0, log_abs, lowest) - result) + input).exp()
+    return pos - neg
+
+
+def _indices_only(values, keep, needs):
+    """The backward reads the input's shape and the indices, never the values."""
+    return (KEEP_META,) + tuple(keep[1:]), (1,)
+
+
+def _cummaxmin_grad(grads, input, dim, result):
+    """Each running extreme's gradient goes to where it was taken from (summed)."""
+    grad = grads[0]
+    if grad is None:
+        return None
+    if input.ndim == 0:
+        return grad
+    return grad.new_zeros(input.shape).scatter_add(dim, result[1], grad)
+
+
+@derivative(torch.cummax, T.cummax, multi_output=True, saves=_indices_only, view=False)
+def cummax(grads, input: Meta, dim, *, result):
+    """``(values, indices)``."""
+    return _cummaxmin_grad(grads, input, dim, result)
+
+
+@derivative(torch.cummin, T.cummin, multi_output=True, saves=_indices_only, view=False)
+def cummin(grads, input: Meta, dim, *, result):
+    """``(values, indices)``."""
+    return _cummaxmin_grad(grads, input, dim, result)
+
+
+# -- median nanmedian mode kthvalue ----------------------------------------------------------
+def _selected_grad(grad, input, dim, keepdim, indices):
+    """torch's ``value_selecting_reduction_backward``: the gradient goes to the selected index."""
+    if input.ndim == 0:
+        return grad
+    if not keepdim:
+        grad, indices = grad.unsqueeze(dim), indices.unsqueeze(dim)
+    return grad.new_zeros(input.shape).scatter(dim, indices, grad)
+
+
+def _median_grad(grads, input, dim, keepdim, result):
+    grad = grads[0]
+    if grad is None:
+        return None
+    if dim is None:
+        # torch's evenly_distribute_backward: ties (NaNs for a NaN median) share evenly
+        value = result if isinstance(result, torch.Tensor) else result[0]
+        mask = (input == value) | (input.isnan() & value.isnan())
+        return mask * (grad / mask.sum())
+    return _selected_grad(grad, input, dim, keepdim, result[1].detach())
+
+
+def _median_saves(values, keep, needs):
+    """``median(x)`` needs x and the value; ``median(x, dim)`` x's shape and the indices."""
+    if values[1] is None:
+        return keep, None
+    return (KEEP_META,) + tuple(keep[1:]), (1,)
+
+
+@derivative(torch.median, T.median, multi_output=True, saves=_median_saves, view=False)
+def median(grads, input, dim=None, keepdim=False, *, result):
+    """``median(x)`` (the lower of the two middle values), or ``(values, indices)`` along dim."""
+    return _median_grad(grads, input, dim, keepdim, result)
+
+
+@derivative(torch.nanmedian, T.nanmedian, multi_output=True, saves=_median_saves, view=False)
+def nanmedian(grads, input, dim=None, keepdim=False, *, result):
+    """As median, NaNs ignored."""
+    return _median_grad(grads, input, dim, keepdim, result)
+
+
+@derivative(torch.mode, T.mode, multi_output=True, saves=_indices_only, view=False)
+def mode(grads, input: Meta, dim=-1, keepdim=False, *, result):
+    """``(values, indices)``: the most frequent value's gradient goes to the index returned."""
+    if grads[0] is None:
+        return None
+    return _selected_grad(grads[0], input, dim, keepdim, result[1])
+
+
+@derivative(torch.kthvalue, T.kthvalue, multi_output=True, saves=_indices_only, view=False)
+def kthvalue(grads, input: Meta, k, dim=-1, keepdim=False, *, result):
+    """``(values, indices)``."""
+    if grads[0] is None:
+        return None
+    return _selected_grad(grads[0], input, dim, keepdim, result[1])

@@ -397,3 +397,37 @@ nondifferentiable(
     T.new_tensor, T.new_empty_strided, torch.detach, T.detach, T.argmax, T.argmin, torch.argmax,
     torch.argmin, view=True, family="shape",
 )
+
+
+@derivative(T.mH.__get__, torch.adjoint, T.adjoint, view=True)
+def adjoint(grad, input):
+    """``.mH`` / ``adjoint()``: the conjugate transpose of the last two dims is its own adjoint."""
+    return grad.mH
+
+
+@derivative(T.H.__get__, view=True)
+def conj_transpose(grad, input):
+    """``.H`` of a matrix."""
+    return grad.H
+
+
+@derivative(torch.diag_embed, T.diag_embed, view=False)
+def diag_embed(grad, input, offset=0, dim1=-2, dim2=-1):
+    """The new diagonal's gradient is the gradient's diagonal (moved to the last dim, as the
+    input's was)."""
+    return grad.diagonal(offset, dim1, dim2)
+
+
+@derivative(torch.diag, T.diag, view=False)
+def diag(grad, input: Meta, diagonal=0):
+    """A vector becomes a matrix's diagonal (its gradient is that diagonal), a matrix gives its
+    diagonal (the gradient is put back on it)."""
+    if input.ndim == 1:
+        return grad.diagonal(diagonal)
+    return torch.diagonal_scatter(grad.new_zeros(input.shape), grad, diagonal)
+
+
+@derivative(torch.diagflat, T.diagflat, view=False)
+def diagflat(grad, input: Meta, offset=0):
+    """The flattened input on a diagonal: the gradient's diagonal, in the input's shape."""
+    return grad.diagonal(offset).reshape(input.shape)
