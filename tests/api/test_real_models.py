@@ -89,6 +89,17 @@ def llama():
     return transformers.LlamaForCausalLM(cfg), lm_batch, causal_lm_loss
 
 
+def llama_checkpointed():
+    """Llama with transformers' activation checkpointing on (torch.utils.checkpoint, the
+    non-reentrant kind, around each decoder layer). graphgrad records through it: torch's
+    saved-tensor hooks that would drop and recompute activations act on torch's graph only, so
+    under graphgrad the layers run once and keep what they save; the gradients must match."""
+    model, batch, loss = llama()
+    model.activation_checkpointing_enable()
+    assert model.is_activation_checkpointing
+    return model, batch, loss
+
+
 def mistral():
     """Llama's blocks with a sliding attention window (4) shorter than the sequences (9)."""
     cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
@@ -244,6 +255,7 @@ MODELS = {
     "gpt2": (lambda: gpt2("sdpa"), set()),
     "gpt2_eager_attention": (lambda: gpt2("eager"), set()),
     "llama": (llama, set()),
+    "llama_activation_checkpointing": (llama_checkpointed, set()),
     "mistral_sliding_window": (mistral, set()),
     "bert_classifier": (bert, set()),
     "t5": (t5, set()),
