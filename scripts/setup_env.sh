@@ -5,6 +5,8 @@
 # runs find everything in place and take seconds.
 # GRAPHGRAD_NO_SETUP=1 skips all of it and uses the `python` on PATH (your own environment,
 # with graphgrad installed).
+# A caller that sets setup_models_extra=1 before sourcing this (test.sh does) also gets the
+# [models] extra at the versions of requirements/models.txt (transformers, for the real-model tests).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -26,14 +28,14 @@ with_heartbeat() {
   return "$status"
 }
 
-# Exit status 0 when every `name==version` of requirements/pinned.txt is installed.
+# Exit status 0 when every `name==version` of the requirements file $1 is installed.
 pinned_installed() {
-  python - <<'EOF'
+  python - "$1" <<'EOF'
 import importlib.metadata as md
 import pathlib
 import sys
 
-for line in pathlib.Path("requirements/pinned.txt").read_text().splitlines():
+for line in pathlib.Path(sys.argv[1]).read_text().splitlines():
     line = line.split("#", 1)[0].strip()
     if not line:
         continue
@@ -85,13 +87,24 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 
-if pinned_installed; then
+if pinned_installed requirements/pinned.txt; then
   say "pinned dependencies already installed (requirements/pinned.txt)"
 else
   say "installing the pinned dependencies (requirements/pinned.txt): torch 2.13.0 is a large" \
       "download, a few minutes the first time"
   python -m pip install --progress-bar on -r requirements/pinned.txt
   say "pinned dependencies installed"
+fi
+
+if [ "${setup_models_extra:-0}" = 1 ]; then
+  if pinned_installed requirements/models.txt; then
+    say "[models] extra already installed (requirements/models.txt)"
+  else
+    say "installing the [models] extra (requirements/models.txt: transformers, for the real-model tests)"
+    with_heartbeat "installing the [models] extra" \
+      python -m pip install -q -r requirements/models.txt -c requirements/pinned.txt
+    say "[models] extra installed"
+  fi
 fi
 
 digest="$(source_digest)"

@@ -4,6 +4,7 @@
 # happen even when the first fails; both summaries are printed at the end, and the exit
 # status is non-zero when either run failed. Arguments go to pytest in both runs.
 set -euo pipefail
+setup_models_extra=1  # transformers, for tests/api/test_real_models.py (requirements/models.txt)
 . "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 cd "$root"
 set +e  # from here on a failing run must not stop the other one

@@ -4,6 +4,7 @@ and pytest is given a one-test file that fails in the mode a variable names."""
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -50,3 +51,29 @@ def test_both_modes_run_and_the_status_says_if_either_failed(tmp_path, fail_in, 
 @pytest.mark.parametrize("script", ["setup_env.sh", "test.sh", "demo.sh"])
 def test_scripts_parse(script):
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)]).returncode == 0
+
+
+def pins(lines):
+    """``{name: version}`` of ``name==version`` requirement lines (comments and blanks skipped)."""
+    found = {}
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep, f"not pinned: {line}"
+            found[re.sub(r"[-_.]+", "-", name.strip().lower())] = version.strip()
+    return found
+
+
+def test_the_models_extra_is_what_test_sh_installs():
+    """pyproject's [models] extra pins the versions of requirements/models.txt, which test.sh has
+    set-up install (the real-model tests run in CI), and that file moves nothing pinned.txt pins."""
+    extra = re.search(r"^models = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), flags=re.M)
+    assert extra, "pyproject.toml has no [models] extra"
+    wanted = pins(re.findall(r'"([^"]+)"', extra.group(1)))
+    installed = pins((ROOT / "requirements" / "models.txt").read_text().splitlines())
+    assert "transformers" in wanted and wanted.items() <= installed.items()
+    assert not set(installed) & set(pins((ROOT / "requirements" / "pinned.txt").read_text().splitlines()))
+    test_sh = (ROOT / "scripts" / "test.sh").read_text()
+    assert re.search(r"^setup_models_extra=1\b.*\n\. .*setup_env\.sh", test_sh, flags=re.M)
+    assert "pinned_installed requirements/models.txt" in (ROOT / "scripts" / "setup_env.sh").read_text()
