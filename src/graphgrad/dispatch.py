@@ -19,6 +19,7 @@ import torch
 
 from . import _compat
 from .codes import KEEP_VALUE, NEEDS_GRAD, NO_GRAD, PLAIN_VIEW, TORCH_TRACKED
+from .decompose import find as find_decomposition
 from .graph import current_graph
 from .node import new_node
 from .references import SavedResult, save_arguments
@@ -163,6 +164,8 @@ def call(func, args, kwargs):
                 return unrecorded_view_op(func, rule, args, kwargs)
             return wrap_plain(func(*args, **kwargs), args, kwargs)
         silent = needs == TORCH_TRACKED
+        if rule is None and not silent:  # torch's own decomposition, if it has one
+            rule = find_decomposition(func, args, kwargs)
         if rule is None:
             return _no_rule(func, args, kwargs, silent)
         kind = rule.kind
