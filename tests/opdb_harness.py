@@ -260,7 +260,7 @@ def classify(op, only: int | None = None) -> dict:
     reason, "sample": its index}``. ``only`` runs that one sample (the cheap staleness test)."""
     if not op.supports_dtype(torch.float64, "cpu"):
         return {"result": "no float64 samples", "sample": 0}
-    compared = 0
+    compared, first = 0, None
     reached = set()
     previous = dispatch.observe_calls(reached.add)
     try:
@@ -272,11 +272,12 @@ def classify(op, only: int | None = None) -> dict:
             if result is None:
                 continue
             compared += 1
+            first = i if first is None else first
             if result != PASS:
                 return {"result": result, "sample": i}
     finally:
         dispatch.observe_calls(previous)
     via = sorted({qualified_name(f) for f in reached
                   if f not in RULES and decompose.source_of(f) is not None})
-    return {"result": PASS if compared else "torch rejects every sample", "sample": 0,
+    return {"result": PASS if compared else "torch rejects every sample", "sample": first or 0,
             **({"via": via} if via else {})}

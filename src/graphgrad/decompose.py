@@ -52,6 +52,17 @@ DENYLIST: dict[str, str] = {
                                   "string, the ATen op passes an int: raises ValueError",
 }
 
+# ATen ops whose outputs never carry a gradient (comparisons, predicates, indices): with no rule,
+# dispatch's plain path (run the kernel, return a tensor that requires no grad) is the cheap
+# and right answer, where their table entries would run torch's reference in Python
+_NO_GRADIENT = frozenset({
+    "eq", "ne", "lt", "le", "gt", "ge", "greater", "greater_equal", "less", "less_equal",
+    "not_equal", "isnan", "isinf", "isfinite", "isposinf", "isneginf", "isreal", "signbit",
+    "logical_and", "logical_or", "logical_xor", "logical_not", "argmax", "argmin", "argsort",
+    "bucketize", "searchsorted", "count_nonzero", "nonzero", "equal", "allclose", "isclose",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "bitwise_left_shift",
+    "bitwise_right_shift", "is_nonzero", "is_same_size",
+})
 # the C namespaces whose functions take an ATen schema's arguments, by name prefix
 _TWIN_NAMESPACES = (
     ("", _compat.VariableFunctions), ("", _compat.nn_functions),
@@ -136,7 +147,7 @@ def _lookup(func, key, args, kwargs):
     if twin is not None:
         return _stand_in(func, _call_twin(twin), f"as {qualified_name(twin)}")
     decomp = _TABLE.get(overload)
-    if decomp is not None:
+    if decomp is not None and overload._schema.name[6:] not in _NO_GRADIENT:
         return _stand_in(func, decomp, f"torch._decomp: aten.{overload._schema.name[6:]}."
                                        f"{overload._overloadname}")
     return None

@@ -3,8 +3,9 @@
 Every torch call on a graphgrad Tensor lands here. Torch computes the values (with the
 torch-function protocol switched off, so kernels see plain tensors); if grad mode is on and
 an input requires grad, the registered rule is bound to the call's arguments and a Node is
-recorded. A function with no rule, called on a tensor that requires grad, raises
-``NotImplementedError`` naming it: a gradient is never silently dropped. Views and in-place
+recorded. A function with no rule runs as torch's own decomposition where decompose.py finds
+one (its ops are recorded with their rules); otherwise, called on a tensor that requires grad,
+it raises ``NotImplementedError`` naming it: a gradient is never silently dropped. Views and in-place
 changes are views.py's; the Tensor class's shortcuts around this module are fastpaths.py's.
 
 Grad mode is torch's own (``torch.is_grad_enabled``), so ``torch.no_grad()`` inside
