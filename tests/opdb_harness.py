@@ -188,7 +188,7 @@ def opdb_test(reference: dict, unsupported=None):
 REPORT_SAMPLES = 3
 PASS = "pass"
 _NO_RULE = re.compile(r"no derivative rule for the (?:in-place )?function (\S+?),")
-_VIA = re.compile(r"reached through (?:its|the) decomposition of (\S+?)[,.:]? ")
+_VIA = re.compile(r"decomposition of it reaches (\S+?),")
 
 
 def autograd_opinfos() -> list:
@@ -203,7 +203,8 @@ def failure_reason(error: BaseException, stage: str) -> str:
         found = _NO_RULE.search(text)
         if found:
             via = _VIA.search(text)
-            return f"no rule for {found.group(1)}" + (f" (in {via.group(1)})" if via else "")
+            return f"no rule for {found.group(1)}" + (
+                f" (its decomposition reaches {via.group(1)})" if via else "")
     if isinstance(error, AssertionError):
         return {"forward": "values differ", "backward": "gradients differ",
                 "double": "second order differs"}[stage]

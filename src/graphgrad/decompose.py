@@ -30,7 +30,7 @@ import types
 from . import _compat
 from .rules import DECOMPOSITION, RULES, Rule, qualified_name
 
-__all__ = ["find", "decomposed", "clear_cache", "DENYLIST", "source_of"]
+__all__ = ["find", "decomposed", "clear_cache", "DENYLIST", "source_of", "no_rule_error"]
 
 _OpOverload = _compat.OpOverload
 _OpOverloadPacket = _compat.OpOverloadPacket
@@ -208,20 +208,35 @@ def _python_body(func):
     return _stand_in(func, body, "its Python body")
 
 
+def no_rule_error(name: str, inplace: bool = False, reached: str | None = None):
+    """The error for a function with no rule (``reached``: the op with no rule that its
+    decomposition reached). It suggests a rule for the function the user called."""
+    what = "in-place function" if inplace else "function"
+    via = (f" (torch's decomposition of it reaches {reached}, which has no rule either)"
+           if reached else "")
+    error = NotImplementedError(
+        f"graphgrad has no derivative rule for the {what} {name}, which was called on a tensor "
+        f"that requires grad{via}. Add one with @graphgrad.derivative({name}) (see "
+        "graphgrad/ops/ for examples), or call it on detach()ed tensors or under "
+        "gg.no_grad() if no gradient should flow through it.")
+    error.no_rule_function = name
+    error.reached = reached
+    return error
+
+
 def _stand_in(func, fn, source):
-    """A DECOMPOSITION rule running ``fn``; an op inside with no rule names ``func`` too."""
+    """A DECOMPOSITION rule running ``fn``; an op inside with no rule is named in the error,
+    which suggests a rule for ``func`` itself (the function the user called)."""
     name = qualified_name(func)
 
     def decomposition(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except NotImplementedError as e:
-            text = str(e)
-            if "graphgrad has no derivative rule" not in text or "reached through" in text:
+            inner = getattr(e, "no_rule_function", None)
+            if inner is None:
                 raise
-            raise NotImplementedError(
-                f"{text} (reached through the decomposition of {name}, which has no rule "
-                "of its own)") from None
+            raise no_rule_error(name, reached=getattr(e, "reached", None) or inner) from None
 
     decomposition.__name__ = getattr(func, "__name__", "decomposition")
     rule = Rule(decomposition, DECOMPOSITION, view=True, family="via decomposition")

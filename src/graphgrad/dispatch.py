@@ -21,6 +21,7 @@ import torch
 from . import _compat
 from .codes import KEEP_VALUE, NEEDS_GRAD, NO_GRAD, PLAIN_VIEW, TORCH_TRACKED
 from .decompose import find as find_decomposition
+from .decompose import no_rule_error
 from .graph import current_graph
 from .node import new_node
 from .references import SavedResult, save_arguments
@@ -326,21 +327,11 @@ def _no_rule(func, args, kwargs, silent):
                 f"a leaf Variable that requires grad is being used in an in-place operation "
                 f"({name}). Do it under gg.no_grad() (as optimizers do), or apply it to a "
                 "clone() of the tensor.")
-        raise NotImplementedError(_no_rule_message(name, inplace=True))
+        raise no_rule_error(name, inplace=True)
     out = kernel(func, args, kwargs, silent)
     if _has_float_tensor(out, args, kwargs):
-        raise NotImplementedError(_no_rule_message(qualified_name(func), inplace=False))
+        raise no_rule_error(qualified_name(func))
     return wrap_plain(out, args, kwargs)
-
-
-def _no_rule_message(name, inplace):
-    what = "in-place function" if inplace else "function"
-    return (
-        f"graphgrad has no derivative rule for the {what} {name}, which was called on a tensor "
-        f"that requires grad. Add one with @graphgrad.derivative({name}) (see "
-        "graphgrad/ops/ for examples), or call it on detach()ed tensors or under "
-        "gg.no_grad() if no gradient should flow through it."
-    )
 
 
 def _has_float_tensor(out, args, kwargs):

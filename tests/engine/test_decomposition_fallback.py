@@ -79,7 +79,11 @@ def test_a_decomposition_reaching_an_op_without_rule_names_both():
     with pytest.raises(NotImplementedError) as info:
         func(x)
     text = str(info.value)
-    assert "torch.ops.prims." in text and "decomposition of torch." in text, text
+    name = "torch." + ("special." + func.__name__[8:] if func.__name__.startswith("special_")
+                       else func.__name__)
+    # the suggestion is a rule for the function the user called; the op reached is named too
+    assert f"@graphgrad.derivative({name})" in text, text
+    assert "decomposition of it reaches torch.ops.prims." in text, text
 
 
 def test_denylisted_decompositions_keep_the_error():
