@@ -155,6 +155,13 @@ def render_coverage(report: dict) -> list[str]:
         "decomposition fallback (`graphgrad/decompose.py`): an ATen overload called as its torch",
         "function (`as torch.sum`), an entry of `torch._decomp`'s table, or a Python function's",
         "own body. A rule registered later takes precedence.", "",
+        "How these sources were chosen (measured with this report on torch 2.13, 2026-11-26):",
+        "without the fallback 322 of 547 OpInfos passed (58.9 %); ATen twins, the `torch._decomp`",
+        "table and Python bodies bring 360 (65.8 %) once the table entries listed below were",
+        "excluded. Adding `torch._refs` by name turned 5 more entries into passes but gave 3 new",
+        "mismatches (`nn.functional.pdist` gradients, `nn.functional.poisson_nll_loss` values,",
+        "`stft` an error), so it is not used. `OpOverload.decompose()` gains nothing: torch's",
+        "composites are C++ kernels whose inner calls never reach `__torch_function__`.", "",
         "| torch function | via decomposition from | passing OpInfos |", "|---|---|---|",
     ]
     for f, names in sorted(via.items()):
