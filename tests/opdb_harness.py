@@ -20,6 +20,7 @@ at rtol=atol=1e-7.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -28,6 +29,8 @@ from torch.testing._internal.common_methods_invocations import op_db
 from torch.utils import _pytree as pytree
 
 import graphgrad as gg
+from graphgrad import decompose, dispatch
+from graphgrad.rules import RULES, qualified_name
 from op_cases import TOL, assert_grads_close, plain
 
 OPS_BY_NAME: dict[str, list] = {}
@@ -186,3 +189,105 @@ def opdb_test(reference: dict, unsupported=None):
         run_opinfo(op, reference[op.name], unsupported)
 
     return test_opdb
+
+
+# -- the whole op_db as a measure (docs/ops.md's coverage section) -----------------------------
+#: samples per OpInfo in the coverage report: enough to meet most options, cheap enough to run
+#: all ~550 autograd OpInfos in a few minutes
+REPORT_SAMPLES = 3
+PASS = "pass"
+_NO_RULE = re.compile(r"no derivative rule for the (?:in-place )?function (\S+?),")
+_VIA = re.compile(r"decomposition of it reaches (\S+?),")
+
+
+def autograd_opinfos() -> list:
+    """Every OpInfo of op_db that supports autograd: the report's denominator."""
+    return [op for op in op_db if op.supports_autograd]
+
+
+def failure_reason(error: BaseException, stage: str) -> str:
+    """One short, stable line for why a sample failed (the report groups entries by it)."""
+    text = str(error)
+    if isinstance(error, NotImplementedError) and "graphgrad" in text:
+        found = _NO_RULE.search(text)
+        if found:
+            via = _VIA.search(text)
+            return f"no rule for {found.group(1)}" + (
+                f" (its decomposition reaches {via.group(1)})" if via else "")
+    if isinstance(error, AssertionError):
+        return {"forward": "values differ", "backward": "gradients differ",
+                "double": "second order differs"}[stage]
+    return f"{stage} raises {type(error).__name__}"
+
+
+def classify_sample(op, sample, gen, second_order: bool) -> tuple[str | None, str]:
+    """Run one sample on both engines: (None, "") when torch itself rejects it, else
+    (PASS or a failure reason, the stage reached)."""
+    tree = _clone_tree((sample.input, sample.args, sample.kwargs))
+    try:
+        expected = _call(op, sample, tree)
+    except Exception:  # noqa: BLE001 - torch rejects the sample: nothing to compare
+        return None, ""
+    gg_tree = _to_gg(tree)
+    stage = "forward"
+    try:
+        got = _call(op, sample, gg_tree)
+        pairs = _differentiable_outputs(expected, got)
+        ins, gg_ins = _grad_leaves(tree), _grad_leaves(gg_tree)
+        if not pairs or not ins:
+            return PASS, stage
+        stage = "backward"
+        vs = [torch.randn(e.shape, dtype=e.dtype, generator=gen) for e, _ in pairs]
+        vs_t = [v.clone().requires_grad_(second_order) for v in vs]
+        vs_g = [gg.as_tensor(v.clone(), requires_grad=second_order) for v in vs]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = torch.autograd.grad([e for e, _ in pairs], ins, vs_t, allow_unused=True,
+                                       create_graph=second_order)
+        have = gg.grad([g for _, g in pairs], gg_ins, vs_g, allow_unused=True,
+                       create_graph=second_order)
+        assert_grads_close(have, want, "gradient of input", TOL)
+        keep = [k for k, w in enumerate(want) if w is not None and w.requires_grad]
+        if not second_order or not keep:
+            return PASS, stage
+        stage = "double"
+        ws = [torch.randn(want[k].shape, dtype=want[k].dtype, generator=gen) for k in keep]
+        assert all(have[k] is not None and have[k].requires_grad for k in keep)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want2 = torch.autograd.grad([want[k] for k in keep], ins + vs_t, ws,
+                                        allow_unused=True)
+        have2 = gg.grad([have[k] for k in keep], gg_ins + vs_g, [w.clone() for w in ws],
+                        allow_unused=True)
+        assert_grads_close(have2, want2, "second derivative", TOL)
+        return PASS, stage
+    except Exception as e:  # noqa: BLE001 - every failure is a reason in the report
+        return failure_reason(e, stage), stage
+
+
+def classify(op, only: int | None = None) -> dict:
+    """One OpInfo in the coverage report: ``{"result": PASS or the first failing sample's
+    reason, "sample": its index}``. ``only`` runs that one sample (the cheap staleness test)."""
+    if not op.supports_dtype(torch.float64, "cpu"):
+        return {"result": "no float64 samples", "sample": 0}
+    compared, first = 0, None
+    reached = set()
+    previous = dispatch.observe_calls(reached.add)
+    try:
+        for i, sample in enumerate(samples(op, REPORT_SAMPLES)):
+            if only is not None and i != only:
+                continue
+            gen = torch.Generator().manual_seed(i)  # per sample: one sample reruns alone the same
+            result, _ = classify_sample(op, sample, gen, op.supports_gradgrad)
+            if result is None:
+                continue
+            compared += 1
+            first = i if first is None else first
+            if result != PASS:
+                return {"result": result, "sample": i}
+    finally:
+        dispatch.observe_calls(previous)
+    via = sorted({qualified_name(f) for f in reached
+                  if f not in RULES and decompose.source_of(f) is not None})
+    return {"result": PASS if compared else "torch rejects every sample", "sample": first or 0,
+            **({"via": via} if via else {})}

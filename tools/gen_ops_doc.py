@@ -5,11 +5,18 @@ op tests use (``REFERENCE`` in ``tests/ops/test_ops_*.py``). Each OpInfo's sampl
 once with a spy on graphgrad's dispatch, so each torch function is credited with the
 reference samples that actually reached it. ``tests/api/test_ops_doc.py`` fails when the file is
 stale: run ``python tools/gen_ops_doc.py`` after adding a rule.
+
+It also measures graphgrad against the whole op_db: every OpInfo that supports autograd is run
+on its first float64 samples (``opdb_harness.classify``) and stored, entry by entry, in
+``docs/opdb_coverage.json``; docs/ops.md shows the totals, the failures grouped by reason and
+the functions reached through torch's decompositions (``graphgrad.decompose``).
+``tests/ops/test_opdb_coverage.py`` reruns one sample per entry against that file.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import pathlib
 import sys
 import warnings
@@ -19,9 +26,10 @@ from torch.utils import _pytree as pytree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "ops.md"
+COVERAGE = ROOT / "docs" / "opdb_coverage.json"
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "ops")]  # the helpers, the op tests
 
-from graphgrad import dispatch  # noqa: E402
+from graphgrad import decompose, dispatch  # noqa: E402
 from graphgrad.rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name  # noqa: E402
 
 KIND = {DECOMPOSITION: "decomposition", NONDIFFERENTIABLE: "no gradient"}
@@ -89,7 +97,92 @@ def collect():
     return samples_of, second, declined, no_second
 
 
-def render() -> str:
+def measure() -> dict:
+    """Run the whole op_db report: {"entries": OpInfo -> classify(), "sources": function
+    reached through a decomposition -> where the decomposition came from}."""
+    from opdb_harness import autograd_opinfos, classify, op_id
+
+    entries = {op_id(op): classify(op) for op in autograd_opinfos()}
+    used = {f for e in entries.values() for f in e.get("via", ())}
+    sources = {f: s for f, s in sorted(decompose.decomposed().items()) if f in used}
+    return {"samples_per_opinfo": _samples(), "entries": entries, "sources": sources}
+
+
+def _samples() -> int:
+    from opdb_harness import REPORT_SAMPLES
+
+    return REPORT_SAMPLES
+
+
+def totals(report: dict) -> tuple[int, int]:
+    """(autograd OpInfos, passing ones)."""
+    entries = report["entries"]
+    return len(entries), sum(1 for e in entries.values() if e["result"] == "pass")
+
+
+def totals_line(report: dict) -> str:
+    n, p = totals(report)
+    return f"**{n} autograd OpInfos, {p} pass = {100 * p / n:.1f} %.**"
+
+
+def render_coverage(report: dict) -> list[str]:
+    entries = report["entries"]
+    by_reason = defaultdict(list)
+    for name, e in entries.items():
+        if e["result"] != "pass":
+            by_reason[e["result"]].append(name)
+    via = defaultdict(list)
+    for name, e in entries.items():
+        if e["result"] == "pass":
+            for f in e.get("via", ()):
+                via[f].append(name)
+    lines = [
+        "## Coverage over PyTorch's op_db", "",
+        "Every OpInfo in `torch.testing._internal.common_methods_invocations.op_db` that supports",
+        f"autograd, on its first {report['samples_per_opinfo']} float64 samples: values, first-order",
+        "gradients and (where the OpInfo supports gradgrad) second derivatives against",
+        "torch.autograd at rtol=atol=1e-7. An entry passes when every sample torch accepts matches;",
+        "otherwise it is listed under the first failing sample's reason. Stored entry by entry in",
+        "`docs/opdb_coverage.json`; `tests/ops/test_opdb_coverage.py` reruns one sample per entry.",
+        "", totals_line(report), "",
+        "### Failures by reason", "",
+        "| reason | OpInfos | which |", "|---|---|---|",
+    ]
+    for reason, names in sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        lines.append(f"| {reason} | {len(names)} | {', '.join(sorted(names))} |")
+    lines += [
+        "", "### Reached via decomposition", "",
+        "Functions with no rule of their own that passing OpInfos reached through the",
+        "decomposition fallback (`graphgrad/decompose.py`): an ATen overload called as its torch",
+        "function (`as torch.sum`), an entry of `torch._decomp`'s table, or a Python function's",
+        "own body. A rule registered later takes precedence.", "",
+        "How these sources were chosen (measured with this report on torch 2.13, 2026-11-26):",
+        "without the fallback 322 of 547 OpInfos passed (58.9 %); ATen twins, the `torch._decomp`",
+        "table and Python bodies bring 360 (65.8 %) once the table entries listed below were",
+        "excluded. Adding `torch._refs` by name turned 5 more entries into passes but gave 3 new",
+        "mismatches (`nn.functional.pdist` gradients, `nn.functional.poisson_nll_loss` values,",
+        "`stft` an error), so it is not used. `OpOverload.decompose()` gains nothing: torch's",
+        "composites are C++ kernels whose inner calls never reach `__torch_function__`.", "",
+        "| torch function | via decomposition from | passing OpInfos |", "|---|---|---|",
+    ]
+    for f, names in sorted(via.items()):
+        lines.append(f"| `{f}` | {report['sources'].get(f, '?')} | {', '.join(sorted(names))} |")
+    denied = decompose.DENYLIST
+    lines += ["", "### Decompositions not used", "",
+              "Their values or gradients differed from torch.autograd in this report, so these",
+              "functions keep the no-rule error rather than a wrong gradient.", "",
+              "| ATen op | why |", "|---|---|"]
+    lines += [f"| `{op}` | {why} |" for op, why in sorted(denied.items())]
+    return lines
+
+
+def load_coverage() -> dict:
+    return json.loads(COVERAGE.read_text())
+
+
+def render(report: dict | None = None) -> str:
+    if report is None:
+        report = load_coverage()
     samples_of, second, declined, no_second = collect()
     rows = []
     for func, rule in RULES.items():
@@ -118,6 +211,9 @@ def render() -> str:
         "",
         f"{len(rows)} torch functions; {sum(1 for r in rows if r[4] > 0)} reached by reference samples.",
         "",
+        totals_line(report) + " Decomposition fallback: see [Coverage over PyTorch's op_db]"
+        "(#coverage-over-pytorchs-op_db).",
+        "",
         "| family | torch function | rule | double backward | samples |",
         "|---|---|---|---|---|",
     ]
@@ -135,12 +231,15 @@ def render() -> str:
         lines += [f"| {n} | {w} |" for n, w in no_second]
     else:
         lines.append("None.")
+    lines += [""] + render_coverage(report)
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text(render())
+    report = measure()
+    COVERAGE.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    DOC.write_text(render(report))
     print(f"wrote {DOC.relative_to(ROOT)}")
 
 

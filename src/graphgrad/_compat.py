@@ -11,6 +11,7 @@ older torch versions (>= the minimum in pyproject.toml) working where an API is 
 from __future__ import annotations
 
 import torch
+import torch._decomp  # noqa: F401 - already imported by torch; named for decompose.py
 import torch.utils._pytree as pytree  # flattens a captured step's arguments (what torch.compile uses)
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,7 +26,8 @@ __all__ = [
     "TorchDispatchMode", "ScriptGraph", "TensorType", "ListType", "OptionalType", "TupleType",
     "script_function", "executor_optimize", "set_executor_optimize", "parse_schema", "pytree",
     "MEMORY_FORMAT_CODES", "LAYOUT_CODES", "inplace_view_tag", "is_write_argument",
-    "bound_function", "NoTorchFunction",
+    "bound_function", "NoTorchFunction", "linalg_functions", "fft_functions", "OpOverload",
+    "OpOverloadPacket", "aten_ops", "decomposition_table", "resolve_overload",
 ]
 
 # -- the torch-function protocol and grad mode -------------------------------------------
@@ -68,6 +70,19 @@ has_internal_overlap = torch._debug_has_internal_overlap
 VariableFunctions = torch._C._VariableFunctions
 nn_functions = torch._C._nn
 special_functions = torch._C._special
+linalg_functions = torch._C._linalg
+fft_functions = torch._C._fft
+
+# -- the decomposition fallback (decompose.py; checked on torch 2.13) ----------------------
+#: decompositions call ATen overloads (``aten.sum.dim_IntList``), which reach
+#: ``__torch_function__`` as these objects
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+aten_ops = torch.ops.aten
+#: ATen overload -> its Python decomposition (torch imports torch._decomp itself)
+decomposition_table = torch._decomp.decomposition_table
+#: ("aten::sum", *args, **kwargs) -> the overload name torch's schema matching picks
+resolve_overload = torch._C._jit_resolve_packet
 
 # -- DataParallel's gradient buckets: torch DDP's own flatten helpers (checked on torch 2.13) --
 flatten_dense_tensors = _flatten_dense_tensors

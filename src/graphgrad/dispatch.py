@@ -3,8 +3,9 @@
 Every torch call on a graphgrad Tensor lands here. Torch computes the values (with the
 torch-function protocol switched off, so kernels see plain tensors); if grad mode is on and
 an input requires grad, the registered rule is bound to the call's arguments and a Node is
-recorded. A function with no rule, called on a tensor that requires grad, raises
-``NotImplementedError`` naming it: a gradient is never silently dropped. Views and in-place
+recorded. A function with no rule runs as torch's own decomposition where decompose.py finds
+one (its ops are recorded with their rules); otherwise, called on a tensor that requires grad,
+it raises ``NotImplementedError`` naming it: a gradient is never silently dropped. Views and in-place
 changes are views.py's; the Tensor class's shortcuts around this module are fastpaths.py's.
 
 Grad mode is torch's own (``torch.is_grad_enabled``), so ``torch.no_grad()`` inside
@@ -19,6 +20,8 @@ import torch
 
 from . import _compat
 from .codes import KEEP_VALUE, NEEDS_GRAD, NO_GRAD, TORCH_TRACKED
+from .decompose import find as find_decomposition
+from .decompose import no_rule_error
 from .graph import current_graph
 from .node import new_node
 from .references import SavedResult, save_arguments
@@ -163,6 +166,8 @@ def call(func, args, kwargs):
                 return unrecorded_view_op(func, rule, args, kwargs)
             return wrap_plain(func(*args, **kwargs), args, kwargs)
         silent = needs == TORCH_TRACKED
+        if rule is None and not silent:  # torch's own decomposition, if it has one
+            rule = find_decomposition(func, args, kwargs)
         if rule is None:
             return _no_rule(func, args, kwargs, silent)
         kind = rule.kind
@@ -322,21 +327,11 @@ def _no_rule(func, args, kwargs, silent):
                 f"a leaf Variable that requires grad is being used in an in-place operation "
                 f"({name}). Do it under gg.no_grad() (as optimizers do), or apply it to a "
                 "clone() of the tensor.")
-        raise NotImplementedError(_no_rule_message(name, inplace=True))
+        raise no_rule_error(name, inplace=True)
     out = kernel(func, args, kwargs, silent)
     if _has_float_tensor(out, args, kwargs):
-        raise NotImplementedError(_no_rule_message(qualified_name(func), inplace=False))
+        raise no_rule_error(qualified_name(func))
     return wrap_plain(out, args, kwargs)
-
-
-def _no_rule_message(name, inplace):
-    what = "in-place function" if inplace else "function"
-    return (
-        f"graphgrad has no derivative rule for the {what} {name}, which was called on a tensor "
-        f"that requires grad. Add one with @graphgrad.derivative({name}) (see "
-        "graphgrad/ops/ for examples), or call it on detach()ed tensors or under "
-        "gg.no_grad() if no gradient should flow through it."
-    )
 
 
 def _has_float_tensor(out, args, kwargs):
