@@ -5,8 +5,8 @@
 from graphgrad.node cimport Node, new_node
 from graphgrad.references cimport save_arguments
 from graphgrad.views cimport (bind, keep_for, kernel, needs_of, no_grad_op, no_grad_view_op, node_of,
-                              note_view_outputs, record_inplace, slots,
-                              tagged_view_needs_grad, unrecorded_view_op)
+                              note_view_outputs, record_inplace, revived, slots,
+                              unrecorded_view_op)
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython

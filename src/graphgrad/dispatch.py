@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from . import _compat
-from .codes import KEEP_VALUE, NEEDS_GRAD, NO_GRAD, TORCH_TRACKED
+from .codes import KEEP_VALUE, NEEDS_GRAD, NO_GRAD, PLAIN_VIEW, TORCH_TRACKED
 from .decompose import find as find_decomposition
 from .decompose import no_rule_error
 from .graph import current_graph
@@ -37,8 +37,8 @@ from .views import (
     node_of,
     note_view_outputs,
     record_inplace,
+    revived,
     slots,
-    tagged_view_needs_grad,
     unrecorded_view_op,
 )
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
@@ -85,7 +85,7 @@ def _needs_grad(args, kwargs):
     for a in args:
         tp = type(a)
         if tp is cls:
-            if a._gg_node is not None or (a._gg_view_tag and tagged_view_needs_grad(a)):
+            if a._gg_node is not None or (a._gg_view_tag == PLAIN_VIEW and revived(a)):
                 found = NEEDS_GRAD
         elif tp is _PlainTensor:
             if _torch_requires_grad(a):
@@ -96,7 +96,7 @@ def _needs_grad(args, kwargs):
                     if _torch_requires_grad(b):
                         return TORCH_TRACKED
                     if node_of(b) is not None or (
-                            getattr(b, "_gg_view_tag", 0) and tagged_view_needs_grad(b)):
+                            getattr(b, "_gg_view_tag", 0) == PLAIN_VIEW and revived(b)):
                         found = NEEDS_GRAD
         elif isinstance(a, _PlainTensor):
             if _torch_requires_grad(a):

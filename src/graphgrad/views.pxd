@@ -34,5 +34,4 @@ cpdef object unrecorded_view_op(object func, object rule, tuple args, dict kwarg
 cpdef object note_view_outputs(Node node, object out, object rule, tuple args, dict kwargs)
 cpdef object stamp_view(Node node, object out)
 cpdef bint revived(object t) except -1
-cpdef bint tagged_view_needs_grad(object t) except -1
 cdef object _tag_views(object out, tuple args, dict kwargs, int tag)

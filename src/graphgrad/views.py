@@ -49,7 +49,7 @@ __all__ = ["node_of", "torch_node", "current_node", "is_inplace", "slots", "bind
            "needs_of", "kernel", "record_inplace", "check_inplace", "view_target", "into_base",
            "rebase_history", "note_reshaped", "note_view_outputs", "stamp_view",
            "no_grad_op", "no_grad_view_op", "unrecorded_view_op", "view_tag_message", "base_requires_grad",
-           "revived", "tagged_view_needs_grad"]
+           "revived"]
 
 _Disable = _compat.DisableTorchFunctionSubclass
 _grad_enabled = _compat.is_grad_enabled
@@ -584,18 +584,6 @@ def _rebuild_view_node(t, graph):
     if t._gg_nr:
         t._gg_nr = 0
     return node
-
-
-def tagged_view_needs_grad(t):
-    """Does a view tagged with no grad_fn of its own require grad now? A ``PLAIN_VIEW`` does once
-    its base was changed in place and requires grad (``revived``); a custom Function's view is
-    then unusable, and using it in an op raises, as torch does (``current_node``)."""
-    tag = t._gg_view_tag
-    if tag == PLAIN_VIEW:
-        return revived(t)
-    if tag >= CUSTOM_FUNCTION_VIEW:
-        current_node(t)
-    return False
 
 
 def revived(t):
