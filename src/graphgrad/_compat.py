@@ -119,3 +119,14 @@ def is_write_argument(arg) -> bool:
 def bound_function(op):
     """The C function an ``OpOverload`` wraps (``op._op``: calling it skips ``__call__``)."""
     return op._op
+
+
+def torch_function_apply():
+    """``torch.autograd.Function.apply``'s underlying function (a classmethod's ``__func__``)."""
+    return torch.autograd.Function.__dict__["apply"].__func__
+
+
+def set_torch_function_apply(fn) -> None:
+    """Make ``fn(cls, *args, **kwargs)`` the ``apply`` of every ``torch.autograd.Function``:
+    graphgrad routes calls on its tensors through its own Function machinery (function.py)."""
+    torch.autograd.Function.apply = classmethod(fn)

@@ -20,6 +20,14 @@
 ``backward`` is ordinary torch code, so under ``create_graph=True`` it is recorded too and
 the custom function can be differentiated again. Saved outputs are kept as plain aliases
 (re-attached to this node when needed), so the node never references its own outputs.
+
+``torch.autograd.Function`` subclasses applied to graphgrad tensors that require grad run
+through the same machinery: torch's ``apply`` never reaches ``__torch_function__`` and torch's
+engine sees no input that requires grad, so without this the call would record nothing and
+its inputs' gradients would be silently lost (``torch.utils.checkpoint`` with
+``use_reentrant=True``, ``nn.CrossMapLRN2d``, users' own Functions). Calls on plain torch
+tensors are torch's, untouched. The ``setup_context`` style (``forward`` without ``ctx``) works
+for both kinds.
 """
 
 from __future__ import annotations
@@ -181,7 +189,11 @@ class FunctionNode(Node):
                     grads[i] = torch.zeros(shape, dtype=dtype, device=device)
         ctx._node = self
         try:
-            out = self.rule.cls.backward(ctx, *grads)
+            # the user's backward is ordinary torch code: under torch.enable_grad() it records
+            # (a reentrant checkpoint recomputes its forward there), so the torch-function
+            # protocol, which the executor turns off without create_graph, is on for it
+            with _compat.EnableTorchFunction():
+                out = self.rule.cls.backward(ctx, *grads)
         finally:
             ctx._node = None
         if not isinstance(out, tuple):
@@ -217,7 +229,11 @@ class Function:
         recording = torch.is_grad_enabled() and any(n is not None for n in nodes)
         ctx = FunctionCtx(tuple(recording and n is not None for n in nodes))
         with torch.no_grad():
-            outputs = cls.forward(ctx, *args, **kwargs)
+            if _uses_setup_context(cls):
+                outputs = cls.forward(*args, **kwargs)
+                cls.setup_context(ctx, args, outputs)
+            else:
+                outputs = cls.forward(ctx, *args, **kwargs)
         single = not isinstance(outputs, tuple)
         outs = (outputs,) if single else outputs
         _check_dirty_returned(ctx, outs)
@@ -251,6 +267,41 @@ class Function:
         _save(node, ctx, outs)
         graph.record(node)
         return outs[0] if single else outs
+
+
+_TORCH_SETUP_CONTEXT = getattr(torch.autograd.Function, "setup_context", None)
+
+
+def _uses_setup_context(cls) -> bool:
+    """Does ``cls`` define ``setup_context`` (torch's style: ``forward`` takes no ``ctx``)?"""
+    own = getattr(cls, "setup_context", None)
+    return own is not None and getattr(own, "__func__", own) is not getattr(
+        _TORCH_SETUP_CONTEXT, "__func__", _TORCH_SETUP_CONTEXT)
+
+
+def _records_on_graphgrad(args: tuple, kwargs: dict) -> bool:
+    """Would ``apply`` record on graphgrad: grad mode on and a graphgrad tensor that requires
+    grad among the arguments?"""
+    if not torch.is_grad_enabled():
+        return False
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor) and _node_of(a) is not None:
+            return True
+    return False
+
+
+_torch_apply = _compat.torch_function_apply()
+
+
+def _apply_torch_function(cls, *args: Any, **kwargs: Any) -> Any:
+    """``torch.autograd.Function.apply``: graphgrad records the call when a graphgrad tensor
+    that requires grad is among the arguments (torch's engine cannot see it); otherwise torch."""
+    if _records_on_graphgrad(args, kwargs):
+        return Function.apply.__func__(cls, *args, **kwargs)
+    return _torch_apply(cls, *args, **kwargs)
+
+
+_compat.set_torch_function_apply(_apply_torch_function)
 
 
 def _node_of(value):

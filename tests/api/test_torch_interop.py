@@ -316,3 +316,146 @@ def test_set_follows_torch():
 def test_share_memory_of_a_non_leaf_is_allowed():
     y = leaf() * 2
     assert y.share_memory_() is y and y.is_shared()
+
+
+# -- torch.autograd.Function on graphgrad tensors -----------------------------------------
+class _Cube(torch.autograd.Function):
+    """Saves its input, marks a second output non-differentiable, reads needs_input_grad."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        idx = x.argmax().reshape(1)
+        ctx.mark_non_differentiable(idx)
+        return x ** 3 * scale, idx
+
+    @staticmethod
+    def backward(ctx, g, g_idx):
+        (x,) = ctx.saved_tensors
+        assert ctx.needs_input_grad == (True, False)
+        return 3 * x * x * g * ctx.scale, None
+
+
+class _Square(torch.autograd.Function):
+    """torch's setup_context style: forward takes no ctx."""
+
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class _Once(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.exp()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.exp()
+
+
+def _twins(*shape, seed=0):
+    v = torch.randn(*shape, dtype=DT, generator=torch.Generator().manual_seed(seed))
+    return gg.as_tensor(v.clone(), requires_grad=True), v.clone().requires_grad_(True)
+
+
+@pytest.mark.parametrize("program", [
+    lambda x: (_Cube.apply(x, 0.5)[0] + x).sum(),
+    lambda x: (_Square.apply(x.sin()) * x).sum(),
+    lambda x: _Once.apply(x * 2).sum() + x.sum(),
+], ids=["saved-input-non-differentiable-output", "setup_context", "once_differentiable"])
+def test_a_torch_function_on_graphgrad_tensors_records_on_graphgrad(program):
+    """torch's Function.apply never reaches __torch_function__ and torch's engine sees no input
+    that requires grad: without graphgrad taking the call, x's gradient through it was lost."""
+    xg, xt = _twins(5)
+    yg, yt = program(xg), program(xt)
+    assert yg.grad_fn is not None and type(yg) is gg.Tensor
+    yg.backward()
+    yt.backward()
+    torch.testing.assert_close(xg.grad, xt.grad, rtol=1e-12, atol=0)
+
+
+def test_a_torch_function_on_plain_tensors_stays_torchs():
+    x = torch.ones(3, dtype=DT, requires_grad=True)
+    y = _Square.apply(x)
+    assert type(y) is torch.Tensor and type(y.grad_fn).__module__.startswith("torch")
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * torch.ones(3, dtype=DT))
+
+
+def test_a_torch_function_under_no_grad_or_on_inputs_that_need_none_records_nothing():
+    xg, _ = _twins(3)
+    with torch.no_grad():
+        assert _Square.apply(xg).grad_fn is None
+    assert _Square.apply(gg.as_tensor(torch.ones(3))).requires_grad is False
+
+
+def test_reentrant_checkpoint_trains_like_torch():
+    """torch.utils.checkpoint(use_reentrant=True) is a torch Function whose backward reruns the
+    forward under enable_grad and calls torch.autograd.backward: graphgrad records that too."""
+    torch.manual_seed(0)
+    want = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    have = gg.nn.adopt(__import__("copy").deepcopy(want))
+    xg, xt = _twins(3, 4, seed=1)
+    for model, x in ((want, xt), (have, xg)):
+        y = x + torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True)
+        (y * y).sum().backward()
+    for (name, a), b in zip(want.named_parameters(), have.parameters()):
+        assert b.grad is not None, name
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-14, msg=name)
+    torch.testing.assert_close(xg.grad, xt.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_a_custom_backward_that_records_under_enable_grad():
+    """A backward may build a graph of its own under torch.enable_grad() (as the reentrant
+    checkpoint does): graphgrad records it, as torch does, for gg.Function too."""
+    seen = []
+
+    def make(base):
+        class Probe(base):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return x.sin()
+
+            @staticmethod
+            def backward(ctx, g):
+                (x,) = ctx.saved_tensors
+                with torch.enable_grad():
+                    d = x.detach().requires_grad_(True)
+                    y = d.sin()
+                    (gx,) = torch.autograd.grad(y, d, g)
+                seen.append(y.requires_grad)
+                return gx
+        return Probe
+
+    for base, (x, xt) in ((gg.Function, _twins(4)), (torch.autograd.Function, _twins(4))):
+        make(base).apply(x).sum().backward()
+        torch.testing.assert_close(x.grad.as_subclass(torch.Tensor), xt.detach().cos())
+    assert seen == [True, True]
+
+
+def test_cross_map_lrn2d_trains_like_torch():
+    """nn.CrossMapLRN2d is a torch Function: its gradient used to be dropped on graphgrad."""
+    torch.manual_seed(0)
+    want = nn.Sequential(nn.Conv2d(2, 6, 3), nn.CrossMapLRN2d(3)).double()
+    have = gg.nn.adopt(__import__("copy").deepcopy(want))
+    x = torch.randn(2, 2, 6, 6, dtype=DT)
+    for model, inp in ((want, x), (have, gg.as_tensor(x))):
+        out = model(inp)
+        (out + model[0](inp)).square().sum().backward()
+    for (name, a), b in zip(want.named_parameters(), have.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-12, msg=name)

@@ -399,18 +399,6 @@ nondifferentiable(
 )
 
 
-@derivative(T.mH.__get__, torch.adjoint, T.adjoint, view=True)
-def adjoint(grad, input):
-    """``.mH`` / ``adjoint()``: the conjugate transpose of the last two dims is its own adjoint."""
-    return grad.mH
-
-
-@derivative(T.H.__get__, view=True)
-def conj_transpose(grad, input):
-    """``.H`` of a matrix."""
-    return grad.H
-
-
 @derivative(torch.diag_embed, T.diag_embed, view=False)
 def diag_embed(grad, input, offset=0, dim1=-2, dim2=-1):
     """The new diagonal's gradient is the gradient's diagonal (moved to the last dim, as the
