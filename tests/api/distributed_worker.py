@@ -14,6 +14,7 @@ import traceback
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -21,6 +22,7 @@ import graphgrad as gg
 from graphgrad.distributed import destroy_process_group, init_process_group
 
 TIMEOUT_S = float(os.environ.get("GG_TEST_PG_TIMEOUT", 20))  # a stuck collective fails, never hangs
+JOIN_TIMEOUT_S = 120  # waiting for the other ranks to start
 SEED = 100  # rank 0's initial weights; rank r starts from SEED + r (the wrapper must fix that)
 PER_RANK = 3  # samples per rank and step
 STEPS = 3
@@ -239,12 +241,22 @@ def scenario_stall(rank, world):
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
+def _joined_store(rank, world):
+    """torchrun's store, joined with a generous timeout (ranks of a loaded machine start seconds
+    apart), then given the short one that the collectives run under: the scenarios time their
+    collectives, not the start of the processes (as init_process_group does with env://)."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=JOIN_TIMEOUT_S)))
+    store.set_timeout(timedelta(seconds=TIMEOUT_S))
+    return dist.PrefixStore("default_pg", store)
+
+
 def main(argv):
     out_dir, names = argv[0], argv[1].split(",")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     try:
-        init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
+        init_process_group("gloo", store=_joined_store(rank, world), rank=rank, world_size=world,
+                           timeout=timedelta(seconds=TIMEOUT_S))
         for name in names:
             torch.save(SCENARIOS[name](rank, world), os.path.join(out_dir, f"{name}_rank{rank}.pt"))
         destroy_process_group()
