@@ -20,6 +20,7 @@ at rtol=atol=1e-7.
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 
@@ -57,7 +58,17 @@ def opinfos(reference: dict) -> list:
             if op.supports_autograd and dtypes_of(op, reference[name])]
 
 
-def samples(op, max_samples: int | None = None, dtype=torch.float64) -> list:
+#: a cap on every OpInfo's samples, for the second engine mode of ``scripts/test.sh``: the rules
+#: are the same Python code in both modes, so the compiled run checks every sample and the
+#: pure-Python run the first few of each (unset: no cap)
+_CAP = os.environ.get("GRAPHGRAD_OPDB_SAMPLE_CAP")
+SAMPLE_CAP = int(_CAP) if _CAP else None
+
+
+def samples(op, max_samples: int | None = None, dtype=torch.float64, capped: bool = True) -> list:
+    """The OpInfo's sample inputs (the first ``max_samples``; ``capped``: at most ``SAMPLE_CAP``)."""
+    if capped and SAMPLE_CAP is not None:
+        max_samples = SAMPLE_CAP if max_samples is None else min(max_samples, SAMPLE_CAP)
     out = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

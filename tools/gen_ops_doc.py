@@ -82,7 +82,7 @@ def collect():
             name = op.name + ("." + op.variant_test_name if op.variant_test_name else "")
             reasons = defaultdict(int)
             for sample in (s for dtype in dtypes_of(op, options)
-                           for s in samples(op, options.get("max_samples"), dtype)):
+                           for s in samples(op, options.get("max_samples"), dtype, capped=False)):
                 reason = unsupported(op, sample) if unsupported else None
                 if reason is not None:
                     reasons[reason] += 1
