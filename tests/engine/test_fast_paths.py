@@ -120,4 +120,4 @@ def test_observer_sees_fast_path_calls():
 def test_methods_without_rule_still_raise():
     x = leaf(3)
     with pytest.raises(NotImplementedError, match="no derivative rule"):
-        torch.Tensor.renorm(x.reshape(1, 3), 2, 0, 1.0)  # no rule: the protocol path names it
+        torch.Tensor.histc(x)  # no rule, no decomposition: the protocol path names it
