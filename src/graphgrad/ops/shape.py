@@ -103,6 +103,47 @@ def expand(grad, input, *args, **kwargs):
     return grad
 
 
+@decomposition(torch.broadcast_tensors, torch._C._VariableFunctions.broadcast_tensors, view=True)
+def broadcast_tensors(*tensors):
+    """Each tensor expanded to the common shape: ``expand``'s rule sums the gradients back."""
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    return tuple(t.expand(shape) for t in tensors)
+
+
+@decomposition(torch.meshgrid, torch._C._VariableFunctions.meshgrid, view=True)
+def meshgrid(*tensors, indexing=None):
+    """Each 0-d or 1-d tensor reshaped along its own axis and expanded to the grid; ``"xy"``
+    swaps the first two axes of the grid."""
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
+    for t in tensors:
+        if t.dim() > 1:
+            raise RuntimeError("torch.meshgrid: Expected 0D or 1D tensor in the tensor list "
+                               f"but got: {t.dim()}D")
+    axes = list(range(len(tensors)))
+    if indexing == "xy" and len(tensors) >= 2:
+        axes[0], axes[1] = 1, 0
+    shape = [0] * len(tensors)
+    for t, a in zip(tensors, axes):
+        shape[a] = t.numel()
+    grids = []
+    for t, a in zip(tensors, axes):
+        one = [1] * len(tensors)
+        one[a] = -1
+        grids.append(t.reshape(one).expand(shape))
+    return tuple(grids)
+
+
+@decomposition(torch.cartesian_prod, torch._C._VariableFunctions.cartesian_prod, view=True)
+def cartesian_prod(*tensors):
+    """torch's composite: the ``"ij"`` grid's flattened coordinates, stacked as columns."""
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
+    if len(tensors) == 1:
+        return tensors[0]
+    return torch.stack([g.flatten() for g in meshgrid(*tensors, indexing="ij")], 1)
+
+
 def _sum_tiles(grad, input: Meta, repeats: tuple):
     """``repeat``'s adjoint: view each dim as (copies, size) and sum the copies."""
     if not repeats:
