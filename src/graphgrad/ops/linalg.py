@@ -860,3 +860,143 @@ def cdist(grad, x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary
     term = _cdist_term(grad, x1, x2, float(p), result)
     return (term.sum(-2) if needs_input_grad[0] else None,
             -term.sum(-3) if needs_input_grad[1] else None)
+
+
+# -- composites over the products above -----------------------------------------------------
+@decomposition(torch.cross, T.cross, view=False)
+def cross(input, other, dim=None):
+    """``dim=None`` is the first dimension of size 3 (torch's deprecated default)."""
+    if dim is None:
+        shape = torch.broadcast_shapes(input.shape, other.shape)
+        dim = next((d for d, n in enumerate(shape) if n == 3), None)
+        if dim is None:
+            raise RuntimeError("no dimension of size 3 in input")
+    return _cross(input, other, dim)
+
+
+@decomposition(torch.linalg.cross, view=False)
+def linalg_cross(input, other, *, dim=-1):
+    return _cross(input, other, dim)
+
+
+def _cross(input, other, dim):
+    """``a[i+1] b[i+2] - a[i+2] b[i+1]`` along ``dim``, by rolls of the broadcast operands."""
+    if input.dim() != other.dim():
+        raise RuntimeError("linalg.cross: inputs must have the same number of dimensions.")
+    input, other = torch.broadcast_tensors(input, other)
+    if input.shape[dim] != 3:
+        raise RuntimeError(f"linalg.cross: inputs dimension {dim} must have length 3. "
+                           f"Got {input.shape[dim]} and {other.shape[dim]}")
+    return (input.roll(-1, dim) * other.roll(-2, dim)
+            - input.roll(-2, dim) * other.roll(-1, dim))
+
+
+@decomposition(torch.kron, T.kron, view=False)
+def kron(input, other):
+    """torch's composite: interleave the dimensions of both (padded to one rank) and multiply."""
+    n = max(input.dim(), other.dim())
+    a = input.reshape((1,) * (n - input.dim()) + tuple(input.shape))
+    b = other.reshape((1,) * (n - other.dim()) + tuple(other.shape))
+    a_shape, b_shape = [], []
+    for sa, sb in zip(a.shape, b.shape):
+        a_shape += [sa, 1]
+        b_shape += [1, sb]
+    out = a.reshape(a_shape) * b.reshape(b_shape)
+    return out.reshape([sa * sb for sa, sb in zip(a.shape, b.shape)])
+
+
+@decomposition(torch.tensordot, torch._C._VariableFunctions.tensordot, view=False)
+def tensordot(a, b, dims=2, out=None):
+    """The contracted dimensions moved together and reshaped into one matrix product."""
+    if out is not None:
+        raise RuntimeError("tensordot(out=...) is not differentiable")
+    if isinstance(dims, torch.Tensor):
+        dims = dims.tolist() if dims.dim() else int(dims)
+    if isinstance(dims, int):
+        if dims < 0:
+            raise RuntimeError(f"tensordot expects dims >= 0, but got dims={dims}")
+        dims_a, dims_b = list(range(a.dim() - dims, a.dim())), list(range(dims))
+    else:
+        dims_a, dims_b = dims
+        dims_a = [dims_a] if isinstance(dims_a, int) else list(dims_a)
+        dims_b = [dims_b] if isinstance(dims_b, int) else list(dims_b)
+    dims_a = [d % a.dim() for d in dims_a] if a.dim() else []
+    dims_b = [d % b.dim() for d in dims_b] if b.dim() else []
+    for da, db in zip(dims_a, dims_b):  # a size-1 dimension against n: sum the other (torch)
+        if a.shape[da] != b.shape[db]:
+            if a.shape[da] == 1:
+                b = b.sum(db, keepdim=True)
+            elif b.shape[db] == 1:
+                a = a.sum(da, keepdim=True)
+            else:
+                raise RuntimeError(f"contracted dimensions need to match, but first has size "
+                                   f"{a.shape[da]} in dim {da} and second has size "
+                                   f"{b.shape[db]} in dim {db}")
+    free_a = [d for d in range(a.dim()) if d not in dims_a]
+    free_b = [d for d in range(b.dim()) if d not in dims_b]
+    k = math.prod(a.shape[d] for d in dims_a)
+    left = a.permute(free_a + dims_a).reshape(-1, k)
+    right = b.permute(dims_b + free_b).reshape(k, -1)
+    return (left @ right).reshape([a.shape[d] for d in free_a] + [b.shape[d] for d in free_b])
+
+
+@decomposition(torch.linalg.multi_dot, view=False)
+def multi_dot(tensors, *, out=None):
+    """Left to right (the order changes the cost, not the values); a 1-D first or last
+    factor is a row or column vector, as in torch."""
+    if out is not None:
+        raise RuntimeError("linalg.multi_dot(out=...) is not differentiable")
+    if len(tensors) < 2:
+        raise RuntimeError("multi_dot(): expected at least 2 tensors but got "
+                           f"{len(tensors)}")
+    first, last = tensors[0], tensors[-1]
+    mats = [first.unsqueeze(0) if first.dim() == 1 else first, *tensors[1:-1],
+            last.unsqueeze(-1) if last.dim() == 1 else last]
+    result = mats[0]
+    for m in mats[1:]:
+        result = result.mm(m)
+    if last.dim() == 1:
+        result = result.squeeze(-1)
+    if first.dim() == 1:
+        result = result.squeeze(0)
+    return result
+
+
+@decomposition(torch.linalg.diagonal, view=True)
+def linalg_diagonal(A, *, offset=0, dim1=-2, dim2=-1):
+    return torch.diagonal(A, offset, dim1, dim2)
+
+
+@decomposition(torch.linalg.vander, view=False)
+def vander(x, *, N=None):
+    """torch's composite: ``[1, cumprod([x, x, ...])]`` (no ``x**0``, whose derivative at 0
+    would be 0 * inf); a 0-d ``x`` is one point."""
+    if x.dim() == 0:
+        x = x.unsqueeze(0)
+    n = x.shape[-1] if N is None else N
+    if n <= 1:
+        raise RuntimeError("N must be greater than 1.")
+    ones = torch.ones_like(x).unsqueeze(-1)
+    return torch.cat([ones, x.unsqueeze(-1).expand(*x.shape, n - 1).cumprod(-1)], -1)
+
+
+@decomposition(torch.linalg.tensorinv, view=False)
+def tensorinv(A, ind=2, *, out=None):
+    if out is not None:
+        raise RuntimeError("linalg.tensorinv(out=...) is not differentiable")
+    if ind <= 0:
+        raise RuntimeError("Expected a strictly positive integer for 'ind'")
+    rows, cols = list(A.shape[:ind]), list(A.shape[ind:])
+    return torch.linalg.inv(A.reshape(math.prod(rows), math.prod(cols))).reshape(cols + rows)
+
+
+@decomposition(torch.linalg.tensorsolve, view=False)
+def tensorsolve(A, B, dims=None, *, out=None):
+    if out is not None:
+        raise RuntimeError("linalg.tensorsolve(out=...) is not differentiable")
+    if dims is not None:
+        dims = [d % A.dim() for d in dims]
+        A = A.permute([d for d in range(A.dim()) if d not in dims] + dims)
+    result_shape = list(A.shape[B.dim():])
+    A2 = A.reshape(B.numel(), math.prod(result_shape))
+    return torch.linalg.solve(A2, B.reshape(-1)).reshape(result_shape)
