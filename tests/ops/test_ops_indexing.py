@@ -31,6 +31,8 @@ REFERENCE = {
     "topk": {},
     "msort": {},
     "repeat_interleave": {},
+    "fill": {},
+    "zero_": {},
 }
 
 unsupported = None

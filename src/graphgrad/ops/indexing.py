@@ -118,10 +118,17 @@ def copy_(grad, input: Meta, src: Meta, non_blocking=False, *, needs_input_grad)
     return torch.zeros_like(grad) if needs_input_grad[0] else None, grad
 
 
-@derivative(T.fill_, T.zero_, view=True)
+@derivative(T.fill_, T.zero_, torch.fill_, torch.zero_, view=True)
 def fill_(grad, input: Meta, value=None, *, needs_input_grad):
     """``fill_`` / ``zero_``: a zero gradient for the old values (as torch), the sum for a
     tensor ``value``."""
+    return (torch.zeros_like(grad) if needs_input_grad[0] else None,
+            grad.sum() if needs_input_grad[1] else None)
+
+
+@derivative(torch.fill, view=False)
+def fill(grad, input: Meta, value, *, needs_input_grad):
+    """Out-of-place ``fill``: as ``fill_``, on a new tensor."""
     return (torch.zeros_like(grad) if needs_input_grad[0] else None,
             grad.sum() if needs_input_grad[1] else None)
 
