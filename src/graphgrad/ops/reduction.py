@@ -530,3 +530,143 @@ def kthvalue(grads, input: Meta, k, dim=-1, keepdim=False, *, result):
     if grads[0] is None:
         return None
     return _selected_grad(grads[0], input, dim, keepdim, result[1])
+
+
+# -- composites over the reductions above: differences, integrals, statistics -----------------
+def _slice(t, dim: int, start: int, stop: int | None = None):
+    """``t[..., start:stop, ...]`` on ``dim`` (negative ends counted from the end) by narrow."""
+    n = t.shape[dim]
+    start = start + n if start < 0 else start
+    stop = n if stop is None else (stop + n if stop < 0 else stop)
+    return t.narrow(dim, start, max(stop - start, 0))
+
+
+@decomposition(torch.diff, T.diff, view=False)
+def diff(input, n=1, dim=-1, prepend=None, append=None):
+    """Differences of neighbours, ``n`` times, after ``prepend``/``append`` are concatenated
+    (``n=0``: the input itself, as torch)."""
+    if input.dim() == 0:
+        raise RuntimeError("diff expects input to be at least one-dimensional")
+    if n == 0:
+        return input
+    parts = [input]
+    for pos, extra in ((0, prepend), (None, append)):
+        if extra is not None:
+            if not isinstance(extra, torch.Tensor) or extra.dim() == 0:
+                shape = list(input.shape)
+                shape[dim] = 1
+                extra = torch.as_tensor(extra, dtype=input.dtype, device=input.device).expand(shape)
+            parts.insert(0 if pos == 0 else len(parts), extra)
+    x = torch.cat(parts, dim) if len(parts) > 1 else input
+    for _ in range(n):
+        if x.shape[dim] == 0:
+            break
+        x = (_slice(x, dim, 1).logical_xor(_slice(x, dim, 0, -1)) if x.dtype == torch.bool
+             else _slice(x, dim, 1) - _slice(x, dim, 0, -1))
+    return x
+
+
+def _trapezoid_dx(y, x, dim):
+    """The spacing along ``dim``: ``x``'s differences, a 1-D ``x`` laid along ``dim``."""
+    if x.dim() == 1:
+        shape = [1] * y.dim()
+        shape[dim] = -1
+        x = x.reshape(shape)
+    return _slice(x, dim, 1) - _slice(x, dim, 0, -1)
+
+
+def _trapezoid(y, x, dx, dim, cumulative: bool):
+    if y.shape[dim] == 0:
+        out = y.sum(dim) if not cumulative else y
+        return out * 0
+    pairs = _slice(y, dim, 1) + _slice(y, dim, 0, -1)
+    if x is not None:
+        pairs = pairs * _trapezoid_dx(y, x, dim)
+    total = pairs.cumsum(dim) if cumulative else pairs.sum(dim)
+    return total * (0.5 if x is not None else 0.5 * (1 if dx is None else dx))
+
+
+@decomposition(torch.trapezoid, view=False)
+def trapezoid(y, x=None, *, dx=None, dim=-1):
+    """The trapezoid rule: neighbours' means times the spacing, summed."""
+    return _trapezoid(y, x, dx, dim, False)
+
+
+@decomposition(torch.trapz, view=False)
+def trapz(y, x=None, *, dx=None, dim=-1):
+    return _trapezoid(y, x, dx, dim, False)
+
+
+@decomposition(torch.cumulative_trapezoid, view=False)
+def cumulative_trapezoid(y, x=None, *, dx=None, dim=-1):
+    """As trapezoid, with running sums."""
+    return _trapezoid(y, x, dx, dim, True)
+
+
+@decomposition(torch.nanmean, T.nanmean, view=False)
+def nanmean(input, dim=None, keepdim=False, *, dtype=None):
+    """torch's composite: the sum of the non-NaN values over their count."""
+    nan = input.isnan()
+    total = input.masked_fill(nan, 0).sum(dim, keepdim, dtype=dtype)
+    return total / nan.logical_not().sum(dim, keepdim)
+
+
+@decomposition(torch.cov, T.cov, view=False)
+def cov(input, *, correction=1, fweights=None, aweights=None):
+    """torch's composite (ATen's ``cov``): weighted mean removed, then ``x @ (w x)^H`` over
+    the normalization (clamped at 0)."""
+    if input.dim() > 2:
+        raise RuntimeError(f"cov(): expected input to have two or fewer dimensions but got an "
+                           f"input with {input.dim()} dimensions")
+    x = input.reshape(1, -1) if input.dim() < 2 else input
+    observations = x.shape[1]
+    w = fweights
+    if aweights is not None:
+        w = aweights if w is None else w * aweights
+    if w is not None:
+        w_sum = w.sum()
+        avg = (x * w).sum(1) / w_sum
+    else:
+        avg = x.mean(1)
+    if w is not None and correction != 0:
+        norm = (w_sum - correction * (w * aweights).sum() / w_sum if aweights is not None
+                else w_sum - correction)
+    elif w is not None:
+        norm = w_sum
+    else:
+        norm = torch.tensor(observations - correction, dtype=avg.dtype, device=avg.device)
+    if bool(norm <= 0):
+        norm = torch.zeros_like(norm)
+    x = x - avg.unsqueeze(1)
+    xw = x if w is None else x * w
+    return x.mm(xw.t().conj()).div(norm).squeeze()
+
+
+@decomposition(torch.corrcoef, T.corrcoef, view=False)
+def corrcoef(input):
+    """torch's composite: the covariance over the outer product of the deviations, clipped to
+    [-1, 1] (real inputs)."""
+    c = cov(input)
+    if c.dim() == 0:
+        return c / c
+    std = c.diagonal()
+    std = (std.real if std.is_complex() else std).sqrt()
+    c = c / std.reshape(-1, 1) / std.reshape(1, -1)
+    return c if c.is_complex() else c.clip(-1, 1)
+
+
+@decomposition(torch.combinations, view=False)
+def combinations(input, r=2, with_replacement=False):
+    """The index tuples (itertools' order, as torch's) picked out with ``take``."""
+    import itertools
+
+    if input.dim() != 1:
+        raise RuntimeError(f"Expect a 1D vector, but got shape {list(input.shape)}")
+    if r < 0:
+        raise RuntimeError(f"Expect a non-negative number, but got {r}")
+    if r == 0:
+        return input.new_empty(0)
+    pick = itertools.combinations_with_replacement if with_replacement else itertools.combinations
+    index = torch.tensor(list(pick(range(input.shape[0]), r)), dtype=torch.long,
+                         device=input.device).reshape(-1, r)
+    return input.take(index)
