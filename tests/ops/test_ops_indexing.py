@@ -33,6 +33,8 @@ REFERENCE = {
     "repeat_interleave": {},
     "fill": {},
     "zero_": {},
+    "scatter_reduce": {},
+    "index_reduce": {},
 }
 
 unsupported = None
