@@ -32,6 +32,7 @@ REFERENCE = {
     "msort": {},
     "repeat_interleave": {},
     "fill": {},
+    "put": {},
     "zero_": {},
     "scatter_reduce": {},
     "index_reduce": {},

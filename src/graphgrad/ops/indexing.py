@@ -351,3 +351,15 @@ def index_reduce(grad, input, dim, index, source, reduce, *, include_self=True, 
     if grad_input is not None and not include_self:
         grad_input = grad_input.index_fill(dim, index, 0)
     return grad_input, None, None, grad_source
+
+
+@derivative(torch.put, T.put, view=False)
+def put(grad, input: Meta, index, source: Meta, accumulate=False, *, needs_input_grad):
+    """torch's formula: the places written lose the input's gradient unless ``accumulate``;
+    the source gets the gradient at its places (flattened indices)."""
+    grad_input = None
+    if needs_input_grad[0]:
+        grad_input = grad if accumulate else grad.put(
+            index, torch.zeros(source.shape, dtype=grad.dtype, device=grad.device))
+    grad_source = grad.take(index).reshape(source.shape) if needs_input_grad[2] else None
+    return grad_input, None, grad_source

@@ -460,3 +460,19 @@ def diag(grad, input: Meta, diagonal=0):
 def diagflat(grad, input: Meta, offset=0):
     """The flattened input on a diagonal: the gradient's diagonal, in the input's shape."""
     return grad.diagonal(offset).reshape(input.shape)
+
+
+# -- the *_copy spellings: the view, then a copy ------------------------------------------------
+@decomposition(torch.view_copy, view=False)
+def view_copy(input, size):
+    return input.view(size).clone()
+
+
+@decomposition(torch.expand_copy, view=False)
+def expand_copy(input, size, *, implicit=False):
+    return input.expand(size).clone()
+
+
+@decomposition(torch.alias_copy, view=False)
+def alias_copy(input):
+    return input.clone()
