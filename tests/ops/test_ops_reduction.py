@@ -50,6 +50,7 @@ REFERENCE = {
     "nanmean": {},
     "corrcoef": {},
     "combinations": {},
+    "gradient": {},
 }
 
 unsupported = None

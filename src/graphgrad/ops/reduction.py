@@ -670,3 +670,62 @@ def combinations(input, r=2, with_replacement=False):
     index = torch.tensor(list(pick(range(input.shape[0]), r)), dtype=torch.long,
                          device=input.device).reshape(-1, r)
     return input.take(index)
+
+
+def _gradient_along(y, d: int, h, edge_order: int):
+    """ATen's gradient along one dimension: central differences inside, one-sided ones of
+    ``edge_order`` at the ends; ``h`` a number (uniform spacing) or 1-D coordinates."""
+    n = y.shape[d]
+    if n < edge_order + 1:
+        raise RuntimeError("torch.gradient expected each dimension size to be at least "
+                           "edge_order+1")
+    first, second, third = _slice(y, d, 0, 1), _slice(y, d, 1, 2), _slice(y, d, 2, 3)
+    last, last2, last3 = _slice(y, d, -1), _slice(y, d, -2, -1), _slice(y, d, -3, -2)
+    if not isinstance(h, torch.Tensor):
+        center = (_slice(y, d, 2) - _slice(y, d, 0, -2)) / h / 2
+        if edge_order == 1:
+            front, back = (second - first) / h, (last - last2) / h
+        else:
+            front = (-1.5 * first + 2 * second - 0.5 * third) / h
+            back = (0.5 * last3 - 2 * last2 + 1.5 * last) / h
+        return torch.cat([front, center, back], d)
+    shape = [1] * y.dim()
+    shape[d] = -1
+    dx = h[1:] - h[:-1]
+    dx1, dx2 = dx[:-1], dx[1:]
+    a = (-dx2 / (dx1 * (dx1 + dx2))).reshape(shape)
+    b = ((dx2 - dx1) / (dx1 * dx2)).reshape(shape)
+    c = (dx1 / (dx2 * (dx1 + dx2))).reshape(shape)
+    center = a * _slice(y, d, 0, -2) + b * _slice(y, d, 1, -1) + c * _slice(y, d, 2)
+    if edge_order == 1:
+        front, back = (second - first) / dx[0], (last - last2) / dx[-1]
+    else:
+        a = -(2.0 * dx[0] + dx[1]) / (dx[0] * (dx[0] + dx[1]))
+        b = (dx[0] + dx[1]) / (dx[0] * dx[1])
+        c = -dx[0] / (dx[1] * (dx[0] + dx[1]))
+        front = a * first + b * second + c * third
+        a = dx[-1] / (dx[-2] * (dx[-1] + dx[-2]))
+        b = -(dx[-1] + dx[-2]) / (dx[-1] * dx[-2])
+        c = (2 * dx[-1] + dx[-2]) / (dx[-1] * (dx[-1] + dx[-2]))
+        back = a * last3 + b * last2 + c * last
+    return torch.cat([front, center, back], d)
+
+
+@decomposition(torch.gradient, view=False)
+def gradient(input, *, spacing=1, dim=None, edge_order=1):
+    """ATen's composite, one dimension at a time: ``spacing`` a number, one per dimension, or
+    coordinates (1-D tensors)."""
+    if edge_order not in (1, 2):
+        raise RuntimeError("torch.gradient only supports edge_order=1 and edge_order=2.")
+    dims = (list(range(input.dim())) if dim is None
+            else [dim] if isinstance(dim, int) else list(dim))
+    dims = [d % input.dim() for d in dims]
+    if spacing is None:
+        spacing = 1
+    if not isinstance(spacing, (list, tuple)):
+        spacing = [spacing] * len(dims)
+    if len(spacing) != len(dims):
+        raise RuntimeError(f"torch.gradient expected spacing to be unspecified, a scalar or a "
+                           f"list of length {len(dims)} but got a list of length {len(spacing)}")
+    spacing = [h.item() if isinstance(h, torch.Tensor) and h.dim() == 0 else h for h in spacing]
+    return tuple(_gradient_along(input, d, h, edge_order) for d, h in zip(dims, spacing))
