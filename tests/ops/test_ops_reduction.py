@@ -51,6 +51,8 @@ REFERENCE = {
     "corrcoef": {},
     "combinations": {},
     "gradient": {},
+    "quantile": {},
+    "nanquantile": {},
 }
 
 unsupported = None

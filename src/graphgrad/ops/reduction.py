@@ -729,3 +729,66 @@ def gradient(input, *, spacing=1, dim=None, edge_order=1):
                            f"list of length {len(dims)} but got a list of length {len(spacing)}")
     spacing = [h.item() if isinstance(h, torch.Tensor) and h.dim() == 0 else h for h in spacing]
     return tuple(_gradient_along(input, d, h, edge_order) for d, h in zip(dims, spacing))
+
+
+def _quantile(input, q, dim, keepdim, interpolation, ignore_nan: bool):
+    """ATen's quantile_compute: sort, turn ``q`` into ranks, gather the values at the ranks
+    below and above and interpolate (``lerp``); the gradient flows through sort's rule."""
+    if interpolation not in ("linear", "lower", "higher", "midpoint", "nearest"):
+        raise RuntimeError("quantile() interpolation must be one of linear, lower, higher, "
+                           f"midpoint or nearest. Got {interpolation}")
+    scalar_q = not isinstance(q, torch.Tensor) or q.dim() == 0
+    q = torch.as_tensor(q, dtype=input.dtype, device=input.device).reshape(-1)
+    if q.dim() > 1:
+        raise RuntimeError("quantile() q must be a scalar or 1D tensor")
+    if bool(((q < 0) | (q > 1)).any()):
+        raise RuntimeError("quantile() q values must be in the range [0, 1]")
+    if input.numel() == 0:
+        raise RuntimeError("quantile() input tensor must be non-empty")
+    if dim is None:
+        sorted_ = input.flatten().sort().values
+        out_shape = [1] * input.dim() if keepdim else []
+    else:
+        d = dim % max(input.dim(), 1)
+        x = input if input.dim() else input.reshape(1)
+        x = x if d == x.dim() - 1 else x.unsqueeze(-1).transpose(d, -1)
+        sorted_ = x.sort().values
+        out_shape = list(input.shape)
+        if input.dim():
+            if keepdim:
+                out_shape[d] = 1
+            else:
+                del out_shape[d]
+    nan = sorted_.isnan()
+    if ignore_nan:
+        ranks = q * (nan.logical_not().sum(-1, keepdim=True) - 1)
+        ranks = ranks.masked_fill(ranks < 0, 0)
+    else:
+        last = sorted_.shape[-1] - 1
+        ranks, any_nan = torch.broadcast_tensors(q * last, nan.any(-1, keepdim=True))
+        ranks = ranks.masked_fill(any_nan, last)
+    if interpolation == "lower":
+        ranks = ranks.floor()
+    elif interpolation == "higher":
+        ranks = ranks.ceil()
+    elif interpolation == "nearest":
+        ranks = ranks.round()
+    below = ranks.long()
+    values = sorted_.gather(-1, below)
+    if interpolation in ("linear", "midpoint"):
+        weights = torch.full_like(ranks, 0.5) if interpolation == "midpoint" else ranks - below
+        values = values.lerp(sorted_.gather(-1, ranks.ceil().long()), weights)
+    values = values.movedim(-1, 0)
+    return values.reshape(out_shape) if scalar_q else values.reshape([q.shape[0]] + out_shape)
+
+
+@decomposition(torch.quantile, T.quantile, view=False)
+def quantile(input, q, dim=None, keepdim=False, *, interpolation="linear"):
+    """A NaN in a slice makes its quantiles NaN."""
+    return _quantile(input, q, dim, keepdim, interpolation, False)
+
+
+@decomposition(torch.nanquantile, T.nanquantile, view=False)
+def nanquantile(input, q, dim=None, keepdim=False, *, interpolation="linear"):
+    """NaNs ignored: the ranks count the other values."""
+    return _quantile(input, q, dim, keepdim, interpolation, True)
