@@ -73,6 +73,7 @@ REFERENCE = {
     "linalg.vander": {},
     "linalg.tensorinv": {},
     "linalg.tensorsolve": {},
+    "linalg.cond": {},
 }
 
 unsupported = None

@@ -1000,3 +1000,15 @@ def tensorsolve(A, B, dims=None, *, out=None):
     result_shape = list(A.shape[B.dim():])
     A2 = A.reshape(B.numel(), math.prod(result_shape))
     return torch.linalg.solve(A2, B.reshape(-1)).reshape(result_shape)
+
+
+@decomposition(torch.linalg.cond, view=False)
+def cond(A, p=None, *, out=None):
+    """torch's composite: the ratio of extreme singular values for ``p`` in (None, 2, -2),
+    else ``norm(A) * norm(inv(A))``."""
+    if out is not None:
+        raise RuntimeError("linalg.cond(out=...) is not differentiable")
+    if p is None or p in (2, -2):
+        s = torch.linalg.svdvals(A)
+        return s[..., -1] / s[..., 0] if p == -2 else s[..., 0] / s[..., -1]
+    return torch.linalg.matrix_norm(A, p) * torch.linalg.matrix_norm(torch.linalg.inv(A), p)
