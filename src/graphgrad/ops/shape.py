@@ -476,3 +476,37 @@ def expand_copy(input, size, *, implicit=False):
 @decomposition(torch.alias_copy, view=False)
 def alias_copy(input):
     return input.clone()
+
+
+def _storage_positions(size, stride, offset: int, device):
+    """The storage index of every element of the geometry ``(size, stride, offset)``."""
+    pos = torch.full((), offset, dtype=torch.long, device=device)
+    for k, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[k] = n
+        pos = pos + (torch.arange(n, device=device) * s).reshape(shape)
+    return pos.expand(tuple(size))
+
+
+@derivative(torch.as_strided, T.as_strided, view=True)
+def as_strided(grad, input, size, stride, storage_offset=None):
+    """torch's as_strided_backward over the input's storage: the gradient is summed onto
+    the storage places the output reads (overlaps add up), then read back at the input's
+    own places, each divided by how many input elements share it."""
+    offset = input.storage_offset() if storage_offset is None else storage_offset
+    out_pos = _storage_positions(tuple(size), tuple(stride), offset, grad.device).reshape(-1)
+    in_pos = _storage_positions(tuple(input.shape), input.stride(), input.storage_offset(),
+                                grad.device).reshape(-1)
+    length = int(max(out_pos.max() if out_pos.numel() else 0,
+                     in_pos.max() if in_pos.numel() else 0)) + 1
+    storage = grad.new_zeros(length).index_add(0, out_pos, grad.reshape(-1))
+    shared = torch.zeros(length, dtype=grad.dtype, device=grad.device).index_add(
+        0, in_pos, torch.ones(in_pos.shape, dtype=grad.dtype, device=grad.device))
+    if bool((shared > 1).any()):
+        storage = storage / shared.clamp(min=1)
+    return storage.take(in_pos).reshape(input.shape)
+
+
+@decomposition(torch.as_strided_copy, view=False)
+def as_strided_copy(input, size, stride, storage_offset=None):
+    return input.as_strided(size, stride, storage_offset).clone()
