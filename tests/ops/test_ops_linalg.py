@@ -74,6 +74,9 @@ REFERENCE = {
     "linalg.tensorinv": {},
     "linalg.tensorsolve": {},
     "linalg.cond": {},
+    "lu_unpack": {},
+    "lu_solve": {},
+    "linalg.lu_solve": {},
 }
 
 unsupported = None

@@ -1012,3 +1012,54 @@ def cond(A, p=None, *, out=None):
         s = torch.linalg.svdvals(A)
         return s[..., -1] / s[..., 0] if p == -2 else s[..., 0] / s[..., -1]
     return torch.linalg.matrix_norm(A, p) * torch.linalg.matrix_norm(torch.linalg.inv(A), p)
+
+
+# -- LU: unpacking and solving with given factors (the factorization itself has no rule) --------
+@decomposition(torch.lu_unpack, view=False)
+def lu_unpack(LU_data, LU_pivots, unpack_data=True, unpack_pivots=True, *, out=None):
+    """``L``'s strict lower triangle and ``U``'s upper one are read from ``LU_data`` (a unit
+    diagonal added to L); the permutation carries no gradient."""
+    if out is not None:
+        raise RuntimeError("lu_unpack(out=...) is not differentiable")
+    P = torch.lu_unpack(LU_data.detach(), LU_pivots, unpack_data=False,
+                        unpack_pivots=unpack_pivots).P
+    if not unpack_data:
+        empty = LU_data.new_empty(0)
+        return torch.return_types.lu_unpack((P, empty, empty))
+    m, n = LU_data.shape[-2], LU_data.shape[-1]
+    k = min(m, n)
+    eye = torch.eye(m, k, dtype=LU_data.dtype, device=LU_data.device)
+    L = LU_data.narrow(-1, 0, k).tril(-1) + eye
+    U = LU_data.narrow(-2, 0, k).triu()
+    return torch.return_types.lu_unpack((P, L, U))
+
+
+def _lu_solve(LU, pivots, B, left, adjoint):
+    """``A = P L U``: two triangular solves and the permutation, on the side asked for."""
+    P, L, U = lu_unpack(LU, pivots)
+    tri = torch.linalg.solve_triangular
+    if left and not adjoint:    # X = U^-1 L^-1 P^T B
+        return tri(U, tri(L, P.mT @ B, upper=False, unitriangular=True), upper=True)
+    if left:                    # X = P L^-H U^-H B
+        return P @ tri(L.mH, tri(U.mH, B, upper=False), upper=True, unitriangular=True)
+    if not adjoint:             # X = B U^-1 L^-1 P^T
+        return tri(L, tri(U, B, upper=True, left=False), upper=False, left=False,
+                   unitriangular=True) @ P.mT
+    # X = B P L^-H U^-H
+    return tri(U.mH, tri(L.mH, B @ P, upper=True, left=False, unitriangular=True),
+               upper=False, left=False)
+
+
+@decomposition(torch.linalg.lu_solve, view=False)
+def linalg_lu_solve(LU, pivots, B, *, left=True, adjoint=False, out=None):
+    if out is not None:
+        raise RuntimeError("linalg.lu_solve(out=...) is not differentiable")
+    return _lu_solve(LU, pivots, B, left, adjoint)
+
+
+@decomposition(torch.lu_solve, T.lu_solve, view=False)
+def lu_solve(input, LU_data, LU_pivots, *, out=None):
+    """The deprecated spelling: ``A X = input``."""
+    if out is not None:
+        raise RuntimeError("lu_solve(out=...) is not differentiable")
+    return _lu_solve(LU_data, LU_pivots, input, True, False)
