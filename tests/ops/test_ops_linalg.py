@@ -77,6 +77,10 @@ REFERENCE = {
     "lu_unpack": {},
     "lu_solve": {},
     "linalg.lu_solve": {},
+    "linalg.lu": {},
+    "linalg.lu_factor": {},
+    "linalg.lu_factor_ex": {},
+    "lu": {},
 }
 
 unsupported = None

@@ -1063,3 +1063,87 @@ def lu_solve(input, LU_data, LU_pivots, *, out=None):
     if out is not None:
         raise RuntimeError("lu_solve(out=...) is not differentiable")
     return _lu_solve(LU_data, LU_pivots, input, True, False)
+
+
+def _lu_backward(gL, gU, P, L, U, pivot):
+    """torch's linalg_lu_backward for ``A = P L U``: the factors' gradients pulled back
+    through two triangular solves; a wide (tall) A carries U's (L's) extra block through."""
+    tri = torch.linalg.solve_triangular
+    m, n = L.shape[-2], U.shape[-1]
+    k = min(m, n)
+    if m == n:
+        gA = None
+        if gL is not None:
+            gA = (L.mH @ gL).tril(-1)
+        if gU is not None:
+            upper = (gU @ U.mH).triu()
+            gA = upper if gA is None else gA + upper
+        gA = tri(U.mH, gA, upper=False, left=False)
+        gA = tri(L.mH, gA, upper=True, unitriangular=True)
+    elif m < n:
+        U1 = U.narrow(-1, 0, k)
+        gA = None if gL is None else L.mH @ gL
+        if gU is not None:
+            term = -(gU.triu() @ U.mH)
+            gA = term if gA is None else gA + term
+        gA = tri(U1.mH, gA.tril(-1), upper=False, left=False)
+        if gU is not None:
+            gA = torch.cat([gA + gU.narrow(-1, 0, k).triu(), gU.narrow(-1, k, n - k)], -1)
+        gA = tri(L.mH, gA, upper=True, unitriangular=True)
+        if gU is None:
+            gA = torch.cat([gA, torch.zeros_like(U.narrow(-1, k, n - k))], -1)
+    else:
+        L1 = L.narrow(-2, 0, k)
+        gA = None if gU is None else gU @ U.mH
+        if gL is not None:
+            term = -(L.mH @ gL.tril(-1))
+            gA = term if gA is None else gA + term
+        gA = tri(L1.mH, gA.triu(), upper=True, unitriangular=True)
+        if gL is not None:
+            gA = torch.cat([gA + gL.narrow(-2, 0, k).tril(-1), gL.narrow(-2, k, m - k)], -2)
+        gA = tri(U.mH, gA, upper=False, left=False)
+        if gL is None:
+            gA = torch.cat([gA, torch.zeros_like(L.narrow(-2, k, m - k))], -2)
+    return P @ gA if pivot else gA
+
+
+@derivative(torch.linalg.lu, multi_output=True, view=False)
+def linalg_lu(grads, A: Meta, *, pivot=True, out=None, result):
+    """``(P, L, U)``: the permutation carries no gradient."""
+    P, L, U = result
+    if grads[1] is None and grads[2] is None:
+        return None
+    return _lu_backward(grads[1], grads[2], P, L, U, pivot)
+
+
+def _lu_factor_grad(grad, LU, pivots, pivot):
+    """torch's lu_factor_ex_backward: the packed gradient split into L's strict lower and
+    U's upper part."""
+    P, L, U = torch.lu_unpack(LU, pivots, unpack_pivots=pivot)
+    k = min(LU.shape[-2], LU.shape[-1])
+    return _lu_backward(grad.narrow(-1, 0, k).tril(-1), grad.narrow(-2, 0, k).triu(),
+                        P, L, U, pivot)
+
+
+@derivative(torch.linalg.lu_factor, multi_output=True, differentiable_outputs=1, view=False)
+def lu_factor(grads, A: Meta, *, pivot=True, out=None, result):
+    """``(LU, pivots)``."""
+    if grads[0] is None:
+        return None
+    return _lu_factor_grad(grads[0], result[0], result[1], pivot)
+
+
+@derivative(torch.linalg.lu_factor_ex, multi_output=True, differentiable_outputs=1, view=False)
+def lu_factor_ex(grads, A: Meta, *, pivot=True, check_errors=False, out=None, result):
+    """``(LU, pivots, info)``."""
+    if grads[0] is None:
+        return None
+    return _lu_factor_grad(grads[0], result[0], result[1], pivot)
+
+
+@derivative(torch.lu, T.lu, multi_output=True, differentiable_outputs=1, view=False)
+def lu(grads, A: Meta, pivot=True, get_infos=False, out=None, *, result):
+    """The deprecated spelling of lu_factor(_ex)."""
+    if grads[0] is None:
+        return None
+    return _lu_factor_grad(grads[0], result[0], result[1], pivot)
