@@ -81,6 +81,8 @@ REFERENCE = {
     "linalg.lu_factor": {},
     "linalg.lu_factor_ex": {},
     "lu": {},
+    "linalg.householder_product": {},
+    "ormqr": {},
 }
 
 unsupported = None

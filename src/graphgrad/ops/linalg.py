@@ -1147,3 +1147,46 @@ def lu(grads, A: Meta, pivot=True, get_infos=False, out=None, *, result):
     if grads[0] is None:
         return None
     return _lu_factor_grad(grads[0], result[0], result[1], pivot)
+
+
+# -- Householder products: the reflectors multiplied out with recorded ops ----------------------
+def _householder_q(A, tau):
+    """``H_1 ... H_k`` (m x m), ``H_i = I - tau_i v_i v_i^H`` with ``v_i`` the unit-headed
+    column i of ``A`` below the diagonal (LAPACK's convention)."""
+    m = A.shape[-2]
+    batch = A.shape[:-2]
+    Q = torch.eye(m, dtype=A.dtype, device=A.device).expand(*batch, m, m)
+    if tau.shape[-1] == 0:  # no reflectors: I, recorded from A (zero gradient) as torch's is
+        none = A.narrow(-1, 0, 0)
+        return Q + none @ none.mH
+    for i in range(tau.shape[-1]):
+        v = torch.cat([torch.zeros(*batch, i, 1, dtype=A.dtype, device=A.device),
+                       torch.ones(*batch, 1, 1, dtype=A.dtype, device=A.device),
+                       A.narrow(-1, i, 1).narrow(-2, i + 1, m - i - 1)], -2)
+        Q = Q - (Q @ v) @ (tau[..., i, None, None] * v.mH)
+    return Q
+
+
+@decomposition(torch.linalg.householder_product, torch.orgqr, T.orgqr, view=False)
+def householder_product(A, tau, *, out=None):
+    """The first n columns of the reflectors' product."""
+    if out is not None:
+        raise RuntimeError("linalg.householder_product(out=...) is not differentiable")
+    if A.shape[-2] < A.shape[-1]:
+        raise RuntimeError("torch.linalg.householder_product: input.shape[-2] must be greater "
+                           "than or equal to input.shape[-1]")
+    if tau.shape[-1] > A.shape[-1]:
+        raise RuntimeError("torch.linalg.householder_product: input.shape[-1] must be greater "
+                           "than or equal to tau.shape[-1]")
+    return _householder_q(A, tau).narrow(-1, 0, A.shape[-1])
+
+
+@decomposition(torch.ormqr, T.ormqr, view=False)
+def ormqr(input, tau, other, left=True, transpose=False, *, out=None):
+    """``Q other`` (or ``other Q``, ``Q^H`` with ``transpose``), Q the full reflector product."""
+    if out is not None:
+        raise RuntimeError("ormqr(out=...) is not differentiable")
+    Q = _householder_q(input, tau)
+    if transpose:
+        Q = Q.mH
+    return Q @ other if left else other @ Q
