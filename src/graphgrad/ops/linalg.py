@@ -1190,3 +1190,36 @@ def ormqr(input, tau, other, left=True, transpose=False, *, out=None):
     if transpose:
         Q = Q.mH
     return Q @ other if left else other @ Q
+
+
+# -- general eigendecomposition (complex results): torch's linalg_eig_backward --------------------
+def _eig_backward(gL, gV, L, V, real_input: bool):
+    """``A V = V diag(L)``, V with unit columns: the gradient pulled back through ``V^-H``.
+    A real input gets the real part (torch's handle_r_to_c)."""
+    Vh = V.mH
+    if gV is None:
+        gA = torch.linalg.solve(Vh, gL.unsqueeze(-1) * Vh)
+    else:
+        VhgV = Vh @ gV
+        VhgV = VhgV - Vh @ (V * VhgV.diagonal(0, -2, -1).real.unsqueeze(-2))
+        Lc = L.conj()
+        eye = torch.eye(L.shape[-1], dtype=torch.bool, device=L.device)
+        gA = VhgV / (Lc.unsqueeze(-2) - Lc.unsqueeze(-1) + eye)
+        gA = torch.where(eye, torch.diag_embed(gL) if gL is not None else 0, gA)
+        gA = torch.linalg.solve(Vh, gA @ Vh)
+    return gA.real if real_input else gA
+
+
+@derivative(torch.linalg.eig, multi_output=True, view=False)
+def eig(grads, A: Meta, *, out=None, result):
+    """``(L, V)``."""
+    if grads[0] is None and grads[1] is None:
+        return None
+    return _eig_backward(grads[0], grads[1], result[0], result[1], not A.dtype.is_complex)
+
+
+@derivative(torch.linalg.eigvals, view=False)
+def eigvals(grad, A, *, out=None):
+    """The eigenvectors are recomputed (recorded, so the gradient is differentiable again)."""
+    L, V = torch.linalg.eig(A)
+    return _eig_backward(grad, None, L, V, not A.is_complex())
