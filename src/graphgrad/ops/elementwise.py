@@ -636,7 +636,7 @@ def nextafter(grad, input: Meta, other: Meta, *, needs_input_grad):
     return grad, torch.zeros_like(grad) if needs_input_grad[1] else None
 
 
-@derivative(torch.frexp, T.frexp, multi_output=True, differentiable_outputs=1, view=False)
+@derivative(torch.frexp, T.frexp, multi_output=True, differentiable_outputs=1, elementwise=True)
 def frexp(grads, input: Meta, *, result):
     """``input = mantissa * 2**exponent``: the mantissa's gradient is ``grad / 2**exponent``;
     the integer exponent has none."""
