@@ -31,6 +31,7 @@ REFERENCE = {
     "sign": {}, "sgn": {}, "floor": {}, "ceil": {}, "round": {}, "trunc": {}, "frac": {},
     "__radd__": {}, "__rsub__": {}, "__rmul__": {}, "__rdiv__": {}, "__rpow__": {},
     "clone": {}, "contiguous": {}, "to": {}, "double": {}, "float": {},
+    "copysign": {}, "nextafter": {}, "frexp": {},
 }
 
 unsupported = None

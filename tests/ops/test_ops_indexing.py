@@ -31,6 +31,11 @@ REFERENCE = {
     "topk": {},
     "msort": {},
     "repeat_interleave": {},
+    "fill": {},
+    "put": {},
+    "zero_": {},
+    "scatter_reduce": {},
+    "index_reduce": {},
 }
 
 unsupported = None

@@ -64,6 +64,29 @@ REFERENCE = {
     "cdist": {"second_order": False,
               "why": "torch has no second derivative of cdist off the matrix-product path; "
                      "hand-written cases check graphgrad's against the norm of differences"},
+    "cross": {},
+    "linalg.cross": {},
+    "kron": {},
+    "tensordot": {},
+    "linalg.multi_dot": {},
+    "linalg.diagonal": {},
+    "linalg.vander": {},
+    "linalg.tensorinv": {},
+    "linalg.tensorsolve": {},
+    "linalg.cond": {},
+    "lu_unpack": {},
+    "lu_solve": {},
+    "linalg.lu_solve": {},
+    "linalg.lu": {},
+    "linalg.lu_factor": {},
+    "linalg.lu_factor_ex": {},
+    "lu": {},
+    "linalg.householder_product": {},
+    "ormqr": {},
+    # first order only: their backward solves a complex system, and linalg.solve's complex
+    # derivative is not implemented (a second derivative raises NotImplementedError)
+    "linalg.eig": {"second_order": False},
+    "linalg.eigvals": {"second_order": False},
 }
 
 unsupported = None

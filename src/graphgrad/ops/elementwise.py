@@ -618,3 +618,28 @@ def round(grad, input: Meta, *, decimals=0):
 def frac(grad, input: Meta):
     """``x - trunc(x)``: gradient 1."""
     return grad
+
+
+@derivative(torch.copysign, T.copysign, elementwise=True)
+def copysign(grad, input, other, *, result, needs_input_grad):
+    """torch's copysign_tensor_self_backward: ``result / input`` is the sign flip (0 where the
+    input is 0); the sign taken from ``other`` has zero gradient."""
+    flip = (result / input).masked_fill(input == 0, 0)
+    grad_other = (torch.zeros_like(grad) if isinstance(other, torch.Tensor)
+                  and needs_input_grad[1] else None)
+    return grad * flip, grad_other
+
+
+@derivative(torch.nextafter, T.nextafter, elementwise=True)
+def nextafter(grad, input: Meta, other: Meta, *, needs_input_grad):
+    """One ulp away: gradient 1 for ``input`` and 0 for ``other``, as torch."""
+    return grad, torch.zeros_like(grad) if needs_input_grad[1] else None
+
+
+@derivative(torch.frexp, T.frexp, multi_output=True, differentiable_outputs=1, elementwise=True)
+def frexp(grads, input: Meta, *, result):
+    """``input = mantissa * 2**exponent``: the mantissa's gradient is ``grad / 2**exponent``;
+    the integer exponent has none."""
+    if grads[0] is None:
+        return None
+    return grads[0] / torch.pow(2.0, result[1].to(grads[0].dtype))

@@ -118,10 +118,17 @@ def copy_(grad, input: Meta, src: Meta, non_blocking=False, *, needs_input_grad)
     return torch.zeros_like(grad) if needs_input_grad[0] else None, grad
 
 
-@derivative(T.fill_, T.zero_, view=True)
+@derivative(T.fill_, T.zero_, torch.fill_, torch.zero_, view=True)
 def fill_(grad, input: Meta, value=None, *, needs_input_grad):
     """``fill_`` / ``zero_``: a zero gradient for the old values (as torch), the sum for a
     tensor ``value``."""
+    return (torch.zeros_like(grad) if needs_input_grad[0] else None,
+            grad.sum() if needs_input_grad[1] else None)
+
+
+@derivative(torch.fill, view=False)
+def fill(grad, input: Meta, value, *, needs_input_grad):
+    """Out-of-place ``fill``: as ``fill_``, on a new tensor."""
     return (torch.zeros_like(grad) if needs_input_grad[0] else None,
             grad.sum() if needs_input_grad[1] else None)
 
@@ -276,3 +283,83 @@ def repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
         repeats = repeats.reshape(1).expand(positions.shape)
     index = torch.repeat_interleave(positions, repeats, output_size=output_size)
     return input.index_select(dim, index)
+
+
+# -- scatter_reduce / index_reduce: torch's scatter_reduce_backward / index_reduce_backward -----
+def _reduce_grads(grad, input, source, reduce, include_self, result, pick, add, again,
+                  needs_input_grad):
+    """Both ops differ only in how they address places: ``pick`` (gather / index_select)
+    reads each source element's place, ``add`` (scatter_add / index_add) sums onto places,
+    ``again`` reruns the op with other operands."""
+    if reduce == "sum":
+        grad_input, grad_source = grad, pick(grad)
+    elif reduce == "mean":
+        count = add(torch.ones_like(grad) if include_self else torch.zeros_like(grad),
+                    torch.ones_like(source))
+        count = count.masked_fill(count == 0, 1)
+        grad_input, grad_source = grad / count, pick(grad) / pick(count)
+    elif reduce in ("amax", "amin"):
+        input_is = (input == result).to(input.dtype)
+        source_is = (source == pick(result)).to(input.dtype)
+        shared = grad / add(input_is, source_is)  # ties share the gradient evenly
+        grad_input, grad_source = input_is * shared, source_is * pick(shared)
+    elif reduce == "prod":
+        # zeros handled explicitly: the product of the others, never 0 / 0
+        masked = input.masked_fill(input == 0, 1)
+        grad_input = grad * again(masked, source) / masked
+        zero = source == 0
+        zeros_at = pick(add(torch.zeros_like(input), zero.to(input.dtype)))
+        if torch.is_grad_enabled() and bool((zeros_at > 1).any()):
+            raise NotImplementedError(
+                f"{reduce}: double backward is unsupported for a source with more than one "
+                "zero reduced into the same place (as torch)")
+        single = zero & (zeros_at == 1)
+        grad_source = torch.where(single, pick(grad * again(input, source.masked_fill(single, 1))),
+                                  pick(grad * result) / source.masked_fill(zero, 1))
+    else:
+        raise RuntimeError(f"reduce argument must be either sum, prod, mean, amax or amin, "
+                           f"got {reduce}")
+    return (grad_input if needs_input_grad[0] else None,
+            grad_source if needs_input_grad[3] else None)
+
+
+@derivative(torch.scatter_reduce, T.scatter_reduce, view=False)
+def scatter_reduce(grad, input, dim, index, src, reduce, *, include_self=True, result,
+                   needs_input_grad):
+    """Places the source does not reach keep ``grad``; without ``include_self`` the places
+    it reaches give the input nothing."""
+    grad_input, grad_src = _reduce_grads(
+        grad, input, src, reduce, include_self, result,
+        lambda t: t.gather(dim, index), lambda t, s: t.scatter_add(dim, index, s),
+        lambda t, s: t.scatter_reduce(dim, index, s, reduce, include_self=include_self),
+        needs_input_grad)
+    if grad_input is not None and not include_self:
+        grad_input = grad_input.masked_fill(
+            torch.zeros_like(grad_input, dtype=torch.bool).scatter(dim, index, True), 0)
+    return grad_input, None, None, grad_src
+
+
+@derivative(torch.index_reduce, T.index_reduce, view=False)
+def index_reduce(grad, input, dim, index, source, reduce, *, include_self=True, result,
+                 needs_input_grad):
+    """As scatter_reduce, addressing whole slices along ``dim``."""
+    grad_input, grad_source = _reduce_grads(
+        grad, input, source, reduce, include_self, result,
+        lambda t: t.index_select(dim, index), lambda t, s: t.index_add(dim, index, s),
+        lambda t, s: t.index_reduce(dim, index, s, reduce, include_self=include_self),
+        needs_input_grad)
+    if grad_input is not None and not include_self:
+        grad_input = grad_input.index_fill(dim, index, 0)
+    return grad_input, None, None, grad_source
+
+
+@derivative(torch.put, T.put, view=False)
+def put(grad, input: Meta, index, source: Meta, accumulate=False, *, needs_input_grad):
+    """torch's formula: the places written lose the input's gradient unless ``accumulate``;
+    the source gets the gradient at its places (flattened indices)."""
+    grad_input = None
+    if needs_input_grad[0]:
+        grad_input = grad if accumulate else grad.put(
+            index, torch.zeros(source.shape, dtype=grad.dtype, device=grad.device))
+    grad_source = grad.take(index).reshape(source.shape) if needs_input_grad[2] else None
+    return grad_input, None, grad_source

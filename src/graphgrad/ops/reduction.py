@@ -530,3 +530,265 @@ def kthvalue(grads, input: Meta, k, dim=-1, keepdim=False, *, result):
     if grads[0] is None:
         return None
     return _selected_grad(grads[0], input, dim, keepdim, result[1])
+
+
+# -- composites over the reductions above: differences, integrals, statistics -----------------
+def _slice(t, dim: int, start: int, stop: int | None = None):
+    """``t[..., start:stop, ...]`` on ``dim`` (negative ends counted from the end) by narrow."""
+    n = t.shape[dim]
+    start = start + n if start < 0 else start
+    stop = n if stop is None else (stop + n if stop < 0 else stop)
+    return t.narrow(dim, start, max(stop - start, 0))
+
+
+@decomposition(torch.diff, T.diff, view=False)
+def diff(input, n=1, dim=-1, prepend=None, append=None):
+    """Differences of neighbours, ``n`` times, after ``prepend``/``append`` are concatenated
+    (``n=0``: the input itself, as torch)."""
+    if input.dim() == 0:
+        raise RuntimeError("diff expects input to be at least one-dimensional")
+    if n == 0:
+        return input
+    parts = [input]
+    for pos, extra in ((0, prepend), (None, append)):
+        if extra is not None:
+            if not isinstance(extra, torch.Tensor) or extra.dim() == 0:
+                shape = list(input.shape)
+                shape[dim] = 1
+                extra = torch.as_tensor(extra, dtype=input.dtype, device=input.device).expand(shape)
+            parts.insert(0 if pos == 0 else len(parts), extra)
+    x = torch.cat(parts, dim) if len(parts) > 1 else input
+    for _ in range(n):
+        if x.shape[dim] == 0:
+            break
+        x = (_slice(x, dim, 1).logical_xor(_slice(x, dim, 0, -1)) if x.dtype == torch.bool
+             else _slice(x, dim, 1) - _slice(x, dim, 0, -1))
+    return x
+
+
+def _trapezoid_dx(y, x, dim):
+    """The spacing along ``dim``: ``x``'s differences, a 1-D ``x`` laid along ``dim``."""
+    if x.dim() == 1:
+        shape = [1] * y.dim()
+        shape[dim] = -1
+        x = x.reshape(shape)
+    return _slice(x, dim, 1) - _slice(x, dim, 0, -1)
+
+
+def _trapezoid(y, x, dx, dim, cumulative: bool):
+    if y.shape[dim] == 0:
+        out = y.sum(dim) if not cumulative else y
+        return out * 0
+    pairs = _slice(y, dim, 1) + _slice(y, dim, 0, -1)
+    if x is not None:
+        pairs = pairs * _trapezoid_dx(y, x, dim)
+    total = pairs.cumsum(dim) if cumulative else pairs.sum(dim)
+    return total * (0.5 if x is not None else 0.5 * (1 if dx is None else dx))
+
+
+@decomposition(torch.trapezoid, view=False)
+def trapezoid(y, x=None, *, dx=None, dim=-1):
+    """The trapezoid rule: neighbours' means times the spacing, summed."""
+    return _trapezoid(y, x, dx, dim, False)
+
+
+@decomposition(torch.trapz, view=False)
+def trapz(y, x=None, *, dx=None, dim=-1):
+    return _trapezoid(y, x, dx, dim, False)
+
+
+@decomposition(torch.cumulative_trapezoid, view=False)
+def cumulative_trapezoid(y, x=None, *, dx=None, dim=-1):
+    """As trapezoid, with running sums."""
+    return _trapezoid(y, x, dx, dim, True)
+
+
+@decomposition(torch.nanmean, T.nanmean, view=False)
+def nanmean(input, dim=None, keepdim=False, *, dtype=None):
+    """torch's composite: the sum of the non-NaN values over their count."""
+    nan = input.isnan()
+    total = input.masked_fill(nan, 0).sum(dim, keepdim, dtype=dtype)
+    return total / nan.logical_not().sum(dim, keepdim)
+
+
+@decomposition(torch.cov, T.cov, view=False)
+def cov(input, *, correction=1, fweights=None, aweights=None):
+    """torch's composite (ATen's ``cov``): weighted mean removed, then ``x @ (w x)^H`` over
+    the normalization (clamped at 0)."""
+    if input.dim() > 2:
+        raise RuntimeError(f"cov(): expected input to have two or fewer dimensions but got an "
+                           f"input with {input.dim()} dimensions")
+    x = input.reshape(1, -1) if input.dim() < 2 else input
+    observations = x.shape[1]
+    w = fweights
+    if aweights is not None:
+        w = aweights if w is None else w * aweights
+    if w is not None:
+        w_sum = w.sum()
+        avg = (x * w).sum(1) / w_sum
+    else:
+        avg = x.mean(1)
+    if w is not None and correction != 0:
+        norm = (w_sum - correction * (w * aweights).sum() / w_sum if aweights is not None
+                else w_sum - correction)
+    elif w is not None:
+        norm = w_sum
+    else:
+        norm = torch.tensor(observations - correction, dtype=avg.dtype, device=avg.device)
+    if bool(norm <= 0):
+        norm = torch.zeros_like(norm)
+    x = x - avg.unsqueeze(1)
+    xw = x if w is None else x * w
+    return x.mm(xw.t().conj()).div(norm).squeeze()
+
+
+@decomposition(torch.corrcoef, T.corrcoef, view=False)
+def corrcoef(input):
+    """torch's composite: the covariance over the outer product of the deviations, clipped to
+    [-1, 1] (real inputs)."""
+    c = cov(input)
+    if c.dim() == 0:
+        return c / c
+    std = c.diagonal()
+    std = (std.real if std.is_complex() else std).sqrt()
+    c = c / std.reshape(-1, 1) / std.reshape(1, -1)
+    return c if c.is_complex() else c.clip(-1, 1)
+
+
+@decomposition(torch.combinations, view=False)
+def combinations(input, r=2, with_replacement=False):
+    """The index tuples (itertools' order, as torch's) picked out with ``take``."""
+    import itertools
+
+    if input.dim() != 1:
+        raise RuntimeError(f"Expect a 1D vector, but got shape {list(input.shape)}")
+    if r < 0:
+        raise RuntimeError(f"Expect a non-negative number, but got {r}")
+    if r == 0:
+        return input.new_empty(0)
+    pick = itertools.combinations_with_replacement if with_replacement else itertools.combinations
+    index = torch.tensor(list(pick(range(input.shape[0]), r)), dtype=torch.long,
+                         device=input.device).reshape(-1, r)
+    return input.take(index)
+
+
+def _gradient_along(y, d: int, h, edge_order: int):
+    """ATen's gradient along one dimension: central differences inside, one-sided ones of
+    ``edge_order`` at the ends; ``h`` a number (uniform spacing) or 1-D coordinates."""
+    n = y.shape[d]
+    if n < edge_order + 1:
+        raise RuntimeError("torch.gradient expected each dimension size to be at least "
+                           "edge_order+1")
+    first, second, third = _slice(y, d, 0, 1), _slice(y, d, 1, 2), _slice(y, d, 2, 3)
+    last, last2, last3 = _slice(y, d, -1), _slice(y, d, -2, -1), _slice(y, d, -3, -2)
+    if not isinstance(h, torch.Tensor):
+        center = (_slice(y, d, 2) - _slice(y, d, 0, -2)) / h / 2
+        if edge_order == 1:
+            front, back = (second - first) / h, (last - last2) / h
+        else:
+            front = (-1.5 * first + 2 * second - 0.5 * third) / h
+            back = (0.5 * last3 - 2 * last2 + 1.5 * last) / h
+        return torch.cat([front, center, back], d)
+    shape = [1] * y.dim()
+    shape[d] = -1
+    dx = h[1:] - h[:-1]
+    dx1, dx2 = dx[:-1], dx[1:]
+    a = (-dx2 / (dx1 * (dx1 + dx2))).reshape(shape)
+    b = ((dx2 - dx1) / (dx1 * dx2)).reshape(shape)
+    c = (dx1 / (dx2 * (dx1 + dx2))).reshape(shape)
+    center = a * _slice(y, d, 0, -2) + b * _slice(y, d, 1, -1) + c * _slice(y, d, 2)
+    if edge_order == 1:
+        front, back = (second - first) / dx[0], (last - last2) / dx[-1]
+    else:
+        a = -(2.0 * dx[0] + dx[1]) / (dx[0] * (dx[0] + dx[1]))
+        b = (dx[0] + dx[1]) / (dx[0] * dx[1])
+        c = -dx[0] / (dx[1] * (dx[0] + dx[1]))
+        front = a * first + b * second + c * third
+        a = dx[-1] / (dx[-2] * (dx[-1] + dx[-2]))
+        b = -(dx[-1] + dx[-2]) / (dx[-1] * dx[-2])
+        c = (2 * dx[-1] + dx[-2]) / (dx[-1] * (dx[-1] + dx[-2]))
+        back = a * last3 + b * last2 + c * last
+    return torch.cat([front, center, back], d)
+
+
+@decomposition(torch.gradient, view=False)
+def gradient(input, *, spacing=1, dim=None, edge_order=1):
+    """ATen's composite, one dimension at a time: ``spacing`` a number, one per dimension, or
+    coordinates (1-D tensors)."""
+    if edge_order not in (1, 2):
+        raise RuntimeError("torch.gradient only supports edge_order=1 and edge_order=2.")
+    dims = (list(range(input.dim())) if dim is None
+            else [dim] if isinstance(dim, int) else list(dim))
+    dims = [d % input.dim() for d in dims]
+    if spacing is None:
+        spacing = 1
+    if not isinstance(spacing, (list, tuple)):
+        spacing = [spacing] * len(dims)
+    if len(spacing) != len(dims):
+        raise RuntimeError(f"torch.gradient expected spacing to be unspecified, a scalar or a "
+                           f"list of length {len(dims)} but got a list of length {len(spacing)}")
+    spacing = [h.item() if isinstance(h, torch.Tensor) and h.dim() == 0 else h for h in spacing]
+    return tuple(_gradient_along(input, d, h, edge_order) for d, h in zip(dims, spacing))
+
+
+def _quantile(input, q, dim, keepdim, interpolation, ignore_nan: bool):
+    """ATen's quantile_compute: sort, turn ``q`` into ranks, gather the values at the ranks
+    below and above and interpolate (``lerp``); the gradient flows through sort's rule."""
+    if interpolation not in ("linear", "lower", "higher", "midpoint", "nearest"):
+        raise RuntimeError("quantile() interpolation must be one of linear, lower, higher, "
+                           f"midpoint or nearest. Got {interpolation}")
+    scalar_q = not isinstance(q, torch.Tensor) or q.dim() == 0
+    q = torch.as_tensor(q, dtype=input.dtype, device=input.device).reshape(-1)
+    if q.dim() > 1:
+        raise RuntimeError("quantile() q must be a scalar or 1D tensor")
+    if bool(((q < 0) | (q > 1)).any()):
+        raise RuntimeError("quantile() q values must be in the range [0, 1]")
+    if input.numel() == 0:
+        raise RuntimeError("quantile() input tensor must be non-empty")
+    if dim is None:
+        sorted_ = input.flatten().sort().values
+        out_shape = [1] * input.dim() if keepdim else []
+    else:
+        d = dim % max(input.dim(), 1)
+        x = input if input.dim() else input.reshape(1)
+        x = x if d == x.dim() - 1 else x.unsqueeze(-1).transpose(d, -1)
+        sorted_ = x.sort().values
+        out_shape = list(input.shape)
+        if input.dim():
+            if keepdim:
+                out_shape[d] = 1
+            else:
+                del out_shape[d]
+    nan = sorted_.isnan()
+    if ignore_nan:
+        ranks = q * (nan.logical_not().sum(-1, keepdim=True) - 1)
+        ranks = ranks.masked_fill(ranks < 0, 0)
+    else:
+        last = sorted_.shape[-1] - 1
+        ranks, any_nan = torch.broadcast_tensors(q * last, nan.any(-1, keepdim=True))
+        ranks = ranks.masked_fill(any_nan, last)
+    if interpolation == "lower":
+        ranks = ranks.floor()
+    elif interpolation == "higher":
+        ranks = ranks.ceil()
+    elif interpolation == "nearest":
+        ranks = ranks.round()
+    below = ranks.long()
+    values = sorted_.gather(-1, below)
+    if interpolation in ("linear", "midpoint"):
+        weights = torch.full_like(ranks, 0.5) if interpolation == "midpoint" else ranks - below
+        values = values.lerp(sorted_.gather(-1, ranks.ceil().long()), weights)
+    values = values.movedim(-1, 0)
+    return values.reshape(out_shape) if scalar_q else values.reshape([q.shape[0]] + out_shape)
+
+
+@decomposition(torch.quantile, T.quantile, view=False)
+def quantile(input, q, dim=None, keepdim=False, *, interpolation="linear"):
+    """A NaN in a slice makes its quantiles NaN."""
+    return _quantile(input, q, dim, keepdim, interpolation, False)
+
+
+@decomposition(torch.nanquantile, T.nanquantile, view=False)
+def nanquantile(input, q, dim=None, keepdim=False, *, interpolation="linear"):
+    """NaNs ignored: the ranks count the other values."""
+    return _quantile(input, q, dim, keepdim, interpolation, True)

@@ -103,6 +103,47 @@ def expand(grad, input, *args, **kwargs):
     return grad
 
 
+@decomposition(torch.broadcast_tensors, torch._C._VariableFunctions.broadcast_tensors, view=True)
+def broadcast_tensors(*tensors):
+    """Each tensor expanded to the common shape: ``expand``'s rule sums the gradients back."""
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    return tuple(t.expand(shape) for t in tensors)
+
+
+@decomposition(torch.meshgrid, torch._C._VariableFunctions.meshgrid, view=True)
+def meshgrid(*tensors, indexing=None):
+    """Each 0-d or 1-d tensor reshaped along its own axis and expanded to the grid; ``"xy"``
+    swaps the first two axes of the grid."""
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
+    for t in tensors:
+        if t.dim() > 1:
+            raise RuntimeError("torch.meshgrid: Expected 0D or 1D tensor in the tensor list "
+                               f"but got: {t.dim()}D")
+    axes = list(range(len(tensors)))
+    if indexing == "xy" and len(tensors) >= 2:
+        axes[0], axes[1] = 1, 0
+    shape = [0] * len(tensors)
+    for t, a in zip(tensors, axes):
+        shape[a] = t.numel()
+    grids = []
+    for t, a in zip(tensors, axes):
+        one = [1] * len(tensors)
+        one[a] = -1
+        grids.append(t.reshape(one).expand(shape))
+    return tuple(grids)
+
+
+@decomposition(torch.cartesian_prod, torch._C._VariableFunctions.cartesian_prod, view=True)
+def cartesian_prod(*tensors):
+    """torch's composite: the ``"ij"`` grid's flattened coordinates, stacked as columns."""
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
+    if len(tensors) == 1:
+        return tensors[0]
+    return torch.stack([g.flatten() for g in meshgrid(*tensors, indexing="ij")], 1)
+
+
 def _sum_tiles(grad, input: Meta, repeats: tuple):
     """``repeat``'s adjoint: view each dim as (copies, size) and sum the copies."""
     if not repeats:
@@ -419,3 +460,53 @@ def diag(grad, input: Meta, diagonal=0):
 def diagflat(grad, input: Meta, offset=0):
     """The flattened input on a diagonal: the gradient's diagonal, in the input's shape."""
     return grad.diagonal(offset).reshape(input.shape)
+
+
+# -- the *_copy spellings: the view, then a copy ------------------------------------------------
+@decomposition(torch.view_copy, view=False)
+def view_copy(input, size):
+    return input.view(size).clone()
+
+
+@decomposition(torch.expand_copy, view=False)
+def expand_copy(input, size, *, implicit=False):
+    return input.expand(size).clone()
+
+
+@decomposition(torch.alias_copy, view=False)
+def alias_copy(input):
+    return input.clone()
+
+
+def _storage_positions(size, stride, offset: int, device):
+    """The storage index of every element of the geometry ``(size, stride, offset)``."""
+    pos = torch.full((), offset, dtype=torch.long, device=device)
+    for k, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[k] = n
+        pos = pos + (torch.arange(n, device=device) * s).reshape(shape)
+    return pos.expand(tuple(size))
+
+
+@derivative(torch.as_strided, T.as_strided, view=True)
+def as_strided(grad, input, size, stride, storage_offset=None):
+    """torch's as_strided_backward over the input's storage: the gradient is summed onto
+    the storage places the output reads (overlaps add up), then read back at the input's
+    own places, each divided by how many input elements share it."""
+    offset = input.storage_offset() if storage_offset is None else storage_offset
+    out_pos = _storage_positions(tuple(size), tuple(stride), offset, grad.device).reshape(-1)
+    in_pos = _storage_positions(tuple(input.shape), input.stride(), input.storage_offset(),
+                                grad.device).reshape(-1)
+    length = int(max(out_pos.max() if out_pos.numel() else 0,
+                     in_pos.max() if in_pos.numel() else 0)) + 1
+    storage = grad.new_zeros(length).index_add(0, out_pos, grad.reshape(-1))
+    shared = torch.zeros(length, dtype=grad.dtype, device=grad.device).index_add(
+        0, in_pos, torch.ones(in_pos.shape, dtype=grad.dtype, device=grad.device))
+    if bool((shared > 1).any()):
+        storage = storage / shared.clamp(min=1)
+    return storage.take(in_pos).reshape(input.shape)
+
+
+@decomposition(torch.as_strided_copy, view=False)
+def as_strided_copy(input, size, stride, storage_offset=None):
+    return input.as_strided(size, stride, storage_offset).clone()
