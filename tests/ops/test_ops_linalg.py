@@ -64,6 +64,7 @@ REFERENCE = {
     "cdist": {"second_order": False,
               "why": "torch has no second derivative of cdist off the matrix-product path; "
                      "hand-written cases check graphgrad's against the norm of differences"},
+    "nn.functional.pdist": {"second_order": False, "why": "torch has no second derivative of pdist"},
     "cross": {},
     "linalg.cross": {},
     "kron": {},

@@ -1223,3 +1223,10 @@ def eigvals(grad, A, *, out=None):
     """The eigenvectors are recomputed (recorded, so the gradient is differentiable again)."""
     L, V = torch.linalg.eig(A)
     return _eig_backward(grad, None, L, V, not A.is_complex())
+
+
+@derivative(torch.pdist, view=False)
+def pdist(grad, input, p=2, *, result):
+    """torch's ``_pdist_backward`` kernel (torch has no second derivative of pdist either: under
+    ``create_graph`` its kernel raises graphgrad's no-rule error)."""
+    return torch.ops.aten._pdist_backward(grad.contiguous(), input, p, result)

@@ -792,3 +792,12 @@ def quantile(input, q, dim=None, keepdim=False, *, interpolation="linear"):
 def nanquantile(input, q, dim=None, keepdim=False, *, interpolation="linear"):
     """NaNs ignored: the ranks count the other values."""
     return _quantile(input, q, dim, keepdim, interpolation, True)
+
+
+@derivative(torch.ops.aten._safe_softmax.default, view=False)
+def safe_softmax(grad, input, dim, dtype=None, *, result):
+    """softmax whose rows of only -inf give zeros (attention's masked rows): the same backward,
+    torch's fused kernel, which gives those rows a zero gradient (their outputs are 0)."""
+    if grad.dtype != result.dtype:
+        grad = grad.to(result.dtype)
+    return torch._softmax_backward_data(grad, result, dim, result.dtype)
