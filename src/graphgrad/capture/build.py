@@ -21,20 +21,13 @@ from .loop import lower_to_loop
 from .memory import plan_memory
 from .plan import Plan
 from .program import Kernel, Kind, Program, Value
+from .program import values_in as _values_in
 from .recorder import OptimizerSpan
 from .reuse import reuse_buffers
 from .script import Unlowerable, lower_to_script
 from .segments import CONSTANT, OBJECT, EagerSegment, Effect, KernelSegment, ref
 
 __all__ = ["build_plan"]
-
-
-def _values_in(obj: Any) -> list[Value]:
-    if isinstance(obj, Value):
-        return [obj]
-    if isinstance(obj, list | tuple):
-        return [v for o in obj for v in _values_in(o)]
-    return []
 
 
 def _uses(k: Kernel) -> list[Value]:

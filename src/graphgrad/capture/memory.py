@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .program import Kernel, Kind, Value
+from .program import values_in as _values
 
 __all__ = ["MemoryPlan", "plan_memory"]
 
@@ -24,14 +25,6 @@ class MemoryPlan:
     allocated_bytes: int
     reused_bytes: int
     kept_bytes: int  # intermediates that outlive the step (gradients, results)
-
-
-def _values(obj) -> Iterable[Value]:
-    if isinstance(obj, Value):
-        yield obj
-    elif isinstance(obj, list | tuple):
-        for o in obj:
-            yield from _values(o)
 
 
 def plan_memory(kernels: Sequence[Kernel], kept: Iterable[Value]) -> MemoryPlan:

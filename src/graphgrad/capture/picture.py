@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .._compat import is_write_argument
 from ..viz import _attrs, _bytes, _esc, _Html, _quote
 from .program import Kind, Value
+from .program import values_in as _values
 from .segments import OBJECT, SLOT, EagerSegment, KernelSegment
 
 if TYPE_CHECKING:
@@ -29,14 +30,6 @@ _WRITE_FILL = "#fdf2d0"  # kernels that write into a tensor in place
 _INPUT_FILL = "#d6e9f8"
 _OUT_FILL = "#dff2df"
 _EAGER_FILL = "#fde2e0"
-
-
-def _values(obj: Any) -> list[Value]:
-    if isinstance(obj, Value):
-        return [obj]
-    if isinstance(obj, list | tuple):
-        return [v for o in obj for v in _values(o)]
-    return []
 
 
 def _meta_text(v: Value) -> str:

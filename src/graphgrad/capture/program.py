@@ -19,7 +19,7 @@ import torch
 from .._compat import NoTorchFunction, inplace_view_tag, is_write_argument
 from .recorder import OpCall, Recording
 
-__all__ = ["Kind", "Value", "Kernel", "Program", "build_program"]
+__all__ = ["Kind", "Value", "Kernel", "Program", "build_program", "values_in"]
 
 _aten = torch.ops.aten
 _ALIASES = frozenset({_aten.detach.default, _aten.alias.default})
@@ -55,6 +55,15 @@ class Value:
 
     def __repr__(self) -> str:
         return f"<{self.kind.value} {self.index}>"
+
+
+def values_in(obj: Any) -> list[Value]:
+    """The Values in a kernel's argument (a Value, or lists and tuples of them)."""
+    if isinstance(obj, Value):
+        return [obj]
+    if isinstance(obj, list | tuple):
+        return [v for o in obj for v in values_in(o)]
+    return []
 
 
 @dataclass(eq=False)
