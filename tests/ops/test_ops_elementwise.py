@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphgrad as gg
-from op_cases import F64, Randoms, T, assert_grads_close, check, plain
+from op_cases import F64, Randoms, T, assert_grads_close, case, check, check_case, plain
 from op_cases import inplace as ip
 from opdb_harness import opdb_test
 
@@ -248,3 +248,16 @@ def test_lerp_keeps_the_ends_only_for_the_weight_gradient():
     saved = y.grad_fn.saved_values
     assert isinstance(saved["weight"], T) and not isinstance(saved["input"], T)
     assert not isinstance(saved["end"], T)
+
+
+_r = Randoms(7).r
+METHOD_CASES = [  # method spellings (the functions are checked on op_db samples)
+    case("copysign_method", lambda a, b: a.copysign(b), _r(3, 4), _r(3, 4)),
+    case("nextafter_method", lambda a, b: a.nextafter(b), _r(3, 4), _r(3, 4), gradcheck=False),
+    case("frexp_method", lambda a: a.frexp().mantissa, _r(3, 4), gradcheck=False),
+]
+
+
+@pytest.mark.parametrize("c", METHOD_CASES, ids=[c.id for c in METHOD_CASES])
+def test_method_case(c):
+    check_case(c)

@@ -183,6 +183,11 @@ CASES = [
 ]
 
 
+CASES += [
+    case("fill__function", lambda a: torch.fill_(a * 1, 2.0) + a, r(3, 4)),
+]
+
+
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_case(c):
     check_case(c)

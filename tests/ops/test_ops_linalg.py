@@ -329,6 +329,19 @@ CASES = [
 ]
 
 
+# method and C-function spellings (the functions are checked on op_db samples above)
+CASES += [
+    case("cross_method", lambda a, b: a.cross(b, dim=1), r(2, 3), r(2, 3)),
+    case("kron_method", lambda a, b: a.kron(b), r(2, 2), r(2, 3)),
+    case("lu_method", lambda a: a.lu()[0], r(3, 3), gradcheck=False),
+    case("lu_solve_method", lambda b, a: b.lu_solve(*torch.linalg.lu_factor(a)), r(3, 2), r(3, 3),
+         gradcheck=False),
+    case("orgqr", lambda a, tau: torch.orgqr(a, tau), r(4, 3), r(2)),
+    case("orgqr_method", lambda a, tau: a.orgqr(tau), r(4, 3), r(2)),
+    case("ormqr_method", lambda a, tau, c: a.ormqr(tau, c), r(4, 3), r(3), r(4, 2)),
+]
+
+
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_case(c):
     check_case(c)

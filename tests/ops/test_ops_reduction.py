@@ -219,6 +219,17 @@ CASES = [
 ]
 
 
+# method spellings (the functions are checked on op_db samples above)
+CASES += [
+    case("corrcoef_method", lambda a: a.corrcoef(), r(3, 5)),
+    case("cov_method", lambda a: a.cov(), r(3, 5)),
+    case("diff_method", lambda a: a.diff(dim=1), r(3, 5)),
+    case("nanmean_method", lambda a: a.nanmean(1), r(3, 5)),
+    case("quantile_method", lambda a: a.quantile(0.3, dim=1), r(3, 5)),
+    case("nanquantile_method", lambda a: a.nanquantile(0.3, dim=1), r(3, 5)),
+]
+
+
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_case(c):
     check_case(c)

@@ -213,6 +213,14 @@ CASES = [
 ]
 
 
+# the C functions torch's Python wrappers call (the wrappers are checked on op_db samples)
+CASES += [
+    case("broadcast_tensors_VF",
+         lambda a, b: torch.mul(*torch._C._VariableFunctions.broadcast_tensors([a, b])), r(3, 1), r(1, 4)),
+    case("cartesian_prod_VF", lambda a, b: torch._C._VariableFunctions.cartesian_prod([a, b]), r(3), r(2)),
+]
+
+
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_case(c):
     check_case(c)

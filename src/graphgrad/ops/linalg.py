@@ -905,7 +905,7 @@ def kron(input, other):
     return out.reshape([sa * sb for sa, sb in zip(a.shape, b.shape)])
 
 
-@decomposition(torch.tensordot, torch._C._VariableFunctions.tensordot, view=False)
+@decomposition(torch.tensordot, view=False)  # (not the C function: it takes dims_a, dims_b)
 def tensordot(a, b, dims=2, out=None):
     """The contracted dimensions moved together and reshaped into one matrix product."""
     if out is not None:

@@ -105,7 +105,10 @@ def expand(grad, input, *args, **kwargs):
 
 @decomposition(torch.broadcast_tensors, torch._C._VariableFunctions.broadcast_tensors, view=True)
 def broadcast_tensors(*tensors):
-    """Each tensor expanded to the common shape: ``expand``'s rule sums the gradients back."""
+    """Each tensor expanded to the common shape: ``expand``'s rule sums the gradients back.
+    (The C function takes one list: ``torch._C._VariableFunctions.broadcast_tensors([a, b])``.)"""
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
     shape = torch.broadcast_shapes(*(t.shape for t in tensors))
     return tuple(t.expand(shape) for t in tensors)
 
