@@ -1,13 +1,18 @@
-"""Compiles the engine's hot path (pure-Python modules + .pxd) with Cython when it can.
+"""Compiles the engine's hot path when it can: the Cython modules, and the C++ metadata reader.
 
-The extensions are optional: without Cython or a C compiler, graphgrad installs as pure
-Python and runs the same code, more slowly (``graphgrad.compiled`` is then False).
+Both are optional. Without Cython or a C compiler, graphgrad installs as pure Python and runs the
+same code, more slowly (``graphgrad.compiled`` is then False). The C++ module
+(``graphgrad._tensor_meta``, src/graphgrad/csrc/tensor_meta.cpp) is built against the torch
+installed in the building environment (its headers and libraries): it needs torch importable at
+build time (``pip install --no-build-isolation``, as scripts/setup_env.sh does) and a C++20
+compiler; without them graphgrad reads tensor metadata through torch's getters
+(``graphgrad.native_meta`` is then False).
 """
 
 import os
 import runpy
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 # the engine module list and the flag reader, from the one place that defines them (read as a
 # file: importing the package would import torch)
@@ -34,4 +39,31 @@ def engine_extensions():
     return extensions
 
 
-setup(ext_modules=engine_extensions())
+def native_extensions():
+    """graphgrad._tensor_meta against the installed torch, or nothing (with a line saying why)."""
+    if _CONFIG["env_flag"]("GRAPHGRAD_NO_NATIVE"):
+        return []
+    try:
+        import torch
+        from torch.utils.cpp_extension import include_paths, library_paths
+    except ImportError:
+        print("graphgrad: torch is not importable while building (build isolation?): the C++ "
+              "metadata reader is not built; torch's getters are used instead")
+        return []
+    libs = library_paths()
+    return [Extension(
+        "graphgrad._tensor_meta",
+        ["src/graphgrad/csrc/tensor_meta.cpp"],
+        include_dirs=include_paths(),
+        library_dirs=libs,
+        runtime_library_dirs=libs,
+        libraries=["c10", "torch", "torch_cpu", "torch_python"],
+        define_macros=[("GRAPHGRAD_TORCH_VERSION", f'"{torch.__version__}"'),
+                       ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI)))],
+        extra_compile_args=["-std=c++20", "-O2", "-w"],
+        language="c++",
+        optional=True,  # a failed compile leaves torch's getters in use
+    )]
+
+
+setup(ext_modules=engine_extensions() + native_extensions())

@@ -54,7 +54,7 @@ source_digest() {
   {
     echo "GRAPHGRAD_NO_CYTHON=${GRAPHGRAD_NO_CYTHON:-}"
     cat setup.py pyproject.toml
-    find src -type f \( -name '*.py' -o -name '*.pxd' -o -name '*.pyx' \) -print0 \
+    find src -type f \( -name '*.py' -o -name '*.pxd' -o -name '*.pyx' -o -name '*.cpp' \) -print0 \
       | LC_ALL=C sort -z | xargs -0 cat
   } | sha256sum | cut -d' ' -f1
 }
@@ -109,14 +109,17 @@ fi
 
 digest="$(source_digest)"
 stamp=.venv/graphgrad-installed-from
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest" ] && python -c "import graphgrad" 2>/dev/null; then
+# the stamp holds the digest and the engine that install gave: a torch changed since (the C++
+# module then refuses to load) or a failed import means installing again
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest $(python -c 'import graphgrad; print(graphgrad.engine)' 2>/dev/null)" ]; then
   say "graphgrad already installed from these sources"
 else
   n_modules="$(python -c 'ns = {}; exec(open("src/graphgrad/_config.py").read(), ns); print(len(ns["ENGINE_MODULES"]))' 2>/dev/null || echo "its")"
   say "installing graphgrad and compiling its Cython engine ($n_modules modules; a few minutes on a small machine)"
   with_heartbeat "compiling the engine" \
     python -m pip install -q --no-build-isolation --no-deps --force-reinstall .
-  echo "$digest" > "$stamp"
-  say "graphgrad installed; compiled engine: $(python -c 'import graphgrad; print(graphgrad.compiled)')"
+  engine="$(python -c 'import graphgrad; print(graphgrad.engine)')"
+  echo "$digest $engine" > "$stamp"
+  say "graphgrad installed; engine: $engine (compiled+native: Cython and the C++ metadata reader)"
 fi
 say "set-up done"

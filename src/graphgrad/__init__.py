@@ -11,6 +11,7 @@ from .native import load_engine as _load_engine
 _load_engine(__name__, _os.path.dirname(__file__))
 
 from . import (  # noqa: E402
+    _compat,  # noqa: E402
     distributed,  # noqa: F401  (gg.distributed: init_process_group, destroy_process_group)
     functional,
     nn,
@@ -44,6 +45,12 @@ _fastpaths.install_fast_paths(Tensor)
 
 #: True when the Cython-compiled engine is running (False: pure Python)
 compiled: bool = _engine_is_compiled(__name__)
+#: True when tensor metadata (sizes, dtypes, devices, version counters) is read by graphgrad's C++
+#: module built against this torch (src/graphgrad/csrc/tensor_meta.cpp), False: through torch's getters
+native_meta: bool = _compat.native_meta is not None
+#: which engine runs: "compiled+native" (Cython, C++ metadata reads), "compiled" (Cython, torch's
+#: getters) or "python" (the pure-Python reference: GRAPHGRAD_PURE_PYTHON=1, or no compiler)
+engine: str = ("compiled" if compiled else "python") + ("+native" if native_meta else "")
 
 __version__ = "0.1.0"
 
@@ -58,5 +65,5 @@ __all__ = [
     "detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
     "functional", "nn", "viz",
     "capture", "CapturedStep", "CaptureError", "CaptureMismatch",
-    "compiled", "__version__",
+    "compiled", "native_meta", "engine", "__version__",
 ]

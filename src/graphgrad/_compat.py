@@ -16,11 +16,14 @@ import torch.utils._pytree as pytree  # flattens a captured step's arguments (wh
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._config import env_flag
+
 __all__ = [
     "DisableTorchFunctionSubclass", "EnableTorchFunction", "is_grad_enabled", "set_grad_enabled",
     "torch_function_enabled", "torch_function_mode_enabled", "autocast_enabled",
     "tensor_shape", "tensor_dtype", "tensor_device", "tensor_ndim", "tensor_same_size",
-    "tensor_device_index", "tensor_version", "tensor_is_view", "torch_requires_grad",
+    "tensor_device_index", "tensor_same_meta", "native_meta", "register_tensor_class",
+    "tensor_version", "tensor_is_view", "torch_requires_grad",
     "torch_grad_fn", "get_grad", "set_grad", "has_internal_overlap", "VariableFunctions",
     "nn_functions", "special_functions", "flatten_dense_tensors", "unflatten_dense_tensors",
     "TorchDispatchMode", "ScriptGraph", "TensorType", "ListType", "OptionalType", "TupleType",
@@ -64,6 +67,43 @@ get_grad = torch._C.TensorBase.grad.__get__
 set_grad = torch._C.TensorBase.grad.__set__
 #: an in-place op on an expanded view has no gradient: torch's own check (checked on torch 2.13)
 has_internal_overlap = torch._debug_has_internal_overlap
+
+
+def _getter_same_meta(t, ref) -> bool:
+    """Does ``t`` have ``ref``'s dtype, size and device? (through torch's getters)"""
+    return (tensor_dtype(t) is tensor_dtype(ref) and tensor_same_size(t, ref)
+            and tensor_device(t) == tensor_device(ref))
+
+
+tensor_same_meta = _getter_same_meta
+
+
+#: graphgrad._tensor_meta (src/graphgrad/csrc/tensor_meta.cpp), built against this torch: the same
+#: reads from the C++ TensorImpl, without torch's getters' Python objects. Not used by the
+#: pure-Python engine (the reference), nor with ``GRAPHGRAD_NO_NATIVE=1``; None when not built
+#: (no compiler, build isolation) or built for another torch (it refuses to load).
+native_meta = None
+if not (env_flag("GRAPHGRAD_PURE_PYTHON") or env_flag("GRAPHGRAD_NO_NATIVE")):
+    try:
+        from . import _tensor_meta as native_meta
+    except ImportError:
+        native_meta = None
+if native_meta is not None:
+    tensor_dtype = native_meta.dtype
+    tensor_ndim = native_meta.ndim
+    tensor_same_size = native_meta.same_size
+    tensor_same_meta = native_meta.same_meta
+    tensor_device_index = native_meta.device_index
+    tensor_version = native_meta.version
+    tensor_is_view = native_meta.is_view
+    torch_requires_grad = native_meta.requires_grad
+
+
+def register_tensor_class(cls) -> None:
+    """Let the C++ metadata reader read instances of ``cls`` (graphgrad.Tensor) directly."""
+    if native_meta is not None:
+        native_meta.register_class(cls)
+
 
 # -- namespaces rules register under: torch's C functions reach __torch_function__ as these --
 #: (checked on torch 2.13)

@@ -281,18 +281,20 @@ def check_saved_versions(name, params, saved, versions, sequence_nr=None):
     ``versions`` is flat: ``(position, version, position, version, ...)``.
     """
     for k in range(0, len(versions), 2):
-        pos, version = versions[k], versions[k + 1]
-        if type(pos) is tuple:
-            value = saved[pos[0]][pos[1]]
-            what = f"{params[pos[0]]}[{pos[1]}]"
-        else:
-            value = saved[pos]
-            what = params[pos]
-        if value._version != version:
-            raise RuntimeError(modified_message(name, what, value, version))
-        detached = getattr(value, "_gg_detached", 0)
-        if detached and sequence_nr is not None and detached >= sequence_nr and value._gg_node is None:
-            raise RuntimeError(detached_message(name, what))
+        pos = versions[k]
+        version = versions[k + 1]
+        value = saved[pos[0]][pos[1]] if type(pos) is tuple else saved[pos]
+        if _version(value) != version:
+            raise RuntimeError(modified_message(name, _param_name(params, pos), value, version))
+        if sequence_nr is not None:
+            detached = getattr(value, "_gg_detached", 0)
+            if detached and detached >= sequence_nr and value._gg_node is None:
+                raise RuntimeError(detached_message(name, _param_name(params, pos)))
+
+
+def _param_name(params, pos) -> str:
+    """The rule parameter at ``pos`` (``i`` or ``(i, j)`` inside a list argument), for messages."""
+    return f"{params[pos[0]]}[{pos[1]}]" if type(pos) is tuple else params[pos]
 
 
 def detached_message(name, what) -> str:

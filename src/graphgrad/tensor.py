@@ -223,6 +223,7 @@ def _rebuild_as(cls: type, data: torch.Tensor, requires_grad: bool) -> Tensor:
 
 
 set_tensor_class(Tensor)
+_compat.register_tensor_class(Tensor)  # the C++ metadata reader reads it directly
 if hasattr(torch.serialization, "add_safe_globals"):  # graphgrad leaves load with weights_only=True
     torch.serialization.add_safe_globals([_rebuild_as, Tensor])
 

@@ -8,7 +8,7 @@ from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 cimport cython
 
 cdef object _Disable, _grad_enabled, _set_grad_enabled, _shape, _dtype, _device, _ndim
-cdef object _same_size, _device_index, _version, _is_view, _torch_requires_grad
+cdef object _same_meta, _device_index, _version, _is_view, _torch_requires_grad
 cdef object _torch_grad_fn, _has_internal_overlap, _get_base, _PlainTensor, _TENSOR_CLS
 cdef dict _inplace_cache, _INTERNED
 cdef tuple _NO_EDGE

@@ -58,7 +58,7 @@ _shape = _compat.tensor_shape
 _dtype = _compat.tensor_dtype
 _device = _compat.tensor_device
 _ndim = _compat.tensor_ndim
-_same_size = _compat.tensor_same_size
+_same_meta = _compat.tensor_same_meta
 _device_index = _compat.tensor_device_index
 _version = _compat.tensor_version
 _is_view = _compat.tensor_is_view
@@ -257,7 +257,7 @@ def slots(rule, values, graph, ref):
         t = metas[j]
         if t is None:
             continue
-        if uniform and _dtype(t) is ref[1] and _same_size(t, ref[0]) and _device_index(t) == ref[2]:
+        if uniform and _same_meta(t, ref[0]):
             metas[j] = None
         else:
             metas[j] = (_shape(t), _dtype(t), _device(t))

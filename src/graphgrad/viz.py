@@ -22,7 +22,6 @@ The DOT text is generated here, so ``.dot`` / ``.gv`` always works; ``.svg``, ``
 
 from __future__ import annotations
 
-import html
 import os
 import shutil
 import subprocess
@@ -30,6 +29,11 @@ import subprocess
 import torch
 
 from . import _compat
+from .dot import Html as _Html
+from .dot import attributes as _attrs
+from .dot import escape as _esc
+from .dot import human_bytes as _bytes
+from .dot import quote as _quote
 from .graph import AutogradGraph, reachable
 from .node import AccumulateGrad, Node
 from .references import saved_tensors, storage_of
@@ -322,9 +326,6 @@ def _inputs_first(nodes, inputs):
 
 
 # -- labels ------------------------------------------------------------------------------
-class _Html(str):
-    """A label already written as Graphviz HTML-like text."""
-
 
 def _op_label(node, names, nbytes, charged, shared, shared_with) -> _Html:
     rows = [f"<B>{_esc(node.name())}</B>"]
@@ -408,31 +409,6 @@ def _edge_label(node, slot, parent, nr) -> str:
     return label
 
 
-def _bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-    raise AssertionError("unreachable")
-
 
 def _clip(text: str) -> str:
     return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS - 1] + "…"
-
-
-# -- DOT syntax --------------------------------------------------------------------------
-def _esc(text) -> str:
-    return html.escape(str(text), quote=True)
-
-
-def _quote(text: str) -> str:
-    return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def _attrs(attrs: dict) -> str:
-    out = []
-    for key, value in attrs.items():
-        out.append(f"{key}=<{value}>" if isinstance(value, _Html) else f"{key}={_quote(value)}")
-    return ", ".join(out)

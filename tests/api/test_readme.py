@@ -69,7 +69,7 @@ def _normalised(text, out_dir):
     """The demo's output with what changes between runs (numbers, model, paths, engine) replaced."""
     text = text.replace(str(out_dir), "OUT").replace("graphgrad-out", "OUT")
     text = re.sub(r"\b(mlp|cnn|transformer)\b", "MODEL", text)
-    text = re.sub(r"compiled engine: (True|False)", "compiled engine: ?", text)
+    text = re.sub(r"engine: (compiled|python)(\+native)?", "engine: ?", text)
     text = re.sub(r"\b(epoch|step|thread)s\b", r"\1", text)
     text = re.sub(r"\d+(\.\d+)?(e[-+]\d+)?", "N", text)
     return [re.sub(r" +", " ", line).strip() for line in text.strip().splitlines()]

@@ -545,6 +545,7 @@ def _machine(cfg: BenchConfig, device: torch.device, seconds: float, repeats: in
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": cfg.quick, "device": str(device),
             "nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
             "torch": torch.__version__, "graphgrad": gg.__version__, "compiled": gg.compiled,
+            "engine": gg.engine,
             "torch_threads": torch.get_num_threads(), "repeats": repeats, "warmup": warmup,
             "seconds": seconds}
     if device.type == "cuda":
@@ -604,7 +605,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main(cfg: BenchConfig) -> int:
     print(f"graphgrad bench ({'quick' if cfg.quick else 'full'}, device {cfg.device}, "
-          f"compiled engine: {gg.compiled}, torch {torch.__version__})", flush=True)
+          f"engine: {gg.engine}, torch {torch.__version__})", flush=True)
     try:
         result = run_bench(cfg, log=lambda s: print(s, flush=True))
     except BenchError as exc:

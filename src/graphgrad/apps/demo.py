@@ -318,6 +318,7 @@ def _run(config: DemoConfig) -> dict:
         "parity": parity,
         "time_per_step_ms": _timing(times, config.threads),
         "engine_compiled": gg.compiled,
+        "engine": gg.engine,
         "versions": {"graphgrad": gg.__version__, "torch": torch.__version__,
                      "python": platform.python_version()},
         "files": files,
@@ -422,8 +423,8 @@ def _report(summary: dict, out: pathlib.Path) -> None:
     parity = summary["parity"]
     procs = f", {summary['world_size']} processes" if summary["world_size"] > 1 else ""
     print(f"model {summary['model']} on digits, {_plural(summary['epochs'], 'epoch')} "
-          f"({_plural(summary['steps'], 'step')}, {summary['device']}{procs}, compiled engine: "
-          f"{summary['engine_compiled']})")
+          f"({_plural(summary['steps'], 'step')}, {summary['device']}{procs}, engine: "
+          f"{summary['engine']})")
     print(f"test accuracy: graphgrad {summary['test_accuracy']:.4f}  "
           f"torch.autograd {summary['test_accuracy_torch_autograd']:.4f}")
     print(f"time per step ({_plural(t['torch_threads'], 'torch thread')}; medians of "

@@ -14,7 +14,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .._compat import is_write_argument
-from ..viz import _attrs, _bytes, _esc, _Html, _quote
+from ..dot import Html as _Html
+from ..dot import attributes as _attrs
+from ..dot import escape as _esc
+from ..dot import human_bytes as _bytes
+from ..dot import quote as _quote
 from .program import Kind, Value
 from .program import values_in as _values
 from .segments import OBJECT, SLOT, EagerSegment, KernelSegment

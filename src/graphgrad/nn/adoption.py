@@ -45,6 +45,7 @@ class Parameter(Tensor, torch.nn.Parameter):
         return (_rebuild_as, (type(self), plain, self.requires_grad))
 
 
+_compat.register_tensor_class(Parameter)  # the C++ metadata reader reads it directly
 if hasattr(torch.serialization, "add_safe_globals"):
     torch.serialization.add_safe_globals([Parameter])
 

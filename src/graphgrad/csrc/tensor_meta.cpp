@@ -1,0 +1,277 @@
+// graphgrad._tensor_meta: a tensor's metadata read from its C++ TensorImpl, without the Python
+// objects torch's getters build (a torch.Size, a torch.device, an int from a Python call with
+// argument parsing). The recording step reads these several times per op; torch's own getters
+// cost 0.1-0.6 us each, these a few nanoseconds plus the call.
+//
+// Optional: setup.py builds it against the torch it finds installed (its headers and libraries)
+// and _compat.py falls back to torch's getters when it is absent or was built for another torch.
+// Only plain torch.Tensor and the subclasses registered with `register_class` (graphgrad.Tensor)
+// are read directly; any other object goes to torch's own getter, so other subclasses keep their
+// __torch_function__ and their own size policies. A C++ error (an inference tensor has no
+// version counter, a nested tensor no sizes) also goes to torch's getter, which raises its own
+// message.
+
+#include <Python.h>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <string>
+
+namespace {
+
+// torch's getters (unbound), for the objects this module does not read itself
+PyObject* g_get_version = nullptr;        // torch._C.TensorBase._version.__get__
+PyObject* g_get_dtype = nullptr;          // torch._C.TensorBase.dtype.__get__
+PyObject* g_get_requires_grad = nullptr;  // torch._C.TensorBase.requires_grad.__get__
+PyObject* g_dim = nullptr;                // torch._C.TensorBase.dim
+PyObject* g_get_device = nullptr;         // torch._C.TensorBase.get_device
+PyObject* g_is_view = nullptr;            // torch._C.TensorBase._is_view
+PyObject* g_is_same_size = nullptr;       // torch._C.TensorBase.is_same_size
+
+constexpr int kMaxClasses = 8;
+PyTypeObject* g_classes[kMaxClasses] = {};  // torch.Tensor first, then the registered ones
+int g_n_classes = 0;
+
+// Is this an object whose TensorImpl we read ourselves?
+inline bool readable(PyObject* obj) {
+  PyTypeObject* tp = Py_TYPE(obj);
+  for (int i = 0; i < g_n_classes; ++i) {
+    if (tp == g_classes[i]) {
+      return true;
+    }
+  }
+  return false;
+}
+
+PyObject* call1(PyObject* fn, PyObject* obj) {
+  return PyObject_CallOneArg(fn, obj);
+}
+
+PyObject* call2(PyObject* fn, PyObject* a, PyObject* b) {
+  PyObject* args[2] = {a, b};
+  return PyObject_Vectorcall(fn, args, 2, nullptr);
+}
+
+PyObject* version(PyObject*, PyObject* t) {
+  if (readable(t)) {
+    try {
+      return PyLong_FromLongLong(THPVariable_Unpack(t)._version());
+    } catch (const std::exception&) {
+    }
+  }
+  return call1(g_get_version, t);
+}
+
+PyObject* dtype(PyObject*, PyObject* t) {
+  if (readable(t)) {
+    try {
+      PyObject* d = reinterpret_cast<PyObject*>(torch::getTHPDtype(THPVariable_Unpack(t).scalar_type()));
+      Py_INCREF(d);
+      return d;
+    } catch (const std::exception&) {
+    }
+  }
+  return call1(g_get_dtype, t);
+}
+
+PyObject* ndim(PyObject*, PyObject* t) {
+  if (readable(t)) {
+    try {
+      return PyLong_FromLongLong(THPVariable_Unpack(t).dim());
+    } catch (const std::exception&) {
+    }
+  }
+  return call1(g_dim, t);
+}
+
+PyObject* device_index(PyObject*, PyObject* t) {
+  if (readable(t)) {
+    try {
+      return PyLong_FromLongLong(THPVariable_Unpack(t).get_device());
+    } catch (const std::exception&) {
+    }
+  }
+  return call1(g_get_device, t);
+}
+
+PyObject* requires_grad(PyObject*, PyObject* t) {
+  if (readable(t)) {
+    try {
+      return PyBool_FromLong(THPVariable_Unpack(t).requires_grad());
+    } catch (const std::exception&) {
+    }
+  }
+  return call1(g_get_requires_grad, t);
+}
+
+PyObject* is_view(PyObject*, PyObject* t) {
+  if (readable(t)) {
+    try {
+      return PyBool_FromLong(THPVariable_Unpack(t).is_view());
+    } catch (const std::exception&) {
+    }
+  }
+  return call1(g_is_view, t);
+}
+
+PyObject* same_size(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 2) {
+    PyErr_SetString(PyExc_TypeError, "same_size(a, b) takes two tensors");
+    return nullptr;
+  }
+  if (readable(args[0]) && readable(args[1])) {
+    try {
+      return PyBool_FromLong(
+          THPVariable_Unpack(args[0]).sizes().equals(THPVariable_Unpack(args[1]).sizes()));
+    } catch (const std::exception&) {
+    }
+  }
+  return call2(g_is_same_size, args[0], args[1]);
+}
+
+// same_meta(t, ref): does t have ref's dtype, sizes and device? (the recording step's test for
+// an input whose gradient needs no unbroadcasting or cast)
+PyObject* same_meta(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 2) {
+    PyErr_SetString(PyExc_TypeError, "same_meta(t, ref) takes two tensors");
+    return nullptr;
+  }
+  PyObject* a = args[0];
+  PyObject* b = args[1];
+  if (readable(a) && readable(b)) {
+    try {
+      const at::Tensor& x = THPVariable_Unpack(a);
+      const at::Tensor& y = THPVariable_Unpack(b);
+      return PyBool_FromLong(x.scalar_type() == y.scalar_type() && x.device() == y.device() &&
+                             x.sizes().equals(y.sizes()));
+    } catch (const std::exception&) {
+    }
+  }
+  // the same test with torch's getters
+  PyObject* da = call1(g_get_dtype, a);
+  if (!da) return nullptr;
+  PyObject* db = call1(g_get_dtype, b);
+  if (!db) {
+    Py_DECREF(da);
+    return nullptr;
+  }
+  bool same = da == db;
+  Py_DECREF(da);
+  Py_DECREF(db);
+  if (!same) Py_RETURN_FALSE;
+  PyObject* ia = call1(g_get_device, a);
+  if (!ia) return nullptr;
+  PyObject* ib = call1(g_get_device, b);
+  if (!ib) {
+    Py_DECREF(ia);
+    return nullptr;
+  }
+  int eq = PyObject_RichCompareBool(ia, ib, Py_EQ);
+  Py_DECREF(ia);
+  Py_DECREF(ib);
+  if (eq < 0) return nullptr;
+  if (!eq) Py_RETURN_FALSE;
+  return call2(g_is_same_size, a, b);
+}
+
+PyObject* register_class(PyObject*, PyObject* cls) {
+  if (!PyType_Check(cls) || !PyObject_IsSubclass(cls, THPVariableClass)) {
+    PyErr_SetString(PyExc_TypeError, "register_class takes a subclass of torch.Tensor");
+    return nullptr;
+  }
+  PyTypeObject* tp = reinterpret_cast<PyTypeObject*>(cls);
+  for (int i = 0; i < g_n_classes; ++i) {
+    if (g_classes[i] == tp) Py_RETURN_NONE;
+  }
+  if (g_n_classes == kMaxClasses) {
+    PyErr_SetString(PyExc_RuntimeError, "register_class: too many classes");
+    return nullptr;
+  }
+  Py_INCREF(cls);
+  g_classes[g_n_classes++] = tp;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"version", version, METH_O, "t._version, read from the TensorImpl."},
+    {"dtype", dtype, METH_O, "t.dtype, read from the TensorImpl."},
+    {"ndim", ndim, METH_O, "t.dim(), read from the TensorImpl."},
+    {"device_index", device_index, METH_O, "t.get_device() (-1 on the CPU)."},
+    {"requires_grad", requires_grad, METH_O, "torch's own requires_grad flag of t."},
+    {"is_view", is_view, METH_O, "t._is_view()."},
+    {"same_size", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(same_size)),
+     METH_FASTCALL, "a.is_same_size(b)."},
+    {"same_meta", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(same_meta)),
+     METH_FASTCALL, "t has ref's dtype, sizes and device."},
+    {"register_class", register_class, METH_O,
+     "Read instances of this torch.Tensor subclass directly too (graphgrad.Tensor)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "graphgrad._tensor_meta",
+                          "Tensor metadata read from the C++ TensorImpl (see tensor_meta.cpp).", -1,
+                          methods};
+
+// torch._C.TensorBase.<name>, or its __get__ for a property
+PyObject* base_attr(PyObject* base, const char* name, bool getter) {
+  PyObject* attr = PyObject_GetAttrString(base, name);
+  if (!attr || !getter) return attr;
+  PyObject* get = PyObject_GetAttrString(attr, "__get__");
+  Py_DECREF(attr);
+  return get;
+}
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__tensor_meta() {
+  // refuse to load into a process whose torch is not the one this was compiled against
+  PyObject* torch = PyImport_ImportModule("torch");
+  if (!torch) return nullptr;
+  PyObject* running = PyObject_GetAttrString(torch, "__version__");
+  Py_DECREF(torch);
+  if (!running) return nullptr;
+  PyObject* running_str = PyObject_Str(running);
+  Py_DECREF(running);
+  if (!running_str) return nullptr;
+  const char* rv = PyUnicode_AsUTF8(running_str);
+  bool match = rv && std::string(rv) == GRAPHGRAD_TORCH_VERSION;
+  Py_DECREF(running_str);
+  if (!match) {
+    PyErr_Format(PyExc_ImportError,
+                 "graphgrad._tensor_meta was built for torch %s, not the torch running here: "
+                 "reinstall graphgrad to rebuild it",
+                 GRAPHGRAD_TORCH_VERSION);
+    return nullptr;
+  }
+  if (!THPVariableClass) {
+    PyErr_SetString(PyExc_ImportError, "graphgrad._tensor_meta: torch's Tensor class is not set up");
+    return nullptr;
+  }
+  PyObject* C = PyImport_ImportModule("torch._C");
+  if (!C) return nullptr;
+  PyObject* base = PyObject_GetAttrString(C, "TensorBase");
+  Py_DECREF(C);
+  if (!base) return nullptr;
+  g_get_version = base_attr(base, "_version", true);
+  g_get_dtype = base_attr(base, "dtype", true);
+  g_get_requires_grad = base_attr(base, "requires_grad", true);
+  g_dim = base_attr(base, "dim", false);
+  g_get_device = base_attr(base, "get_device", false);
+  g_is_view = base_attr(base, "_is_view", false);
+  g_is_same_size = base_attr(base, "is_same_size", false);
+  Py_DECREF(base);
+  if (!g_get_version || !g_get_dtype || !g_get_requires_grad || !g_dim || !g_get_device ||
+      !g_is_view || !g_is_same_size) {
+    return nullptr;
+  }
+  Py_INCREF(THPVariableClass);
+  g_classes[g_n_classes++] = reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  PyObject* m = PyModule_Create(&module_def);
+  if (!m) return nullptr;
+  if (PyModule_AddStringConstant(m, "TORCH_VERSION", GRAPHGRAD_TORCH_VERSION) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -1,0 +1,170 @@
+"""The C++ metadata reader (graphgrad._tensor_meta) answers exactly as torch's getters do.
+
+The compiled engine reads sizes, dtypes, devices, version counters and torch's requires_grad
+flag through it (src/graphgrad/csrc/tensor_meta.cpp); every read is compared here with the
+torch getter it replaces, over tensors of every kind the engine meets, including the ones it
+hands back to torch's getter (other subclasses, inference tensors, nested tensors).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import graphgrad as gg
+from graphgrad._config import env_flag
+
+try:
+    from graphgrad import _tensor_meta as native
+except ImportError:  # not built (no compiler, build isolation) or built for another torch
+    native = None
+
+needs_native = pytest.mark.skipif(native is None, reason="graphgrad._tensor_meta is not built here")
+
+_base = torch._C.TensorBase
+GETTERS = {
+    "version": _base._version.__get__,
+    "dtype": _base.dtype.__get__,
+    "ndim": _base.dim,
+    "device_index": _base.get_device,
+    "requires_grad": _base.requires_grad.__get__,
+    "is_view": _base._is_view,
+}
+
+
+class Logged(torch.Tensor):
+    """A foreign subclass: its reads must reach its own __torch_function__."""
+
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _tensors():
+    base = torch.randn(4, 5, dtype=torch.float64)
+    leaf = gg.as_tensor(torch.randn(3, 2), requires_grad=True)
+    torch_leaf = torch.randn(3, requires_grad=True)
+    with torch.inference_mode():
+        inference = torch.ones(2)
+    with warnings.catch_warnings():  # "nested tensors are a prototype"
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+    cases = {
+        "float32": torch.randn(3, 4),
+        "int64": torch.arange(6),
+        "bool": torch.ones(2, 2, dtype=torch.bool),
+        "complex": torch.randn(3, dtype=torch.complex128),
+        "0-d": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "transposed view": base.t(),
+        "sliced view": base[1:, ::2],
+        "expanded": torch.randn(1, 3).expand(4, 3),
+        "written twice": base.clone().add_(1).mul_(2),
+        "graphgrad leaf": leaf,
+        "graphgrad result": leaf * 2,
+        "graphgrad view": (leaf * 2)[0],
+        "adopted parameter": gg.nn.adopt(torch.nn.Linear(2, 2)).weight,
+        "torch leaf": torch_leaf,
+        "torch result": torch_leaf * 2,
+        "meta device": torch.empty(2, 3, device="meta"),
+        "sparse": torch.eye(3).to_sparse(),
+        "inference": inference,
+        "nested": nested,
+        "foreign subclass": torch.randn(2, 2).as_subclass(Logged),
+    }
+    if torch.cuda.is_available():
+        cases["cuda"] = torch.randn(2, 3, device="cuda")
+    return cases
+
+
+CASES = _tensors()
+
+
+def _getter_same_meta(x, y):
+    return x.dtype is y.dtype and x.device == y.device and _base.is_same_size(x, y)
+
+
+def _outcome(fn, *args):
+    try:
+        return ("value", fn(*args))
+    except Exception as e:  # the same error type and message as torch's getter
+        return ("error", type(e), str(e))
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("read", list(GETTERS))
+def test_reads_match_torch_getters(name, read):
+    t = CASES[name]
+    with torch._C.DisableTorchFunctionSubclass():
+        expected = _outcome(GETTERS[read], t)
+    got = _outcome(getattr(native, read), t)
+    if name == "foreign subclass":  # handed to torch's getter, with the subclass's protocol on
+        expected = _outcome(GETTERS[read], t)
+    assert got == expected
+
+
+@needs_native
+@pytest.mark.parametrize("a", list(CASES))
+def test_same_size_and_same_meta_match(a):
+    x = CASES[a]
+    for b, y in CASES.items():
+        with torch._C.DisableTorchFunctionSubclass():
+            want_size = _outcome(_base.is_same_size, x, y)
+            want_meta = _outcome(_getter_same_meta, x, y)
+        if "foreign subclass" in (a, b):
+            want_size = _outcome(_base.is_same_size, x, y)
+        assert _outcome(native.same_size, x, y) == want_size, (a, b)
+        if want_meta[0] == "value":
+            assert _outcome(native.same_meta, x, y) == want_meta, (a, b)
+
+
+@needs_native
+def test_foreign_subclass_keeps_its_protocol():
+    t = CASES["foreign subclass"]
+    Logged.seen.clear()
+    native.version(t)
+    native.dtype(t)
+    assert len(Logged.seen) == 2
+
+
+@needs_native
+def test_built_for_the_running_torch():
+    assert native.TORCH_VERSION == torch.__version__
+
+
+@needs_native
+def test_versions_follow_in_place_writes():
+    t = torch.zeros(3)
+    v = t[1:]
+    before = native.version(t)
+    v.add_(1)
+    assert native.version(t) == native.version(v) == before + 1 == t._version
+
+
+def test_engine_name_says_what_runs():
+    assert gg.engine == ("compiled" if gg.compiled else "python") + ("+native" if gg.native_meta else "")
+    if env_flag("GRAPHGRAD_PURE_PYTHON"):  # the reference engine reads through torch's getters
+        assert gg.native_meta is False and gg.engine == "python"
+    if env_flag("GRAPHGRAD_REQUIRE_COMPILED"):  # scripts/test.sh: set-up must have built it
+        assert gg.native_meta is True, (
+            "set-up did not build graphgrad._tensor_meta (needs torch importable at build time "
+            "and a C++20 compiler)")
+
+
+def test_without_the_native_reader_torch_getters_are_used():
+    env = dict(os.environ, GRAPHGRAD_NO_NATIVE="1")
+    code = ("import graphgrad as gg, torch; x = gg.tensor([1.0, 2.0], requires_grad=True); "
+            "(x * x).sum().backward(); print(gg.engine, gg.native_meta, x.grad.tolist())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert out[0] in ("compiled", "python") and out[1] == "False"
+    assert out[2:] == ["[2.0,", "4.0]"]
