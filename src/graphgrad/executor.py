@@ -26,7 +26,7 @@ import torch
 
 from . import _compat
 from .codes import GG_LEAF, RELEASED_WITH_GRAPH, TORCH_BRIDGE, TORCH_LEAF
-from .node import AccumulateGrad
+from .node import AccumulateGrad, Node
 from .views import current_node
 
 __all__ = ["run_backward", "observe_accumulation"]
@@ -236,7 +236,10 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         metas = node.input_meta
         edge_grads = None
         if node.hooks is not None:  # hooks see (and may replace) one gradient per input
-            edge_grads = _run_hooks(node, _edge_grads(node, outs), grads, handed)
+            edge = _edge_grads(node, outs)
+            if needed is not None and type(node) is Node:
+                edge = _unneeded_as_none(node, edge, needed)
+            edge_grads = _run_hooks(node, edge, grads, handed)
         if not retain_graph:
             node.release()
         for j in range(len(nexts)):
@@ -436,6 +439,19 @@ def _edge_grads(node, outs):
             _not_a_tensor(g, node, j)
         grads.append(g if g is None or meta is None else _fit(g, meta, node, j))
     return tuple(grads)
+
+
+def _unneeded_as_none(node, edge_grads, needed):
+    """As torch's built-in nodes, which compute no gradient for an input this pass does not
+    need (``backward(inputs=...)``, ``grad``): their hooks see None there. (A custom
+    Function's backward returns what it computes, and its hooks see that, as in torch.)"""
+    nexts = node.next_functions
+    out = list(edge_grads)
+    for j in range(len(nexts)):
+        parent = nexts[j][0]
+        if parent is not None and not needed[parent]:
+            out[j] = None
+    return tuple(out)
 
 
 def _pick(outs, pos):

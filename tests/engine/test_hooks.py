@@ -23,6 +23,56 @@ def both(scenario):
     return got
 
 
+# -- what a Node hook sees for inputs a pass does not need -----------------------------------
+
+@pytest.mark.parametrize("graph", ["mul", "abs of abs", "custom Function"])
+@pytest.mark.parametrize("how", ["backward(inputs=)", "grad"])
+def test_node_hook_sees_none_for_inputs_this_pass_does_not_need(graph, how):
+    """torch's built-in nodes compute no gradient for an input that backward(inputs=...) or
+    grad(...) does not need, and their hooks see None there; a custom Function's backward
+    returns all it computes, and its hooks see all of it. (Found by the fuzzer.)"""
+    def scenario(kind):
+        a, b = leaf(kind, 2, seed=1), leaf(kind, 2, seed=2)
+        Function = gg.Function if kind == "gg" else torch.autograd.Function
+
+        class Mul(Function):
+            @staticmethod
+            def forward(ctx, x, y):
+                ctx.save_for_backward(x, y)
+                return x * y
+
+            @staticmethod
+            def backward(ctx, g):
+                x, y = ctx.saved_tensors
+                return g * y, g * x
+
+        seen = []
+        if graph == "mul":
+            hooked = out = a * b
+            wanted = a
+        elif graph == "abs of abs":
+            hooked = a.abs()
+            out, wanted = hooked.abs(), hooked
+        else:
+            hooked = out = Mul.apply(a, b)
+            wanted = a
+        hooked.grad_fn.register_hook(lambda gi, go: seen.append(
+            [None if g is None else g.detach().clone() for g in gi]))
+        if how == "grad":
+            grad_of(out.sum(), [wanted])
+        else:
+            out.sum().backward(inputs=[wanted])
+        return seen
+
+    seen = both(scenario)
+    if how == "grad" and graph == "abs of abs":  # grad() reads a non-leaf's gradient: no run
+        assert seen == []
+        return
+    assert len(seen) == 1
+    if graph != "custom Function":
+        assert seen[0][-1] is None
+
+
 # -- Tensor.register_hook ------------------------------------------------------------------
 
 def test_leaf_hook_replaces_the_gradient_in_backward_and_grad():
