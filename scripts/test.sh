@@ -24,7 +24,9 @@ run_suite() {
 
 # pytest's latest progress ("[ 42%]") in a run's output so far
 progress_of() {
-  grep -oE '\[ *[0-9]+%\]' "$log_dir/$1" 2>/dev/null | tail -n 1 | tr -d '[] ' || true
+  local p
+  p="$(grep -oE '\[ *[0-9]+%\]' "$log_dir/$1" 2>/dev/null | tail -n 1 | tr -d '[]% ')"
+  echo "${p:-0}"
 }
 
 # pytest's summary line ("1234 passed, 5 skipped in 300.00s"), else its last line of output.
