@@ -342,6 +342,25 @@ def test_fill_zero_and_xlogy_spellings_match_torch():
     same_as_torch(program)
 
 
+@pytest.mark.parametrize("op", ["max", "min", "median"])
+@pytest.mark.parametrize("data", [[[float("nan"), 0.5], [0.5, 2.0]], [[2.0, 0.5], [2.0, -2.0]]])
+def test_a_nan_gradient_into_a_whole_tensor_reduction_as_torch(op, data):
+    """Found by the fuzzer: a NaN gradient into ``x.max()`` reached every element of x where
+    torch's CPU kernel puts zeros off the chosen ones (``evenly_distribute_backward`` fills a
+    mask); ties and a NaN result share the gradient evenly in both."""
+    def program(lib):
+        x = lib.leaf(data)
+        y = getattr(x, op)()
+        y.atan().backward()  # atan(NaN) is NaN: the gradient into the reduction is NaN
+        first = x.grad
+        x.grad = None
+        (g,) = lib.grad(getattr(x, op)() * 3, [x], create_graph=True)
+        (gg_,) = lib.grad((g * x).sum(), [x])
+        return first, g, gg_
+
+    same_as_torch(program)
+
+
 @pytest.mark.parametrize("dim", [None, -1, 0])
 def test_prod_with_a_zero_and_a_nan_as_torch(dim):
     """Found by the fuzzer: with a zero in the input, torch multiplies the other elements out

@@ -133,6 +133,18 @@ def amin(grad, input, dim=(), keepdim=False, *, result):
     return _amax_grad(grad, input, dim, keepdim, result)
 
 
+def _evenly_distribute(grad, input, value):
+    """torch's ``evenly_distribute_backward``: the gradient of a whole-tensor max/min/median,
+    shared by the elements equal to the result (the NaNs when it is NaN). As in torch, on the
+    CPU the others get exact zeros (``masked_fill``: a NaN gradient stays on the chosen
+    elements); elsewhere a product by the mask (a NaN gradient reaches every element)."""
+    if input.device.type == "cpu":
+        mask = input.isnan() if bool(value.isnan()) else input == value
+        return grad.new_zeros(input.shape).masked_fill(mask, grad / mask.sum())
+    mask = (input == value) | (input.isnan() & value.isnan())
+    return mask * (grad / mask.sum())
+
+
 def _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, is_max):
     grad = grads[0]
     if grad is None:
@@ -147,9 +159,7 @@ def _max_min(grads, input, dim, keepdim, other, result, needs_input_grad, is_max
         return (ga, gb) if isinstance(dim, torch.Tensor) else (ga, None, None, gb)
     if dim is None:
         # the whole tensor: ties (and NaNs, when the result is NaN) share the gradient evenly
-        value = result if isinstance(result, torch.Tensor) else result[0]
-        mask = (input == value) | (input.isnan() & value.isnan())
-        return mask * (grad / mask.sum())
+        return _evenly_distribute(grad, input, result if isinstance(result, torch.Tensor) else result[0])
     # (values, indices) along dim: the gradient goes to the selected index only
     index = result[1].detach()
     if not keepdim and input.dim():
@@ -489,11 +499,8 @@ def _median_grad(grads, input, dim, keepdim, result):
     grad = grads[0]
     if grad is None:
         return None
-    if dim is None:
-        # torch's evenly_distribute_backward: ties (NaNs for a NaN median) share evenly
-        value = result if isinstance(result, torch.Tensor) else result[0]
-        mask = (input == value) | (input.isnan() & value.isnan())
-        return mask * (grad / mask.sum())
+    if dim is None:  # ties (NaNs for a NaN median) share evenly
+        return _evenly_distribute(grad, input, result if isinstance(result, torch.Tensor) else result[0])
     return _selected_grad(grad, input, dim, keepdim, result[1].detach())
 
 
