@@ -527,9 +527,10 @@ class Interpreter:
         if picked is None:
             return
         _, (g,), (t,) = picked
-        if t._is_view() and not g._is_view():
-            # a view of a kernel temporary in torch only (documented): hooks on it see the
-            # temporary's history, which graphgrad's graph does not have
+        if t._is_view() and (not g._is_view() or g._base.shape != t._base.shape):
+            # a view of a kernel temporary in torch only (documented), or a view of a view of
+            # one (its base is the temporary): hooks on it see the temporary's history, which
+            # graphgrad's graph does not have
             STATS["hooks_on_views_of_temporaries_left_out"] += 1
             return
         hid = self.hooks
