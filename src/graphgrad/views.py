@@ -612,16 +612,17 @@ def _tag_views(out, args, kwargs, tag):
     with grad mode on); views of a marked view inherit its mark. ``PLAIN_VIEW``: a view made
     with grad mode on of a tensor that required no grad, stamped with its version, so that it
     requires grad once its base does (see ``_revived``)."""
+    stamped = tag == PLAIN_VIEW or tag >= CUSTOM_FUNCTION_VIEW  # (a Function's view: from now)
     if isinstance(out, _PlainTensor):
         if _is_view(out) and not is_input(out, args, kwargs):
             out._gg_view_tag = tag
-            if tag == PLAIN_VIEW:
+            if stamped:
                 out._gg_view_version = _stamp(out)
     elif isinstance(out, (tuple, list)):
         for o in out:
             if isinstance(o, _PlainTensor) and _is_view(o) and not is_input(o, args, kwargs):
                 o._gg_view_tag = tag
-                if tag == PLAIN_VIEW:
+                if stamped:
                     o._gg_view_version = _stamp(o)
 
 

@@ -193,6 +193,26 @@ def test_an_unrecorded_function_view_is_refused_once_its_base_requires_grad_and_
                   "clone() the output")
 
 
+def test_a_view_of_an_unrecorded_function_view_is_usable_until_its_base_changes():
+    """Found by a random fuzz run: a view of a Function's view that recorded nothing (its
+    input, a view made under no_grad, required no grad in graphgrad; see docs/reliability.md)
+    was refused at once ("its base ... has been modified inplace since") although nothing
+    had changed: the new view was not stamped with its version. (graphgrad only: torch's
+    no_grad view requires grad, so its Function records.)"""
+    lib = Lib("gg")
+    x = lib.leaf(X)
+    with torch.no_grad():
+        v1 = x.view_as(x)
+    v2 = identity(lib).apply(v1)
+    v3 = v2.view_as(v2)
+    assert v3.grad_fn is None and v2.grad_fn is None and not v3.requires_grad
+    with torch.no_grad():
+        x.add_(1)
+    for view in (v2, v3):
+        with pytest.raises(RuntimeError, match="base or another view of its base has been modified"):
+            _ = view.grad_fn
+
+
 def test_a_view_returned_by_a_function_is_refused_after_its_base_changed():
     """The silently wrong case: graphgrad used the view's stale grad_fn."""
     def program(lib):
