@@ -17,6 +17,10 @@ cdef object _run(list root_nodes, object root_grads, object retain_graph, bint c
                  bint into_torch)
 
 cdef long long _order(Node node) except? -1
+
+cdef class _Ready:
+    cdef public long long key
+    cdef public object node
 cdef bint _all_none(object grads) except -1
 cdef object _pick(object outs, object pos)
 cdef object _add_to_buffer(dict buffers, Node node, Py_ssize_t nr, object g)

@@ -177,9 +177,9 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
     ready = []
     for node in dict.fromkeys(n for n, _ in root_nodes):
         if deps[node] == 0:
-            _heappush(ready, (_order(node), node))
+            _heappush(ready, _Ready(_order(node), node))
     while ready:
-        node = _heappop(ready)[1]
+        node = _heappop(ready).node
         grads = buffers.pop(node, None)
         if needed is not None and not needed[node]:  # a root that leads to no input: torch
             if len(root_nodes) == 1:  # runs the tensor hooks of a single one, nothing else
@@ -260,7 +260,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                 _add_to_buffer(buffers, parent, nr, g)
             deps[parent] -= 1
             if deps[parent] == 0:
-                _heappush(ready, (_order(parent), parent))
+                _heappush(ready, _Ready(_order(parent), parent))
     if bridges:
         _into_torch(bridges, inputs, deps, retain_graph, accumulate, captured)
     if inputs is None or accumulate:
@@ -333,11 +333,24 @@ def _unused(k):
 
 
 def _order(node):
-    """Heap key: newest node first; AccumulateGrad before any other (torch gives it the
-    largest sequence number)."""
+    """Heap key: newest node first; AccumulateGrad before any other (torch gives every one the
+    largest sequence number, so they tie)."""
     if type(node) is AccumulateGrad:
-        return _FIRST - node.sequence_nr
+        return _FIRST
     return -node.sequence_nr
+
+
+class _Ready:
+    """A ready node in the heap, compared by its key alone: nodes with equal keys (the
+    AccumulateGrads) come out in the order torch's ready queue (a binary heap with the same
+    sift rules as heapq's) gives them, so leaf hooks run in torch's order."""
+
+    def __init__(self, key, node):
+        self.key = key
+        self.node = node
+
+    def __lt__(self, other):
+        return self.key < other.key
 
 
 def _leads_on(node, needed):

@@ -73,6 +73,39 @@ def test_node_hook_sees_none_for_inputs_this_pass_does_not_need(graph, how):
         assert seen[0][-1] is None
 
 
+# -- the order leaf hooks run in ------------------------------------------------------------
+
+@pytest.mark.parametrize("graph", ["a + b", "stack", "products", "two uses", "cat then mul"])
+@pytest.mark.parametrize("n", [2, 3, 5, 7])
+def test_leaf_hooks_run_in_torchs_order(graph, n):
+    """torch gives every AccumulateGrad the same (largest) sequence number, so the order its
+    ready queue (a binary heap) hands them out in follows the heap's rules for ties, not the
+    leaves' age; graphgrad's heap keeps ties and sifts as torch's does. (Found by a random
+    fuzz run: ``a + b`` ran b's hook first.)"""
+    def scenario(kind):
+        leaves = [leaf(kind, 2, seed=k) for k in range(n)]
+        calls = []
+        for k, t in enumerate(leaves):
+            t.register_hook(lambda g, k=k: calls.append(("hook", k)))
+            t.register_post_accumulate_grad_hook(lambda t, k=k: calls.append(("post", k)))
+        if graph == "a + b":
+            out = leaves[0]
+            for t in leaves[1:]:
+                out = out + t
+        elif graph == "stack":
+            out = torch.stack(leaves)
+        elif graph == "products":
+            out = sum(a * b for a, b in zip(leaves, leaves[1:] + leaves[:1]))
+        elif graph == "two uses":
+            out = torch.stack([t * t + t for t in leaves])
+        else:
+            out = torch.cat(leaves) * torch.cat(leaves[::-1])
+        out.sum().backward()
+        return calls
+
+    both(scenario)
+
+
 # -- Tensor.register_hook ------------------------------------------------------------------
 
 def test_leaf_hook_replaces_the_gradient_in_backward_and_grad():
