@@ -22,9 +22,9 @@ def test_fails_where_asked():
 '''
 
 
-def run_test_sh(tmp_path, fail_in):
+def run_test_sh(tmp_path, fail_in, serial="0"):
     (tmp_path / "test_mode.py").write_text(MODE_TEST)
-    env = dict(os.environ, GRAPHGRAD_NO_SETUP="1", FAIL_IN=fail_in,
+    env = dict(os.environ, GRAPHGRAD_NO_SETUP="1", FAIL_IN=fail_in, GRAPHGRAD_TEST_SERIAL=serial,
                GRAPHGRAD_PURE_PYTHON="1",  # exported by the caller: must not reach the compiled run
                PATH=os.pathsep.join([str(pathlib.Path(sys.executable).parent), os.environ["PATH"]]))
     return subprocess.run(["bash", str(ROOT / "scripts" / "test.sh"), str(tmp_path / "test_mode.py")],
@@ -46,6 +46,20 @@ def test_both_modes_run_and_the_status_says_if_either_failed(tmp_path, fail_in, 
         assert line.split(":")[1].strip().startswith("FAILED" if failed else "ok"), line
     if fail_in:  # the pytest argument (the file) reached both runs: each reports its failure
         assert out.count("failing on purpose") >= len(fail_in.split(","))
+
+
+@pytest.mark.parametrize("fail_in", ["", "compiled"])
+def test_one_after_the_other_when_asked(tmp_path, fail_in):
+    """GRAPHGRAD_TEST_SERIAL=1 (or a one-core machine): the two runs one after the other, with
+    the same summaries and exit status as side by side."""
+    done = run_test_sh(tmp_path, fail_in, serial="1")
+    out = done.stdout
+    assert (done.returncode == 0) == (not fail_in), out + done.stderr
+    assert "side by side" not in out
+    assert out.index("== tests, compiled engine") < out.index("== tests, pure-Python engine")
+    summary = out[out.index("== summary =="):].splitlines()[1:]
+    assert summary[0].split(":")[1].strip().startswith("FAILED" if fail_in else "ok"), summary
+    assert summary[1].split(":")[1].strip().startswith("ok"), summary
 
 
 @pytest.mark.parametrize("script", ["setup_env.sh", "test.sh", "demo.sh"])
