@@ -43,6 +43,10 @@ Compared as graphgrad documents it:
 - after a failed backward torch may have run some hooks (and filled the ``.grad`` of a
   non-leaf ``inputs=`` tensor): graphgrad must have run none, and torch's are undone; where
   an input is reached but gets no gradient, both run the pass and then refuse it;
+- Node hooks are compared only where both libraries built the same node for the op (by name,
+  with a few known aliases such as graphgrad's ``Getitem`` for torch's ``Select``): where
+  torch's op is a composite or a ``CopySlices`` (``t[0] = v`` on a non-view) and graphgrad's
+  one rule, each hook sees its own node's inputs (counted as left out);
 - Node hooks log the gradients of the node's inputs that require grad (for the others
   torch's formula may compute one, graphgrad's does not);
 - what rules keep for backward differs where documented (docs/reliability.md): a backward
