@@ -54,66 +54,48 @@ PyObject* call2(PyObject* fn, PyObject* a, PyObject* b) {
   return PyObject_Vectorcall(fn, args, 2, nullptr);
 }
 
-PyObject* version(PyObject*, PyObject* t) {
+// Read t's TensorImpl with `read`, or ask torch's `getter` for objects not read directly and
+// for tensors whose C++ read throws.
+template <typename Read>
+PyObject* read_or_get(PyObject* t, PyObject* getter, Read read) {
   if (readable(t)) {
     try {
-      return PyLong_FromLongLong(THPVariable_Unpack(t)._version());
+      return read(THPVariable_Unpack(t));
     } catch (const std::exception&) {
     }
   }
-  return call1(g_get_version, t);
+  return call1(getter, t);
+}
+
+PyObject* version(PyObject*, PyObject* t) {
+  return read_or_get(t, g_get_version,
+                     [](const at::Tensor& x) { return PyLong_FromLongLong(x._version()); });
 }
 
 PyObject* dtype(PyObject*, PyObject* t) {
-  if (readable(t)) {
-    try {
-      PyObject* d = reinterpret_cast<PyObject*>(torch::getTHPDtype(THPVariable_Unpack(t).scalar_type()));
-      Py_INCREF(d);
-      return d;
-    } catch (const std::exception&) {
-    }
-  }
-  return call1(g_get_dtype, t);
+  return read_or_get(t, g_get_dtype, [](const at::Tensor& x) {
+    PyObject* d = reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()));
+    Py_INCREF(d);
+    return d;
+  });
 }
 
 PyObject* ndim(PyObject*, PyObject* t) {
-  if (readable(t)) {
-    try {
-      return PyLong_FromLongLong(THPVariable_Unpack(t).dim());
-    } catch (const std::exception&) {
-    }
-  }
-  return call1(g_dim, t);
+  return read_or_get(t, g_dim, [](const at::Tensor& x) { return PyLong_FromLongLong(x.dim()); });
 }
 
 PyObject* device_index(PyObject*, PyObject* t) {
-  if (readable(t)) {
-    try {
-      return PyLong_FromLongLong(THPVariable_Unpack(t).get_device());
-    } catch (const std::exception&) {
-    }
-  }
-  return call1(g_get_device, t);
+  return read_or_get(t, g_get_device,
+                     [](const at::Tensor& x) { return PyLong_FromLongLong(x.get_device()); });
 }
 
 PyObject* requires_grad(PyObject*, PyObject* t) {
-  if (readable(t)) {
-    try {
-      return PyBool_FromLong(THPVariable_Unpack(t).requires_grad());
-    } catch (const std::exception&) {
-    }
-  }
-  return call1(g_get_requires_grad, t);
+  return read_or_get(t, g_get_requires_grad,
+                     [](const at::Tensor& x) { return PyBool_FromLong(x.requires_grad()); });
 }
 
 PyObject* is_view(PyObject*, PyObject* t) {
-  if (readable(t)) {
-    try {
-      return PyBool_FromLong(THPVariable_Unpack(t).is_view());
-    } catch (const std::exception&) {
-    }
-  }
-  return call1(g_is_view, t);
+  return read_or_get(t, g_is_view, [](const at::Tensor& x) { return PyBool_FromLong(x.is_view()); });
 }
 
 PyObject* same_size(PyObject*, PyObject* const* args, Py_ssize_t n) {
