@@ -457,6 +457,7 @@ class Interpreter:
                 torch.testing.assert_close(plain(g), before, rtol=0, atol=0, equal_nan=True)
             STATS["inplace_on_no_grad_view_refused"] += 1
             return
+        grad_before = t.grad if name == "fn_dirty" and t.retains_grad else None
         try:
             ok, _, _, _ = run_both(lambda: fn(g, go), lambda: fn(t, to))
         except AssertionError as e:
@@ -466,6 +467,11 @@ class Interpreter:
                 STATS["stopped_at_inplace_on_overlapping_view"] += 1
                 raise StopProgram from e
             raise
+        if not ok and grad_before is not None and t.grad is None:
+            # a refused mark_dirty: torch resets the input's retained .grad before its check
+            # (documented), graphgrad refuses before changing anything: torch's is put back
+            t.grad = grad_before
+            STATS["retained_grad_reset_by_a_refused_dirty_function_undone"] += 1
         if ok and base is not None and torch.is_grad_enabled() and (g.requires_grad or other):
             STATS["inplace_on_views_recorded"] += 1  # the base's grad_fn is now CopySlices
         # changed alike, or (after errors) not at all

@@ -110,6 +110,21 @@ def test_mark_dirty_refused_like_torch(make, torch_says, gg_says):
     same_as_torch(program, RuntimeError, torch_says, gg_says)
 
 
+def test_a_refused_mark_dirty_keeps_the_inputs_retained_grad():
+    """A documented difference (docs/reliability.md): torch resets a dirty input's .grad before
+    it refuses a view of a leaf; graphgrad refuses before changing anything it keeps."""
+    gg = Lib("gg")
+    v = gg.leaf(X).view_as(torch.empty(2, 2))
+    v.retain_grad()
+    gg.grad(v.sum(), [v])
+    assert v.grad is not None
+    kept = v.grad
+    with pytest.raises(RuntimeError, match="view of a leaf Variable"):
+        dirty(gg).apply(v)
+    assert v.grad is kept and v.retains_grad
+    assert torch.equal(kept, torch.ones(2, 2, dtype=torch.float64))
+
+
 def test_mark_dirty_on_a_view_with_two_outputs_and_unreturned_dirty_inputs_are_refused():
     def two_outputs(lib):
         class Two(lib.Function):
