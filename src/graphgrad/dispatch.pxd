@@ -15,6 +15,7 @@ cdef object _Disable, _grad_enabled, _dtype, _device_index, _ndim, _is_view
 cdef object _torch_requires_grad, _autocast_enabled, _PlainTensor
 cdef object _TENSOR_CLS, _observer, _weakref
 cdef dict _NO_KWARGS, _ROUTES, _SPECIAL
+cdef frozenset _DIFFERENTIABLE_DTYPES
 cdef int KEEP_VALUE, NO_GRAD, NEEDS_GRAD, PLAIN_VIEW, TORCH_TRACKED
 
 cdef int _needs_grad(tuple args, dict kwargs) except -1
@@ -22,3 +23,4 @@ cpdef object call(object func, tuple args, object kwargs)
 cpdef object note_call(object func)
 cdef object _record(object func, object rule, tuple args, dict kwargs, bint silent)
 cdef object _attach(object out, Node node, object rule, object parts)
+cdef object _attach_tuple(object out, Node node, object rule, object parts)

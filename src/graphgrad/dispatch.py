@@ -56,6 +56,10 @@ _autocast_enabled = _compat.autocast_enabled
 _PlainTensor = torch.Tensor
 _TENSOR_CLS = None  # graphgrad.Tensor (see wrap.on_tensor_class), read on the hot path
 _NO_KWARGS: dict = {}  # never mutated: the kwargs of calls that passed none
+#: outputs of these dtypes get a grad_fn (one set lookup instead of two dtype attributes)
+_DIFFERENTIABLE_DTYPES = frozenset(
+    d for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex))
 _weakref = weakref.ref
 _observer = None  # see observe_calls
 #: torch functions that graphgrad answers with its own (``torch.autograd.grad`` -> ``gg.grad``,
@@ -274,36 +278,41 @@ def _attach(out, node, rule, parts):
             out = _not_a_view(out)
         if rule.saves_result and parts != ():
             node.result = SavedResult(out.detach())
-        dtype = out.dtype
+        dtype = _dtype(out)
         out.__class__ = _TENSOR_CLS
-        if dtype.is_floating_point or dtype.is_complex:
+        if dtype in _DIFFERENTIABLE_DTYPES:
             out._gg_node = node
         return out
     if isinstance(out, tuple):
-        items = list(out)
-        # trailing integer outputs (max's indices) are not outputs of the node, as in torch,
-        # nor are those a rule declares non-differentiable (native_layer_norm's statistics)
-        n = len(items)
-        while n > 1 and type(items[n - 1]) is _PlainTensor and not (
-                items[n - 1].is_floating_point() or items[n - 1].is_complex()):
-            n -= 1
-        if rule.differentiable_outputs is not None and rule.differentiable_outputs < n:
-            n = rule.differentiable_outputs
-        node.num_outputs = n
-        if rule.saves_result and parts != ():
-            node.result = SavedResult(tuple(
-                o.detach() if parts is None or i in parts else None for i, o in enumerate(items)))
-        for i, o in enumerate(items):
-            if type(o) is _PlainTensor:
-                if not rule.may_view and _is_view(o):
-                    o = _not_a_view(o)
-                if i < n and (o.is_floating_point() or o.is_complex()):
-                    items[i] = wrap_output(o, node, i)
-                else:
-                    o.__class__ = _TENSOR_CLS
-                    items[i] = o
-        return type(out)(items)
+        return _attach_tuple(out, node, rule, parts)
     return out
+
+
+def _attach_tuple(out, node, rule, parts):
+    """``_attach`` for an op that returned a tuple (max's values and indices, native_layer_norm)."""
+    items = list(out)
+    # trailing integer outputs (max's indices) are not outputs of the node, as in torch,
+    # nor are those a rule declares non-differentiable (native_layer_norm's statistics)
+    n = len(items)
+    while n > 1 and type(items[n - 1]) is _PlainTensor and not (
+            items[n - 1].is_floating_point() or items[n - 1].is_complex()):
+        n -= 1
+    if rule.differentiable_outputs is not None and rule.differentiable_outputs < n:
+        n = rule.differentiable_outputs
+    node.num_outputs = n
+    if rule.saves_result and parts != ():
+        node.result = SavedResult(tuple(
+            o.detach() if parts is None or i in parts else None for i, o in enumerate(items)))
+    for i, o in enumerate(items):
+        if type(o) is _PlainTensor:
+            if not rule.may_view and _is_view(o):
+                o = _not_a_view(o)
+            if i < n and (o.is_floating_point() or o.is_complex()):
+                items[i] = wrap_output(o, node, i)
+            else:
+                o.__class__ = _TENSOR_CLS
+                items[i] = o
+    return type(out)(items)
 
 
 def _not_a_view(t):

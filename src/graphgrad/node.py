@@ -37,6 +37,7 @@ __all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "current_seq
 
 _sequence_nr = 0  # Nodes are numbered in recording order
 _anomaly_enabled = torch.is_anomaly_enabled
+_PlainTensor = torch.Tensor
 _NO_EXTRA: dict = {}  # never mutated: the keyword arguments of rules that take none
 
 
@@ -75,11 +76,7 @@ class Node:
     @property
     def needs_input_grad(self):
         """One bool per rule parameter: does a gradient flow to it?"""
-        needs = [False] * len(self.rule.params)
-        for (parent, _), pos in zip(self.next_functions, self.slot_pos):
-            if parent is not None:
-                needs[pos[0] if type(pos) is tuple else pos] = True
-        return tuple(needs)
+        return _needs_input_grad(self)
 
     def check_saved(self):
         """Raise if backward cannot run this node: freed saved values, or in-place changes."""
@@ -117,9 +114,9 @@ class Node:
             if self.result is not None:
                 extra["result"] = unpack_result(self, create_graph)
             if rule.wants_needs:
-                extra["needs_input_grad"] = self.needs_input_grad
+                extra["needs_input_grad"] = _needs_input_grad(self)
         out = rule.invoke(rule.fn, grad, unpack_saved(self.saved, create_graph), extra)
-        if out is None or isinstance(out, torch.Tensor):
+        if out is None or isinstance(out, _PlainTensor):
             return (out,)
         return out
 
@@ -167,6 +164,17 @@ class Node:
         if self.retained is None:
             self.retained = {}
         self.retained[output_nr] = weakref.ref(tensor)
+
+
+def _needs_input_grad(node):
+    needs = [False] * len(node.rule.params)
+    nexts = node.next_functions
+    slot_pos = node.slot_pos
+    for j in range(len(nexts)):
+        if nexts[j][0] is not None:
+            pos = slot_pos[j]
+            needs[pos[0] if type(pos) is tuple else pos] = True
+    return tuple(needs)
 
 
 def new_node(rule, next_functions, slot_pos, input_meta, saved, versions, graph):
@@ -226,10 +234,11 @@ def _holds_tensors(saved):
     for v in saved:
         if v is None:
             continue
-        if type(v) in (list, tuple):
-            if any(_holds_tensors((i,)) for i in v):
+        tp = type(v)
+        if tp is list or tp is tuple:
+            if _holds_tensors(v):
                 return True
-        elif isinstance(v, torch.Tensor) or type(v) is PackedTensor or type(v) is SavedResult:
+        elif isinstance(v, _PlainTensor) or tp is PackedTensor or tp is SavedResult:
             return True
     return False
 

@@ -11,3 +11,12 @@ cdef int KEEP_NOTHING, KEEP_META
 
 @cython.locals(k=int)
 cpdef tuple save_arguments(object keep, tuple values)
+cpdef object check_saved_versions(object name, object params, object saved, object versions,
+                                  object sequence_nr=*)
+
+
+cdef class SavedResult:
+    cdef public object data, version, unpack
+    cdef public bint multi
+    cpdef object value(self)
+    cpdef object check(self, object name)

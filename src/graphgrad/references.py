@@ -146,7 +146,7 @@ class SavedResult:
 
     def __init__(self, data):
         # data is a plain torch.Tensor (or a tuple of them for multi-output ops)
-        self.multi = not isinstance(data, torch.Tensor)
+        self.multi = not isinstance(data, _PlainTensor)
         hooks = current_saved_hooks()
         if hooks is not None:
             self.unpack = hooks[1]
@@ -157,15 +157,15 @@ class SavedResult:
             return
         self.unpack = None
         self.data = data
-        self.version = data._version if isinstance(data, torch.Tensor) else tuple(
-            None if t is None else t._version for t in data)
+        self.version = tuple(None if t is None else _version(t) for t in data) if self.multi \
+            else _version(data)
 
     def value(self):
         if self.unpack is None:
             return self.data
         with _EnableTorchFunction():
             if self.multi:
-                return tuple(None if p is None else self.unpack(p) for p in self.data)
+                return tuple([None if p is None else self.unpack(p) for p in self.data])
             return self.unpack(self.data)
 
     def check(self, name):
@@ -174,12 +174,12 @@ class SavedResult:
                 check_packed(name, self.data if self.multi else (self.data,))
             return
         data = self.data
-        if isinstance(data, torch.Tensor):
-            if data._version != self.version:
+        if not self.multi:
+            if _version(data) != self.version:
                 raise RuntimeError(modified_message(name, "result", data, self.version))
         else:
             for t, v in zip(data, self.version):
-                if t is not None and t._version != v:
+                if t is not None and _version(t) != v:
                     raise RuntimeError(modified_message(name, "result", t, v))
 
 
@@ -286,7 +286,7 @@ def check_saved_versions(name, params, saved, versions, sequence_nr=None):
         value = saved[pos[0]][pos[1]] if type(pos) is tuple else saved[pos]
         if _version(value) != version:
             raise RuntimeError(modified_message(name, _param_name(params, pos), value, version))
-        if sequence_nr is not None:
+        if sequence_nr is not None and type(value) is not _PlainTensor:  # (graphgrad's detach_)
             detached = getattr(value, "_gg_detached", 0)
             if detached and detached >= sequence_nr and value._gg_node is None:
                 raise RuntimeError(detached_message(name, _param_name(params, pos)))

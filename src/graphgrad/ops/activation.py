@@ -22,12 +22,23 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._compat import bound_function
 from .._compat import nn_functions as _nn
 from ..rules import decomposition, derivative
 from .nn import torch_body
 
 T = torch.Tensor
 _aten = torch.ops.aten
+#: the kernels backward calls, without OpOverload's Python __call__ frame
+_threshold_backward_kernel = bound_function(_aten.threshold_backward.default)
+_leaky_relu_backward_kernel = bound_function(_aten.leaky_relu_backward.default)
+_elu_backward_kernel = bound_function(_aten.elu_backward.default)
+_gelu_backward_kernel = bound_function(_aten.gelu_backward.default)
+_silu_backward_kernel = bound_function(_aten.silu_backward.default)
+_mish_backward_kernel = bound_function(_aten.mish_backward.default)
+_softplus_backward_kernel = bound_function(_aten.softplus_backward.default)
+_hardsigmoid_backward_kernel = bound_function(_aten.hardsigmoid_backward.default)
+_hardswish_backward_kernel = bound_function(_aten.hardswish_backward.default)
 _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -38,13 +49,13 @@ _GELU_KAPPA = 0.044715
 # -- relu family: the gradient passes where the output is strictly inside -------------------
 @derivative(torch.relu, T.relu, inplace=(torch.relu_, T.relu_), elementwise=True)
 def relu(grad, input, *, result):
-    return _aten.threshold_backward.default(grad, result, 0)
+    return _threshold_backward_kernel(grad, result, 0)
 
 
 @derivative(_aten.threshold_backward, _aten.threshold_backward.default, elementwise=True)
 def threshold_backward(grad, grad_output, input, threshold):
     """torch's fused ``grad_output * (input > threshold)``: linear in ``grad_output``."""
-    return _aten.threshold_backward.default(grad, input, threshold), None
+    return _threshold_backward_kernel(grad, input, threshold), None
 
 
 @decomposition(F.relu, view=False)
@@ -82,20 +93,20 @@ def relu6_function(input, inplace=False):
 
 @derivative(_nn.leaky_relu, elementwise=True)
 def leaky_relu(grad, input, negative_slope=0.01):
-    return _aten.leaky_relu_backward.default(grad, input, negative_slope, False)
+    return _leaky_relu_backward_kernel(grad, input, negative_slope, False)
 
 
 @derivative(_nn.leaky_relu_, name="LeakyReluBackward", elementwise=True)
 def leaky_relu_inplace(grad, input, negative_slope=0.01, *, result):
     """In place the input is gone; its sign is the output's when the slope is not negative (the
     kernel refuses a negative slope, with torch's message)."""
-    return _aten.leaky_relu_backward.default(grad, result, negative_slope, True)
+    return _leaky_relu_backward_kernel(grad, result, negative_slope, True)
 
 
 @derivative(_aten.leaky_relu_backward.default, elementwise=True)
 def leaky_relu_backward(grad, grad_output, input, negative_slope, self_is_result):
     """``grad_output * (input > 0 ? 1 : slope)``: linear in ``grad_output``."""
-    return _aten.leaky_relu_backward.default(grad, input, negative_slope, False), None
+    return _leaky_relu_backward_kernel(grad, input, negative_slope, False), None
 
 
 @decomposition(F.leaky_relu, view=False)
@@ -116,13 +127,13 @@ def threshold_function(input, threshold, value, inplace=False):
 # -- exponential linear units: torch's elu_backward -----------------------------------------
 @derivative(_nn.elu, elementwise=True)
 def elu(grad, input, alpha=1.0, scale=1.0, input_scale=1.0):
-    return _aten.elu_backward.default(grad, alpha, scale, input_scale, False, input)
+    return _elu_backward_kernel(grad, alpha, scale, input_scale, False, input)
 
 
 @derivative(_nn.elu_, name="EluBackward", elementwise=True)
 def elu_inplace(grad, input, alpha=1.0, scale=1.0, input_scale=1.0, *, result):
     """From the output (the kernel refuses a negative alpha here, with torch's message)."""
-    return _aten.elu_backward.default(grad, alpha, scale, input_scale, True, result)
+    return _elu_backward_kernel(grad, alpha, scale, input_scale, True, result)
 
 
 @derivative(_aten.elu_backward.default, elementwise=True)
@@ -134,9 +145,9 @@ def elu_backward(grad, grad_output, alpha, scale, input_scale, is_result, self_o
     if is_result:
         g_saved = scaled * negative
     else:
-        g_saved = _aten.elu_backward.default(scaled, alpha, scale, input_scale, False,
+        g_saved = _elu_backward_kernel(scaled, alpha, scale, input_scale, False,
                                              self_or_result) * negative
-    return (_aten.elu_backward.default(grad, alpha, scale, input_scale, is_result, self_or_result),
+    return (_elu_backward_kernel(grad, alpha, scale, input_scale, is_result, self_or_result),
             None, None, None, None, g_saved)
 
 
@@ -147,12 +158,12 @@ def elu_function(input, alpha=1.0, inplace=False):
 
 @derivative(torch.selu, elementwise=True)
 def selu(grad, input):
-    return _aten.elu_backward.default(grad, _SELU_ALPHA, _SELU_SCALE, 1.0, False, input)
+    return _elu_backward_kernel(grad, _SELU_ALPHA, _SELU_SCALE, 1.0, False, input)
 
 
 @derivative(torch.selu_, name="SeluBackward", elementwise=True)
 def selu_inplace(grad, input, *, result):
-    return _aten.elu_backward.default(grad, _SELU_ALPHA, _SELU_SCALE, 1.0, True, result)
+    return _elu_backward_kernel(grad, _SELU_ALPHA, _SELU_SCALE, 1.0, True, result)
 
 
 @decomposition(F.selu, view=False)
@@ -162,12 +173,12 @@ def selu_function(input, inplace=False):
 
 @derivative(torch.celu, elementwise=True)
 def celu(grad, input, alpha=1.0):
-    return _aten.elu_backward.default(grad, alpha, 1.0, 1.0 / alpha, False, input)
+    return _elu_backward_kernel(grad, alpha, 1.0, 1.0 / alpha, False, input)
 
 
 @derivative(torch.celu_, name="CeluBackward", elementwise=True)
 def celu_inplace(grad, input, alpha=1.0, *, result):
-    return _aten.elu_backward.default(grad, alpha, 1.0, 1.0 / alpha, True, result)
+    return _elu_backward_kernel(grad, alpha, 1.0, 1.0 / alpha, True, result)
 
 
 @decomposition(F.celu, view=False)
@@ -179,7 +190,7 @@ def celu_function(input, alpha=1.0, inplace=False):
 @derivative(_nn.gelu, inplace=(_nn.gelu_,), elementwise=True)
 def gelu(grad, input, *, approximate="none"):
     """Exact (erf) or tanh-approximated GELU: torch's ``gelu_backward``."""
-    return _aten.gelu_backward.default(grad, input, approximate=approximate)
+    return _gelu_backward_kernel(grad, input, approximate=approximate)
 
 
 @derivative(_aten.gelu_backward.default, elementwise=True)
@@ -194,7 +205,7 @@ def gelu_backward(grad, grad_output, input, *, approximate="none"):
                                 + (3 * _SQRT_2_OVER_PI * _GELU_KAPPA) * input * input)
     else:  # gelu = x Φ(x): gelu'' = φ(x) (2 - x²)
         second = (_INV_SQRT_2PI * (-0.5 * input * input).exp()) * (2 - input * input)
-    return (_aten.gelu_backward.default(grad, input, approximate=approximate),
+    return (_gelu_backward_kernel(grad, input, approximate=approximate),
             grad * grad_output * second)
 
 
@@ -203,7 +214,7 @@ def silu(grad, input):
     """Swish, ``x * sigmoid(x)``: torch's ``silu_backward``, or under ``create_graph`` (as
     torch) its formula d/dx = s * (1 + x * (1 - s)) in recorded ops."""
     if not torch.is_grad_enabled():
-        return _aten.silu_backward.default(grad, input)
+        return _silu_backward_kernel(grad, input)
     s = torch.sigmoid(input)
     return grad * s * (1 + input * (1 - s))
 
@@ -218,7 +229,7 @@ def mish(grad, input):
     """``x * tanh(softplus(x))``: torch's ``mish_backward``, or its formula under
     ``create_graph`` (as torch)."""
     if not torch.is_grad_enabled():
-        return _aten.mish_backward.default(grad, input)
+        return _mish_backward_kernel(grad, input)
     t = _nn.softplus(input).tanh()
     return grad * (t + input * torch.sigmoid(input) * (1 - t * t))
 
@@ -231,7 +242,7 @@ def mish_function(input, inplace=False):
 @derivative(_nn.softplus, elementwise=True)
 def softplus(grad, input, beta=1.0, threshold=20.0):
     """``log(1 + exp(beta x)) / beta``, linear where ``beta x > threshold``."""
-    return _aten.softplus_backward.default(grad, input, beta, threshold)
+    return _softplus_backward_kernel(grad, input, beta, threshold)
 
 
 @derivative(_aten.softplus_backward.default, elementwise=True)
@@ -241,7 +252,7 @@ def softplus_backward(grad, grad_output, input, beta, threshold):
     scaled = input * beta
     s = torch.sigmoid(scaled)
     g_input = (grad * grad_output) * (s * (1 - s)) * (scaled < threshold).to(grad.dtype) * beta
-    return _aten.softplus_backward.default(grad, input, beta, threshold), g_input
+    return _softplus_backward_kernel(grad, input, beta, threshold), g_input
 
 
 @derivative(_nn.log_sigmoid, elementwise=True)
@@ -262,14 +273,14 @@ def tanhshrink(input):
 # -- piecewise linear ----------------------------------------------------------------------------
 @derivative(_nn.hardsigmoid, inplace=(_nn.hardsigmoid_,), elementwise=True)
 def hardsigmoid(grad, input):
-    return _aten.hardsigmoid_backward.default(grad, input)
+    return _hardsigmoid_backward_kernel(grad, input)
 
 
 @derivative(_aten.hardsigmoid_backward.default, elementwise=True)
 def hardsigmoid_backward(grad, grad_output, input):
     """``grad_output / 6`` inside (-3, 3): linear in ``grad_output``, flat in the input (torch
     has no rule for it; this one gives the input no gradient)."""
-    return _aten.hardsigmoid_backward.default(grad, input), None
+    return _hardsigmoid_backward_kernel(grad, input), None
 
 
 @decomposition(F.hardsigmoid, view=False)
@@ -280,14 +291,14 @@ def hardsigmoid_function(input, inplace=False):
 @derivative(_nn.hardswish, inplace=(_nn.hardswish_,), elementwise=True)
 def hardswish(grad, input):
     """``x * relu6(x + 3) / 6``."""
-    return _aten.hardswish_backward.default(grad, input)
+    return _hardswish_backward_kernel(grad, input)
 
 
 @derivative(_aten.hardswish_backward.default, elementwise=True)
 def hardswish_backward(grad, grad_output, input):
     """Linear in ``grad_output``; in the input ``grad * grad_output / 3`` inside (-3, 3)."""
     inside = (input > -3) & (input < 3)
-    return (_aten.hardswish_backward.default(grad, input),
+    return (_hardswish_backward_kernel(grad, input),
             torch.where(inside, grad * grad_output / 3, 0.0))
 
 

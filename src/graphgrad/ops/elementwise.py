@@ -14,11 +14,15 @@ import math
 
 import torch
 
+from .._compat import bound_function
 from .._compat import special_functions as _special
 from ..rules import Meta, decomposition, derivative
 
 T = torch.Tensor
 _aten = torch.ops.aten
+#: the kernels backward calls, without OpOverload's Python __call__ frame
+_tanh_backward_kernel = bound_function(_aten.tanh_backward.default)
+_sigmoid_backward_kernel = bound_function(_aten.sigmoid_backward.default)
 _LN2 = math.log(2.0)
 _LN10 = math.log(10.0)
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
@@ -385,7 +389,7 @@ def cosh(grad, input):
 @derivative(torch.tanh, T.tanh, inplace=(torch.tanh_, T.tanh_), elementwise=True)
 def tanh(grad, input, *, result):
     """torch's fused ``tanh_backward``: ``grad * (1 - result²)`` (conjugated for complex)."""
-    return _aten.tanh_backward.default(grad, result)
+    return _tanh_backward_kernel(grad, result)
 
 
 @derivative(_aten.tanh_backward.default, elementwise=True)
@@ -393,7 +397,7 @@ def tanh_backward(grad, grad_output, output):
     """Linear in ``grad_output``; ``-2 grad * output * grad_output`` in the output."""
     output = output.conj() if output.is_complex() else output
     g_output = -2 * output * grad_output
-    return (_aten.tanh_backward.default(grad, output),
+    return (_tanh_backward_kernel(grad, output),
             (grad.conj() if grad.is_complex() else grad) * g_output)
 
 
@@ -419,14 +423,14 @@ def atanh(grad, input):
             elementwise=True)
 def sigmoid(grad, input, *, result):
     """torch's fused ``sigmoid_backward``: ``grad * result * (1 - result)``."""
-    return _aten.sigmoid_backward.default(grad, result)
+    return _sigmoid_backward_kernel(grad, result)
 
 
 @derivative(_aten.sigmoid_backward.default, elementwise=True)
 def sigmoid_backward(grad, grad_output, output):
     """Linear in ``grad_output``; ``grad * grad_output * (1 - 2 output)`` in the output."""
     output = output.conj() if output.is_complex() else output
-    return (_aten.sigmoid_backward.default(grad, output),
+    return (_sigmoid_backward_kernel(grad, output),
             (grad.conj() if grad.is_complex() else grad) * grad_output * (1 - 2 * output))
 
 

@@ -25,11 +25,16 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._compat import bound_function
 from .._compat import nn_functions as _nn
 from ..rules import decomposition, derivative
 from .nn import autocast_float32, autocast_has_kernel, autocast_off, torch_body
 
 _aten = torch.ops.aten
+#: the kernels backward calls, without OpOverload's Python __call__ frame
+_mse_loss_backward_kernel = bound_function(_aten.mse_loss_backward.default)
+_smooth_l1_loss_backward_kernel = bound_function(_aten.smooth_l1_loss_backward.default)
+_huber_loss_backward_kernel = bound_function(_aten.huber_loss_backward.default)
 
 _REDUCTIONS = ("none", "mean", "sum")  # torch's reduction enum: 0, 1, 2
 _BCE_EPS = 1e-12  # torch clamps binary_cross_entropy's (1 - x) * x from below by this
@@ -145,7 +150,7 @@ def mse_loss_backward(grad, grad_output, input, target, reduction):
     """Linear in ``grad_output``; in input and target ``±2 grad grad_output`` (/ n for "mean"):
     torch's ``mse_loss_double_backward``."""
     g = _mean_scaled(2 * (grad * grad_output), input, reduction)
-    return _aten.mse_loss_backward.default(grad, input, target, reduction), g, -g
+    return _mse_loss_backward_kernel(grad, input, target, reduction), g, -g
 
 
 @decomposition(F.l1_loss, view=False)
@@ -192,7 +197,7 @@ def smooth_l1_loss_backward(grad, grad_output, input, target, reduction, beta):
     ``|input - target| < beta`` (torch's ``smooth_l1_loss_double_backward``)."""
     inside = ((input - target).abs() < beta).to(grad.dtype)
     g = _mean_scaled(grad * grad_output * inside / beta, input, reduction)
-    return _aten.smooth_l1_loss_backward.default(grad, input, target, reduction, beta), g, -g
+    return _smooth_l1_loss_backward_kernel(grad, input, target, reduction, beta), g, -g
 
 
 @derivative(F.huber_loss, view=False)
@@ -210,10 +215,10 @@ def huber_loss(grad, input, target, reduction="mean", delta=1.0, weight=None, *,
 def huber_loss_backward(grad, grad_output, input, target, reduction, delta):
     """torch's ``huber_loss_double_backward`` (input, target) and ``..._grad_output``."""
     if reduction == _REDUCTIONS.index("none"):
-        g_grad_output = _aten.huber_loss_backward.default(grad, input, target, reduction, delta)
+        g_grad_output = _huber_loss_backward_kernel(grad, input, target, reduction, delta)
     else:
         ones = torch.ones(grad_output.shape, dtype=grad_output.dtype, device=grad_output.device)
-        g_grad_output = (_aten.huber_loss_backward.default(ones, input, target, reduction, delta)
+        g_grad_output = (_huber_loss_backward_kernel(ones, input, target, reduction, delta)
                          * grad).sum()
     inside = ((input - target).abs() < delta).to(grad.dtype)
     g = _mean_scaled(grad * grad_output * inside, input, reduction)

@@ -18,10 +18,15 @@ from math import prod
 import torch
 import torch.nn.functional as F
 
+from .._compat import bound_function
 from ..rules import decomposition, derivative
 from .nn import autocast_float32, autocast_off, torch_body
 
 _aten = torch.ops.aten
+#: the kernels backward calls, without OpOverload's Python __call__ frame
+_native_layer_norm_backward_kernel = bound_function(_aten.native_layer_norm_backward.default)
+_native_batch_norm_backward_kernel = bound_function(_aten.native_batch_norm_backward.default)
+_native_group_norm_backward_kernel = bound_function(_aten.native_group_norm_backward.default)
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -99,7 +104,7 @@ def native_batch_norm(grads, input, weight, bias, running_mean, running_var, tra
     running ones (eval); it saves what torch's node saves, the running buffers included. The
     statistics are outputs that carry no gradient, as in torch: constants of the kernel, whose
     own derivative (torch's double-backward formula) differentiates through them already."""
-    return _aten.native_batch_norm_backward.default(
+    return _native_batch_norm_backward_kernel(
         grads[0], input, weight, running_mean, running_var, result[1], result[2], training, eps,
         _mask(needs_input_grad, 0, 1, 2))
 
@@ -212,7 +217,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_
 def native_layer_norm(grads, input, normalized_shape, weight, bias, eps, *, result,
                       needs_input_grad):
     """torch's fused kernel on the saved mean and inverse standard deviation."""
-    grad_input, grad_weight, grad_bias = _aten.native_layer_norm_backward.default(
+    grad_input, grad_weight, grad_bias = _native_layer_norm_backward_kernel(
         grads[0], input, normalized_shape, result[1], result[2], weight, bias,
         _mask(needs_input_grad, 0, 2, 3))
     return grad_input, None, grad_weight, grad_bias
@@ -321,7 +326,7 @@ def native_group_norm(grads, input, weight, bias, N, C, HxW, group, eps, *, resu
     if dY is None:
         return None
     fmt = _memory_format(input) if input.device.type == "cpu" else torch.contiguous_format
-    return _aten.native_group_norm_backward.default(
+    return _native_group_norm_backward_kernel(
         dY.contiguous(memory_format=fmt), input.contiguous(memory_format=fmt), mean, rstd, weight,
         N, C, HxW, group, _mask(needs_input_grad, 0, 1, 2))
 

@@ -19,11 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
+from .._compat import bound_function
 from .._compat import nn_functions as _nn
 from ..rules import Meta, decomposition, derivative, node_name
 from .nn import torch_body
 
 _aten = torch.ops.aten
+#: the kernels backward calls, without OpOverload's Python __call__ frame
+_max_pool2d_with_indices_backward_kernel = bound_function(_aten.max_pool2d_with_indices_backward.default)
+_max_pool3d_with_indices_backward_kernel = bound_function(_aten.max_pool3d_with_indices_backward.default)
+_adaptive_max_pool2d_backward_kernel = bound_function(_aten.adaptive_max_pool2d_backward.default)
+_adaptive_max_pool3d_backward_kernel = bound_function(_aten.adaptive_max_pool3d_backward.default)
 
 
 def linear_adjoint(grad, forward, adjoint):
@@ -70,14 +76,14 @@ def max_pool2d_with_indices(grads, input, kernel_size, stride=(), padding=0, dil
                             ceil_mode=False, *, result):
     """torch's ``max_pool2d_with_indices_backward``: each gradient to where its maximum was
     (ties add up); it saves the input and the indices, as torch's node."""
-    return _aten.max_pool2d_with_indices_backward.default(
+    return _max_pool2d_with_indices_backward_kernel(
         grads[0], input, kernel_size, stride, padding, dilation, ceil_mode, result[1])
 
 
 @derivative(_nn.max_pool3d_with_indices, multi_output=True, saves=_indices_only, view=False)
 def max_pool3d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
                             ceil_mode=False, *, result):
-    return _aten.max_pool3d_with_indices_backward.default(
+    return _max_pool3d_with_indices_backward_kernel(
         grads[0], input, kernel_size, stride, padding, dilation, ceil_mode, result[1])
 
 
@@ -87,7 +93,7 @@ def max_pool1d_with_indices(grads, input, kernel_size, stride=(), padding=0, dil
     """torch pools in 1-d with its 2-d kernel on a height of 1, and so does the backward."""
     kernel = _single(kernel_size)
     no_stride = stride is None or (isinstance(stride, (list, tuple)) and not stride)
-    return _aten.max_pool2d_with_indices_backward.default(
+    return _max_pool2d_with_indices_backward_kernel(
         grads[0].unsqueeze(-2), input.unsqueeze(-2), [1, kernel],
         [1, kernel if no_stride else _single(stride)], [0, _single(padding)],
         [1, _single(dilation)], ceil_mode, result[1].unsqueeze(-2)).squeeze(-2)
@@ -95,18 +101,18 @@ def max_pool1d_with_indices(grads, input, kernel_size, stride=(), padding=0, dil
 
 @derivative(_nn.adaptive_max_pool2d, multi_output=True, saves=_indices_only, view=False)
 def adaptive_max_pool2d(grads, input, output_size, *, result):
-    return _aten.adaptive_max_pool2d_backward.default(grads[0], input, result[1])
+    return _adaptive_max_pool2d_backward_kernel(grads[0], input, result[1])
 
 
 @derivative(_nn.adaptive_max_pool3d, multi_output=True, saves=_indices_only, view=False)
 def adaptive_max_pool3d(grads, input, output_size, *, result):
-    return _aten.adaptive_max_pool3d_backward.default(grads[0], input, result[1])
+    return _adaptive_max_pool3d_backward_kernel(grads[0], input, result[1])
 
 
 @derivative(torch.adaptive_max_pool1d, multi_output=True, saves=_indices_only, view=False)
 def adaptive_max_pool1d(grads, input, output_size, *, result):
     """Through the 2-d kernel on a height of 1, as torch's forward."""
-    return _aten.adaptive_max_pool2d_backward.default(
+    return _adaptive_max_pool2d_backward_kernel(
         grads[0].unsqueeze(-2), input.unsqueeze(-2), result[1].unsqueeze(-2)).squeeze(-2)
 
 
