@@ -12,7 +12,7 @@ import os
 __all__ = ["ENGINE_MODULES", "env_flag"]
 
 #: the hot path: compiled together, in import order (lowest first)
-ENGINE_MODULES = ("wrap", "references", "node", "graph", "views", "dispatch", "fastpaths",
+ENGINE_MODULES = ("rules", "wrap", "references", "node", "graph", "views", "dispatch", "fastpaths",
                   "executor")
 
 _FALSE = ("", "0", "false", "no", "off")

@@ -3,6 +3,7 @@
 # of its own besides the rule's binder and the kernel.
 
 from graphgrad.node cimport Node, new_node
+from graphgrad.rules cimport Rule
 from graphgrad.references cimport save_arguments
 from graphgrad.views cimport (bind, keep_for, kernel, needs_of, no_grad_op, no_grad_view_op, node_of,
                               note_view_outputs, record_inplace, revived, slots,
@@ -19,8 +20,9 @@ cdef frozenset _DIFFERENTIABLE_DTYPES
 cdef int KEEP_VALUE, NO_GRAD, NEEDS_GRAD, PLAIN_VIEW, TORCH_TRACKED
 
 cdef int _needs_grad(tuple args, dict kwargs) except -1
+@cython.locals(rule=Rule)
 cpdef object call(object func, tuple args, object kwargs)
 cpdef object note_call(object func)
-cdef object _record(object func, object rule, tuple args, dict kwargs, bint silent)
-cdef object _attach(object out, Node node, object rule, object parts)
-cdef object _attach_tuple(object out, Node node, object rule, object parts)
+cdef object _record(object func, Rule rule, tuple args, dict kwargs, bint silent)
+cdef object _attach(object out, Node node, Rule rule, object parts)
+cdef object _attach_tuple(object out, Node node, Rule rule, object parts)

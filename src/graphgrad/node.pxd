@@ -3,6 +3,7 @@
 
 cimport cython
 from graphgrad.references cimport SavedResult, check_saved_versions
+from graphgrad.rules cimport Rule
 
 
 cdef class Node:
@@ -27,6 +28,7 @@ cdef class Node:
     cdef public object out_shapes
     cdef object __weakref__
     cpdef check_saved(self)
+    @cython.locals(rule=Rule)
     cpdef apply(self, grads, create_graph)
     cpdef release(self, how=*)
 

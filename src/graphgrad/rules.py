@@ -211,7 +211,7 @@ class Rule:
         self.multi_output = multi_output
         self.differentiable_outputs = differentiable_outputs
         self.inplace_of = None
-        self.keep_cache: dict[int, tuple] = {}  # which params need grad (bits) -> keep
+        self.keep_cache = {}  # which params need grad (bits) -> keep
         self.saves = saves
         self._set_traits(view, elementwise, inplace_view, family)
         if kind != DIFFERENTIABLE:  # nothing is bound, saved or called at backward

@@ -3,6 +3,7 @@
 
 from graphgrad.node cimport Node, new_node
 from graphgrad.references cimport save_arguments
+from graphgrad.rules cimport Rule
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython
@@ -20,18 +21,19 @@ cdef long long NOT_A_VIEW, CUSTOM_OUTPUTS
 cdef long long _stamp(object t) except? -2
 cpdef object node_of(object t)
 cpdef object kernel(object func, tuple args, dict kwargs, bint silent)
-cpdef object bind(object func, object rule, tuple args, dict kwargs)
-cpdef object slots(object rule, tuple values, object graph, object ref)
+cpdef object bind(object func, Rule rule, tuple args, dict kwargs)
+cpdef object slots(Rule rule, tuple values, object graph, object ref)
 cdef object _interned(tuple key)
 @cython.locals(node=Node)
 cdef bint _add_slot(object t, object graph, list nexts, list metas) except -1
-cpdef object keep_for(object rule, tuple nexts, tuple slot_pos)
-cpdef object needs_of(object rule, tuple nexts, tuple slot_pos)
-cpdef object record_inplace(object func, object rule, tuple args, dict kwargs, bint silent)
-cpdef object no_grad_view_op(object func, object rule, tuple args, dict kwargs)
-cpdef object no_grad_op(object func, object rule, tuple args, dict kwargs)
-cpdef object unrecorded_view_op(object func, object rule, tuple args, dict kwargs)
-cpdef object note_view_outputs(Node node, object out, object rule, tuple args, dict kwargs)
+cpdef object keep_for(Rule rule, tuple nexts, tuple slot_pos)
+cpdef object needs_of(Rule rule, tuple nexts, tuple slot_pos)
+@cython.locals(base_rule=Rule)
+cpdef object record_inplace(object func, Rule rule, tuple args, dict kwargs, bint silent)
+cpdef object no_grad_view_op(object func, Rule rule, tuple args, dict kwargs)
+cpdef object no_grad_op(object func, Rule rule, tuple args, dict kwargs)
+cpdef object unrecorded_view_op(object func, Rule rule, tuple args, dict kwargs)
+cpdef object note_view_outputs(Node node, object out, Rule rule, tuple args, dict kwargs)
 cpdef object stamp_view(Node node, object out)
 cpdef bint revived(object t) except -1
 cdef object _tag_views(object out, tuple args, dict kwargs, int tag)

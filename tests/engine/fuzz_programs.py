@@ -509,6 +509,12 @@ class Interpreter:
             inputs = (leaves[:1] if use_inputs in (True, "leaf") else [other]) if use_inputs else None
             out.backward(grad, retain_graph=retain, create_graph=create, inputs=inputs)
 
+        if use_inputs == "tensor" and tj._is_view() and not gj._is_view():
+            # a view of a kernel temporary in torch only (documented): torch runs the view's
+            # own node, which keeps nothing, graphgrad the op's (after an in-place change, one
+            # that frees what it saved): a later backward through it differs. Left out.
+            STATS["backward_inputs_on_views_of_temporaries_left_out"] += 1
+            return
         STATS["backward_calls"] += 1
         STATS["backward_with_inputs"] += bool(use_inputs)
         before = tj.grad if use_inputs == "tensor" else None

@@ -1,0 +1,9 @@
+# Cython declarations for rules.py (pure-Python mode): a Rule is an extension type, so the
+# engine modules that cimport it read its fields as C struct members (one per trait read per
+# op), not through Python attribute lookup.
+
+cdef class Rule:
+    cdef public object fn, name, kind, bind, keep, saves, invoke, saved_for, family, keep_cache
+    cdef public object defaults, differentiable_outputs, view, inplace_of, params
+    cdef public Py_ssize_t n_required
+    cdef public bint saves_result, wants_needs, multi_output, elementwise, may_view, inplace_view
