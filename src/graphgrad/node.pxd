@@ -2,7 +2,7 @@
 # (fixed attribute slots instead of a __dict__; weak-referenceable).
 
 cimport cython
-from graphgrad.references cimport SavedResult, check_saved_versions
+from graphgrad.references cimport SavedResult, check_saved_versions, unpack_saved
 from graphgrad.rules cimport Rule
 
 

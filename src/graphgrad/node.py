@@ -115,7 +115,13 @@ class Node:
                 extra["result"] = unpack_result(self, create_graph)
             if rule.wants_needs:
                 extra["needs_input_grad"] = _needs_input_grad(self)
-        out = rule.invoke(rule.fn, grad, unpack_saved(self.saved, create_graph), extra)
+        saved = unpack_saved(self.saved, create_graph)
+        if rule.defaults is None:  # keyword-only or variadic parameters: the compiled invoker
+            out = rule.invoke(rule.fn, grad, saved, extra)
+        elif extra is _NO_EXTRA:  # every parameter positional, in saved's order
+            out = rule.fn(grad, *saved)
+        else:
+            out = rule.fn(grad, *saved, **extra)
         if out is None or isinstance(out, _PlainTensor):
             return (out,)
         return out

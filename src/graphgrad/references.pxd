@@ -11,6 +11,7 @@ cdef int KEEP_NOTHING, KEEP_META
 
 @cython.locals(k=int)
 cpdef tuple save_arguments(object keep, tuple values)
+cpdef object unpack_saved(object saved, object create_graph)
 cpdef object check_saved_versions(object name, object params, object saved, object versions,
                                   object sequence_nr=*)
 

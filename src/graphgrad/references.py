@@ -130,7 +130,7 @@ def unpack_saved(saved, create_graph):
         if type(v) is PackedTensor:
             v = v.value(create_graph)
         elif type(v) in (list, tuple):
-            v = type(v)(i.value(create_graph) if type(i) is PackedTensor else i for i in v)
+            v = type(v)([i.value(create_graph) if type(i) is PackedTensor else i for i in v])
         out.append(v)
     return tuple(out)
 

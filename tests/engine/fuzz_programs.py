@@ -150,6 +150,19 @@ def _same_node_kind(g_node, t_node) -> bool:
     return kg == kt or (kg, kt) in _SAME_NODE
 
 
+def _expands_inputs_only_in_torch(g_node, t_node) -> bool:
+    """Did torch's node take an expanded view of an input where graphgrad's took the input
+    (mse/huber/smooth_l1 with broadcasting arguments, documented)? Its hooks then see other
+    shapes."""
+    g_next, t_next = g_node.next_functions, t_node.next_functions
+    if len(g_next) != len(t_next):
+        return False
+    for (g, _), (t, _) in zip(g_next, t_next):
+        if t is not None and _node_kind(t) == "Expand" and (g is None or _node_kind(g) != "Expand"):
+            return True
+    return False
+
+
 def _node_kind(node) -> str:
     """A node's name without torch's namespace and overload number (``MulBackward0`` -> ``Mul``)."""
     name = node.name().rsplit("::", 1)[-1]
@@ -569,6 +582,12 @@ class Interpreter:
             # CopySlices for a `t[0] = v` on a non-view, graphgrad's one rule): a Node hook
             # sees each node's own inputs, so only tensor hooks and gradients are compared
             STATS["node_hooks_on_differently_built_nodes_left_out"] += 1
+            return
+        if kind in ("pre", "post") and g.grad_fn is not None and t.grad_fn is not None and \
+                _expands_inputs_only_in_torch(g.grad_fn, t.grad_fn):
+            # torch's loss took expanded views of broadcast arguments (documented): a post
+            # hook sees gradients of other shapes; tensor hooks and gradients are compared
+            STATS["node_hooks_on_nodes_with_inputs_expanded_by_torch_left_out"] += 1
             return
         hid = self.hooks
         self.hooks += 1
