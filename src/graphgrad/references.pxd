@@ -1,10 +1,11 @@
 # Cython declarations for references.py (pure-Python mode).
 
+from graphgrad.rules cimport Meta
 from graphgrad.wrap cimport wrap_output
 
 cimport cython
 
-cdef object _PlainTensor, _version, _hooks, _shape, _dtype, _device, _meta_new
+cdef object _PlainTensor, _version, _hooks, _shape, _dtype, _device
 cdef object _Disable, _EnableTorchFunction
 cdef list _NONES
 cdef int KEEP_NOTHING, KEEP_META
@@ -21,3 +22,6 @@ cdef class SavedResult:
     cdef public bint multi
     cpdef object value(self)
     cpdef object check(self, object name)
+cdef object _meta_of(object value)
+@cython.locals(meta=Meta)
+cdef Meta _new_meta(object tensor)

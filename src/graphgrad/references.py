@@ -29,7 +29,6 @@ _dtype = _compat.tensor_dtype
 _device = _compat.tensor_device
 _Disable = _compat.DisableTorchFunctionSubclass
 _EnableTorchFunction = _compat.EnableTorchFunction
-_meta_new = Meta.__new__
 _NONES: list = []  # _NONES[n] is (None,) * n
 
 __all__ = ["SavedResult", "PackedTensor", "save_arguments", "check_saved_versions",
@@ -252,7 +251,7 @@ def _meta_of(value):
 
 def _new_meta(tensor):
     """``Meta(tensor)`` without running its Python ``__init__`` (the engine makes many)."""
-    meta = _meta_new(Meta)
+    meta = Meta.__new__(Meta)
     meta.shape = _shape(tensor)
     meta.dtype = _dtype(tensor)
     meta.device = _device(tensor)

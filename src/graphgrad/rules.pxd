@@ -7,3 +7,7 @@ cdef class Rule:
     cdef public object defaults, differentiable_outputs, view, inplace_of, params
     cdef public Py_ssize_t n_required
     cdef public bint saves_result, wants_needs, multi_output, elementwise, may_view, inplace_view
+
+
+cdef class Meta:
+    cdef public object shape, dtype, device

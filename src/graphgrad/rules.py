@@ -1,3 +1,6 @@
+# cython: annotation_typing=False
+# (compiled: annotations stay documentation, as in the pure-Python engine: derivative()'s
+# arguments are not type-checked by Cython)
 """The derivative-rule registry: from a torch function to the rule that differentiates it.
 
 A rule is an ordinary Python function written with torch ops, declared next to the torch

@@ -211,6 +211,10 @@ def run_both(fn_g, fn_t, backward=False):
     return False, None, None, kind_t[1]
 
 
+def other_requires_grad(name, other) -> bool:
+    return name in USES_OTHER and isinstance(other, torch.Tensor) and other.requires_grad
+
+
 def told_apart(g, t, what):
     """Gradients whose graphs differ: True if graphgrad's and torch's agree in value but not in
     requires_grad, or graphgrad has None where torch has zeros. Under create_graph=True a
@@ -445,6 +449,11 @@ class Interpreter:
             # mean) that retains its grad fails "out != nullptr INTERNAL ASSERT FAILED", or
             # crashes the process
             STATS["inplace_on_retained_second_output_left_out"] += 1
+            return
+        if t.retains_grad and t.grad_fn is None and other_requires_grad(name, to):
+            # torch bug (2.13): detach_() keeps retains_grad on, and an in-place op that makes
+            # the tensor require grad again fails "old_fn INTERNAL ASSERT FAILED"
+            STATS["inplace_on_retained_then_detached_left_out"] += 1
             return
         other = name in USES_OTHER and isinstance(go, torch.Tensor) and go.requires_grad
         if k in self.no_grad_views and torch.is_grad_enabled() and (
