@@ -173,6 +173,7 @@ class Node:
 
 
 def _needs_input_grad(node):
+    """``node.needs_input_grad`` (a C function when compiled: apply calls it per node)."""
     needs = [False] * len(node.rule.params)
     nexts = node.next_functions
     slot_pos = node.slot_pos
