@@ -21,7 +21,7 @@ cdef int KEEP_VALUE, NO_GRAD, NEEDS_GRAD, PLAIN_VIEW, TORCH_TRACKED
 
 cdef int _needs_grad(tuple args, dict kwargs) except -1
 @cython.locals(rule=Rule)
-cpdef object call(object func, tuple args, object kwargs)
+cpdef object call(object func, tuple args, dict kwargs)
 cpdef object note_call(object func)
 cdef object _record(object func, Rule rule, tuple args, dict kwargs, bint silent)
 cdef object _attach(object out, Node node, Rule rule, object parts)

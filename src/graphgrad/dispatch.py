@@ -175,9 +175,9 @@ def call(func, args, kwargs):
         if rule is None:
             return _no_rule(func, args, kwargs, silent)
         kind = rule.kind
-        if kind == NONDIFFERENTIABLE:
+        if kind is NONDIFFERENTIABLE:
             return wrap_plain(kernel(func, args, kwargs, silent), args, kwargs)
-        if kind != DECOMPOSITION:
+        if kind is not DECOMPOSITION:
             if kwargs and kwargs.get("out") is not None:
                 raise RuntimeError(
                     f"{qualified_name(func)}(): functions with out=... arguments don't support "

@@ -209,7 +209,7 @@ class Rule:
                  view: bool | None = None, elementwise: bool = False, inplace_view: bool = False,
                  family: str | None = None, reads: tuple[str, ...] | None = None):
         self.fn = fn
-        self.kind = kind
+        self.kind = RuleKind(kind)  # the enum member itself: dispatch compares with `is`
         self.name = name or node_name(fn.__name__)
         self.multi_output = multi_output
         self.differentiable_outputs = differentiable_outputs
