@@ -455,7 +455,7 @@ class Interpreter:
             # the tensor require grad again fails "old_fn INTERNAL ASSERT FAILED"
             STATS["inplace_on_retained_then_detached_left_out"] += 1
             return
-        other = name in USES_OTHER and isinstance(go, torch.Tensor) and go.requires_grad
+        other = other_requires_grad(name, go)
         if k in self.no_grad_views and torch.is_grad_enabled() and (
                 other or (base is not None and base.requires_grad)):
             if name == "fn_dirty" and k in self.detached_on_torch:
