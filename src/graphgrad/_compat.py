@@ -89,6 +89,7 @@ if not (env_flag("GRAPHGRAD_PURE_PYTHON") or env_flag("GRAPHGRAD_NO_NATIVE")):
     except ImportError:
         native_meta = None
 if native_meta is not None:
+    tensor_shape = native_meta.shape
     tensor_dtype = native_meta.dtype
     tensor_ndim = native_meta.ndim
     tensor_same_size = native_meta.same_size

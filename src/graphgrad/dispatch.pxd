@@ -4,7 +4,7 @@
 
 from graphgrad.node cimport Node, new_node
 from graphgrad.rules cimport Rule
-from graphgrad.references cimport save_arguments
+from graphgrad.references cimport save_arguments, saved_output, untracked
 from graphgrad.views cimport (bind, keep_for, kernel, needs_of, no_grad_op, no_grad_view_op, node_of,
                               note_view_outputs, record_inplace, revived, slots,
                               unrecorded_view_op)

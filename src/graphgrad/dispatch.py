@@ -24,7 +24,7 @@ from .decompose import find as find_decomposition
 from .decompose import no_rule_error
 from .graph import current_graph
 from .node import new_node
-from .references import SavedResult, save_arguments
+from .references import save_arguments, saved_output, untracked
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 from .views import (
     bind,
@@ -232,7 +232,7 @@ def _record(func, rule, args, kwargs, silent):
     edges = slots(rule, values, graph, ref)
     if edges is None:
         return wrap_plain(out, args, kwargs)
-    nexts, slot_pos, metas = edges
+    nexts, nrs, slot_pos, metas = edges
     keep = keep_for(rule, nexts, slot_pos)
     if _autocast_enabled() and type(out) is _PlainTensor:
         values = _as_autocast_ran(values, keep, out.dtype)
@@ -240,12 +240,12 @@ def _record(func, rule, args, kwargs, silent):
     if rule.saves is not None:
         keep, parts = rule.saves(values, keep, needs_of(rule, nexts, slot_pos))
     saved, versions = save_arguments(keep, values)
-    node = new_node(rule, nexts, slot_pos, metas, saved, versions, graph)
+    node = new_node(rule, nexts, nrs, slot_pos, metas, saved, versions, graph)
     out = _attach(out, node, rule, parts)
     if rule.may_view:
         note_view_outputs(node, out, rule, args, kwargs)
     pending = graph.pending  # graph.record(node), inlined
-    pending.append(_weakref(node))
+    pending.append(untracked(_weakref(node)))  # no callback: in no cycle
     if len(pending) >= graph._compact_at:
         graph._compact()
     return out
@@ -277,7 +277,7 @@ def _attach(out, node, rule, parts):
         if not rule.may_view and not rule.elementwise and _is_view(out):
             out = _not_a_view(out)
         if rule.saves_result and parts != ():
-            node.result = SavedResult(out.detach())
+            node.result = saved_output(out.detach())
         dtype = _dtype(out)
         out.__class__ = _TENSOR_CLS
         if dtype in _DIFFERENTIABLE_DTYPES:
@@ -301,7 +301,7 @@ def _attach_tuple(out, node, rule, parts):
         n = rule.differentiable_outputs
     node.num_outputs = n
     if rule.saves_result and parts != ():
-        node.result = SavedResult(tuple(
+        node.result = saved_output(tuple(
             o.detach() if parts is None or i in parts else None for i, o in enumerate(items)))
     for i, o in enumerate(items):
         if type(o) is _PlainTensor:

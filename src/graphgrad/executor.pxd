@@ -10,7 +10,7 @@ cdef long long _FIRST
 @cython.locals(node=Node, parent=Node, i=Py_ssize_t, nexts=tuple)
 cdef tuple _walk(list root_nodes, object targets, bint into_torch)
 
-@cython.locals(node=Node, j=Py_ssize_t, nexts=tuple, slot_pos=tuple, metas=tuple, ready=list,
+@cython.locals(node=Node, j=Py_ssize_t, nexts=tuple, nrs=tuple, slot_pos=tuple, metas=tuple, ready=list,
                buffers=dict, deps=dict, anomaly=bint, is_target=bint, n=Py_ssize_t)
 cdef object _run(list root_nodes, object root_grads, object retain_graph, bint create_graph,
                  object targets, object inputs, object accumulate, object allow_unused,

@@ -115,9 +115,9 @@ def _walk(root_nodes, targets, into_torch):
         stack = [(root, 0)]
         while stack:
             node, i = stack.pop()
-            nexts = node.next_functions
+            nexts = node.next_nodes
             while i < len(nexts):
-                parent = nexts[i][0]
+                parent = nexts[i]
                 i += 1
                 if parent is None or parent in deps:
                     continue
@@ -134,7 +134,7 @@ def _walk(root_nodes, targets, into_torch):
         for node in order:
             need = node in targets or (into_torch and _is_bridge(node))
             if not need:
-                for parent, _ in node.next_functions:
+                for parent in node.next_nodes:
                     if parent is not None and needed.get(parent, False):
                         need = True
                         break
@@ -142,7 +142,7 @@ def _walk(root_nodes, targets, into_torch):
     for node in order:
         if needed is not None and not needed[node]:
             continue
-        for parent, _ in node.next_functions:
+        for parent in node.next_nodes:
             if parent is not None and (needed is None or needed[parent]):
                 deps[parent] += 1
     return deps, needed, order
@@ -225,7 +225,8 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             if node.hooks is not None:
                 _run_hooks(node, (), grads, handed)
             continue
-        nexts = node.next_functions
+        nexts = node.next_nodes
+        nrs = node.next_nrs
         if _all_none(grads):
             outs = ()
         elif anomaly:
@@ -243,7 +244,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         if not retain_graph:
             node.release()
         for j in range(len(nexts)):
-            parent, nr = nexts[j]
+            parent = nexts[j]
             if parent is None or (needed is not None and not needed[parent]):
                 continue
             if edge_grads is not None:
@@ -257,7 +258,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                     elif not isinstance(g, _PlainTensor):
                         _not_a_tensor(g, node, j)
             if g is not None:
-                _add_to_buffer(buffers, parent, nr, g)
+                _add_to_buffer(buffers, parent, nrs[j], g)
             deps[parent] -= 1
             if deps[parent] == 0:
                 _heappush(ready, _Ready(_order(parent), parent))
@@ -355,7 +356,7 @@ class _Ready:
 
 def _leads_on(node, needed):
     """Does a gradient flow from this node to a node that is wanted?"""
-    for parent, _ in node.next_functions:
+    for parent in node.next_nodes:
         if parent is not None and needed[parent]:
             return True
     return False
@@ -445,7 +446,7 @@ def _forward_trace(node):
 def _edge_grads(node, outs):
     """The gradient for each of the node's inputs (next_functions order), fitted to it."""
     grads = []
-    for j, (parent, _nr) in enumerate(node.next_functions):
+    for j, parent in enumerate(node.next_nodes):
         g = None if parent is None else _pick(outs, node.slot_pos[j])
         meta = node.input_meta[j]
         if g is not None and meta is None and not isinstance(g, _PlainTensor):
@@ -458,10 +459,10 @@ def _unneeded_as_none(node, edge_grads, needed):
     """As torch's built-in nodes, which compute no gradient for an input this pass does not
     need (``backward(inputs=...)``, ``grad``): their hooks see None there. (A custom
     Function's backward returns what it computes, and its hooks see that, as in torch.)"""
-    nexts = node.next_functions
+    nexts = node.next_nodes
     out = list(edge_grads)
     for j in range(len(nexts)):
-        parent = nexts[j][0]
+        parent = nexts[j]
         if parent is not None and not needed[parent]:
             out[j] = None
     return tuple(out)

@@ -249,7 +249,7 @@ class Function:
                         # a dirty view: its old value's gradient goes straight into its base's
                         # old grad_fn, as torch's CopySlices sends it (the view's grad_fn and
                         # its hooks never run)
-                        nexts.append(into_base(target, graph))
+                        nexts.append((into_base(target, graph), 0))
                     else:
                         nexts.append((n, getattr(a, "_gg_nr", 0)) if n is not None else (None, 0))
                     with _Disable():

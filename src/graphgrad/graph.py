@@ -24,7 +24,7 @@ import rustworkx as rx
 from . import _compat
 from .codes import RELEASED_WITH_GRAPH
 from .node import Node
-from .references import node_saved_bytes, saved_bytes, saved_tensors, storage_of
+from .references import node_saved_bytes, saved_bytes, saved_tensors, storage_of, untracked
 
 __all__ = ["AutogradGraph", "current_graph", "default_graph", "reachable", "topo_order"]
 
@@ -109,7 +109,7 @@ class AutogradGraph:
     def record(self, node) -> None:
         """Note a new node (a weak reference); the rustworkx graph catches up when queried."""
         pending = self.pending
-        pending.append(weakref.ref(node))
+        pending.append(untracked(weakref.ref(node)))  # no callback: in no cycle
         if len(pending) >= self._compact_at:
             self._compact()
 
@@ -136,7 +136,7 @@ class AutogradGraph:
             node.graph_index = index
         edges = []
         for (_, node), index in zip(live, indices):
-            for slot, (parent, _nr) in enumerate(node.next_functions):
+            for slot, parent in enumerate(node.next_nodes):
                 if parent is None:
                     continue
                 if parent.graph is None:  # a leaf's AccumulateGrad: shared between graphs
@@ -325,9 +325,9 @@ def reachable(roots) -> list:
             continue
         seen.add(id(node))
         order.append(node)
-        nexts = node.next_functions
+        nexts = node.next_nodes
         for i in range(len(nexts) - 1, -1, -1):
-            parent = nexts[i][0]
+            parent = nexts[i]
             if parent is not None and id(parent) not in seen:
                 stack.append(parent)
     return order
@@ -346,9 +346,9 @@ def topo_order(roots) -> list:
         stack = [(root, 0)]
         while stack:
             node, i = stack.pop()
-            nexts = node.next_functions
+            nexts = node.next_nodes
             while i < len(nexts):
-                parent = nexts[i][0]
+                parent = nexts[i]
                 i += 1
                 if parent is None or id(parent) in done:
                     continue

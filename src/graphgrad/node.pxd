@@ -8,7 +8,8 @@ from graphgrad.rules cimport Rule
 
 cdef class Node:
     cdef public object rule
-    cdef public tuple next_functions
+    cdef public tuple next_nodes
+    cdef public tuple next_nrs
     cdef public tuple slot_pos
     cdef public tuple input_meta
     cdef public object saved
@@ -41,8 +42,11 @@ cdef class AccumulateGrad(Node):
     cpdef release(self, how=*)
 
 
-cpdef Node new_node(object rule, tuple next_functions, tuple slot_pos, tuple input_meta,
-                    object saved, object versions, object graph)
+cpdef Node new_node(object rule, tuple next_nodes, tuple next_nrs, tuple slot_pos,
+                    tuple input_meta, object saved, object versions, object graph)
+cpdef tuple output_numbers(object nrs)
+cdef list _ZEROS
+cdef dict _NRS
 
 cdef Py_ssize_t _sequence_nr
 cdef int NOT_RELEASED, RELEASED_AFTER_BACKWARD, RELEASED_WITH_GRAPH, KEEP_NOTHING, GG_LEAF
@@ -51,8 +55,8 @@ cdef long long NOT_A_VIEW
 cdef object _anomaly_enabled, _PlainTensor
 cdef dict _NO_EXTRA
 cdef Py_ssize_t _next_sequence_nr()
-cdef object _setup(Node node, object rule, tuple next_functions, tuple slot_pos, tuple input_meta,
-                   object saved, object versions, object graph)
+cdef object _setup(Node node, object rule, tuple next_nodes, tuple next_nrs, tuple slot_pos,
+                   tuple input_meta, object saved, object versions, object graph)
 cdef bint _holds_tensors(object saved) except -1
 @cython.locals(j=Py_ssize_t, nexts=tuple, slot_pos=tuple, needs=list)
 cdef tuple _needs_input_grad(Node node)

@@ -33,7 +33,8 @@ from .references import (
     unpack_saved,
 )
 
-__all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "current_sequence_nr"]
+__all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "split_edges",
+           "output_numbers", "current_sequence_nr"]
 
 _sequence_nr = 0  # Nodes are numbered in recording order
 _anomaly_enabled = torch.is_anomaly_enabled
@@ -47,10 +48,19 @@ class Node:
     ``next_functions[j]`` is ``(node, output_nr)`` for the op's j-th input, ``(None, 0)``
     when that input needs no gradient; ``slot_pos[j]`` is the rule parameter it came from,
     and ``input_meta[j]`` its shape/dtype/device (to undo broadcasting and cast the gradient).
+    The node keeps the edges as two flat tuples, ``next_nodes`` and ``next_nrs`` (the latter
+    shared between nodes), not one ``(node, nr)`` pair per edge: a pair would be one more
+    object per edge for the cyclic GC to track; ``next_functions`` builds the pairs on demand.
     """
 
     def __init__(self, rule, next_functions, slot_pos, input_meta, saved, versions, graph):
-        _setup(self, rule, next_functions, slot_pos, input_meta, saved, versions, graph)
+        nodes, nrs = split_edges(next_functions)
+        _setup(self, rule, nodes, nrs, slot_pos, input_meta, saved, versions, graph)
+
+    @property
+    def next_functions(self) -> tuple:
+        """``((node, output_nr), ...)``, one pair per input, as torch's ``next_functions``."""
+        return tuple(zip(self.next_nodes, self.next_nrs))
 
     def name(self) -> str:
         """The op's backward name, e.g. ``"MulBackward"``."""
@@ -142,7 +152,8 @@ class Node:
         self.result = None
         self.versions = None
         if how == RELEASED_WITH_GRAPH:
-            self.next_functions = ()
+            self.next_nodes = ()
+            self.next_nrs = ()
 
     # -- hooks -------------------------------------------------------------------------
     def register_hook(self, fn):
@@ -175,26 +186,56 @@ class Node:
 def _needs_input_grad(node):
     """``node.needs_input_grad`` (a C function when compiled: apply calls it per node)."""
     needs = [False] * len(node.rule.params)
-    nexts = node.next_functions
+    nexts = node.next_nodes
     slot_pos = node.slot_pos
     for j in range(len(nexts)):
-        if nexts[j][0] is not None:
+        if nexts[j] is not None:
             pos = slot_pos[j]
             needs[pos[0] if type(pos) is tuple else pos] = True
     return tuple(needs)
 
 
-def new_node(rule, next_functions, slot_pos, input_meta, saved, versions, graph):
-    """``Node(...)`` without the generic constructor call: dispatch's hot path (one per op)."""
+def new_node(rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, graph):
+    """``Node(...)`` without the generic constructor call: dispatch's hot path (one per op).
+    Takes the edges split, as the node keeps them (``split_edges``)."""
     node = Node.__new__(Node)
-    _setup(node, rule, next_functions, slot_pos, input_meta, saved, versions, graph)
+    _setup(node, rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, graph)
     return node
 
 
-def _setup(node, rule, next_functions, slot_pos, input_meta, saved, versions, graph):
+def split_edges(next_functions):
+    """``(next_nodes, next_nrs)`` of ``((node, nr), ...)`` pairs, the output numbers shared."""
+    return (tuple([p for p, _ in next_functions]),
+            output_numbers(tuple([nr for _, nr in next_functions])))
+
+
+_ZEROS = [(0,) * n for n in range(9)]  # _ZEROS[n]: n edges, each into its node's first output
+_NRS: dict = {}
+
+
+def output_numbers(nrs):
+    """One shared tuple of a node's output numbers (a list or tuple; almost always zeros)."""
+    n = len(nrs)
+    if n < 9:
+        for nr in nrs:
+            if nr:
+                break
+        else:
+            return _ZEROS[n]
+    nrs = tuple(nrs)
+    try:
+        return _NRS[nrs]
+    except KeyError:
+        if len(_NRS) < 4096:
+            _NRS[nrs] = nrs
+        return nrs
+
+
+def _setup(node, rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, graph):
     """Every field of a new Node (shared by ``Node.__init__`` and ``new_node``)."""
     node.rule = rule
-    node.next_functions = next_functions
+    node.next_nodes = next_nodes
+    node.next_nrs = next_nrs
     node.slot_pos = slot_pos
     node.input_meta = input_meta
     node.saved = saved

@@ -5,6 +5,9 @@ from graphgrad.wrap cimport wrap_output
 
 cimport cython
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(object o)
+
 cdef object _PlainTensor, _version, _hooks, _shape, _dtype, _device
 cdef object _Disable, _EnableTorchFunction
 cdef list _NONES
@@ -22,6 +25,8 @@ cdef class SavedResult:
     cdef public bint multi
     cpdef object value(self)
     cpdef object check(self, object name)
+cpdef object saved_output(object data)
+cpdef object untracked(object obj)
 cdef object _meta_of(object value)
 @cython.locals(meta=Meta)
 cdef Meta _new_meta(object tensor)

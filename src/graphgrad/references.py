@@ -17,6 +17,11 @@ import threading
 
 import torch
 
+try:
+    import cython
+except ImportError:  # Cython is needed only to build the compiled engine
+    from . import _no_cython as cython
+
 from . import _compat
 from .codes import KEEP_META, KEEP_NOTHING
 from .rules import Meta
@@ -31,7 +36,8 @@ _Disable = _compat.DisableTorchFunctionSubclass
 _EnableTorchFunction = _compat.EnableTorchFunction
 _NONES: list = []  # _NONES[n] is (None,) * n
 
-__all__ = ["SavedResult", "PackedTensor", "save_arguments", "check_saved_versions",
+__all__ = ["SavedResult", "saved_output", "untracked", "PackedTensor", "save_arguments",
+           "check_saved_versions",
            "unpack_result", "unpack_saved", "saved_bytes", "describe", "push_saved_hooks",
            "pop_saved_hooks", "current_saved_hooks", "PackedSaved", "CheckedPack",
            "check_packed", "modified_message", "detached_message", "storage_of", "storage_bytes",
@@ -182,6 +188,25 @@ class SavedResult:
                     raise RuntimeError(modified_message(name, "result", t, v))
 
 
+def saved_output(data):
+    """``SavedResult(data)`` for a built-in rule's output, untracked by the cyclic GC when
+    compiled and not packed: it holds only the plain alias (or a tuple of them) and ints, and
+    only the engine and the rule's body see the alias, so it can be in no cycle. (A custom
+    Function's saved outputs reach user code through ``ctx.saved_tensors`` and stay tracked.)"""
+    result = SavedResult(data)
+    return result if result.unpack is not None else untracked(result)
+
+
+def untracked(obj):
+    """``obj``, which can be in no reference cycle, no longer tracked by the cyclic GC (as
+    CPython untracks tuples of atoms itself). Nodes keep such objects until backward; tracked,
+    they would be counted and traversed by every collection until then, and move the next full
+    collection closer. Compiled engine only (a C call, see references.pxd)."""
+    if cython.compiled:
+        PyObject_GC_UnTrack(obj)  # noqa: F821 (cimported in references.pxd)
+    return obj
+
+
 class PackedSaved(tuple):
     """A node's saved tuple in which saved-tensor hooks packed some values."""
 
@@ -255,7 +280,7 @@ def _new_meta(tensor):
     meta.shape = _shape(tensor)
     meta.dtype = _dtype(tensor)
     meta.device = _device(tensor)
-    return meta
+    return untracked(meta)  # a shape, a dtype and a device: in no cycle
 
 
 def _has_tensor(items):

@@ -39,8 +39,8 @@ from .codes import (
     TORCH_LEAF,
 )
 from .graph import current_graph
-from .node import AccumulateGrad, new_node
-from .references import SavedResult, save_arguments
+from .node import AccumulateGrad, new_node, output_numbers
+from .references import save_arguments, saved_output
 from .rules import qualified_name
 from .view_rules import AS_STRIDED_RULE, COPY_SLICES_RULE, ViewGeometry
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
@@ -69,7 +69,6 @@ _get_base = torch.Tensor._base.__get__
 _PlainTensor = torch.Tensor
 _TENSOR_CLS = None  # graphgrad.Tensor (see wrap.on_tensor_class), read on the hot path
 _inplace_cache: dict = {}
-_NO_EDGE = (None, 0)
 _EMPTY = inspect.Parameter.empty
 _INTERNED: dict = {}
 
@@ -210,7 +209,8 @@ def bind(func, rule, args, kwargs):
 
 
 def slots(rule, values, graph, ref):
-    """next_functions, the rule parameter of each, and input metadata for unbroadcasting.
+    """The edges (next nodes, their output numbers), the rule parameter of each, and input
+    metadata for unbroadcasting.
 
     ``ref`` is (output, its dtype, its device index, its ndim) for elementwise rules (None
     for the others: they may return gradients the engine must reduce). When every tensor
@@ -221,6 +221,7 @@ def slots(rule, values, graph, ref):
     autocast), so all are kept.
     """
     nexts = []
+    nrs = []
     slot_pos = []
     metas = []  # first the tensors themselves, then their metadata
     n_required = rule.n_required
@@ -233,7 +234,7 @@ def slots(rule, values, graph, ref):
         tp = type(v)
         if tp is cls or (tp is not list and tp is not tuple and isinstance(v, _PlainTensor)):
             slot_pos.append(i)
-            if _add_slot(v, graph, nexts, metas):
+            if _add_slot(v, graph, nexts, nrs, metas):
                 any_grad = True
             elif uniform and (_dtype(v) is not ref[1] or _ndim(v) > ref[3]):
                 uniform = False
@@ -242,12 +243,13 @@ def slots(rule, values, graph, ref):
                 item = v[j]
                 if isinstance(item, _PlainTensor):
                     slot_pos.append((i, j))
-                    if _add_slot(item, graph, nexts, metas):
+                    if _add_slot(item, graph, nexts, nrs, metas):
                         any_grad = True
                     elif uniform and (_dtype(item) is not ref[1] or _ndim(item) > ref[3]):
                         uniform = False
         elif i < n_required:
-            nexts.append(_NO_EDGE)
+            nexts.append(None)
+            nrs.append(0)
             metas.append(None)
             slot_pos.append(i)
     if not any_grad:
@@ -267,9 +269,9 @@ def slots(rule, values, graph, ref):
     if ref is not None and kept and not uniform:  # a later input broke uniformity: redo
         out = ref[0]
         for j in range(len(metas)):
-            if metas[j] is None and nexts[j][0] is not None:
+            if metas[j] is None and nexts[j] is not None:
                 metas[j] = (_shape(out), _dtype(out), _device(out))
-    return (tuple(nexts), _interned(tuple(slot_pos)),
+    return (tuple(nexts), output_numbers(nrs), _interned(tuple(slot_pos)),
             tuple(metas) if kept else _interned(tuple(metas)))
 
 
@@ -285,17 +287,19 @@ def _interned(key):
         return key
 
 
-def _add_slot(t, graph, nexts, metas):
+def _add_slot(t, graph, nexts, nrs, metas):
     node = node_of(t)
     if node is not None and node.view_version != NOT_A_VIEW and _stamp(t) != node.view_version:
         node = _rebuild_view_node(t, graph)
     if node is None:
-        nexts.append(_NO_EDGE)
+        nexts.append(None)
+        nrs.append(0)
         metas.append(None)
         return False
     if node.graph is not graph and node.graph is not None:
         _check_same_graph(node, graph)
-    nexts.append((node, t._gg_nr if type(t) is _TENSOR_CLS else getattr(t, "_gg_nr", 0)))
+    nexts.append(node)
+    nrs.append(t._gg_nr if type(t) is _TENSOR_CLS else getattr(t, "_gg_nr", 0))
     metas.append(t)
     return True
 
@@ -306,7 +310,7 @@ def keep_for(rule, nexts, slot_pos):
         return rule.keep
     wanted = 0  # bit i: parameter i needs a gradient
     for j in range(len(nexts)):
-        if nexts[j][0] is not None:
+        if nexts[j] is not None:
             pos = slot_pos[j]
             wanted |= 1 << (pos[0] if type(pos) is tuple else pos)
     cache = rule.keep_cache
@@ -329,7 +333,7 @@ def needs_of(rule, nexts, slot_pos):
     """One bool per rule parameter: does it need a gradient (for ``rule.saves``)?"""
     needs = [False] * len(rule.params)
     for j in range(len(nexts)):
-        if nexts[j][0] is not None:
+        if nexts[j] is not None:
             pos = slot_pos[j]
             needs[pos[0] if type(pos) is tuple else pos] = True
     return tuple(needs)
@@ -361,9 +365,10 @@ def record_inplace(func, rule, args, kwargs, silent):
         return kernel(func, args, kwargs, silent)
     old = node_of(self)
     target = view_target(qualified_name(func), base_rule.inplace_view, self) if is_view else None
-    nexts, slot_pos, metas = edges
-    if target is not None and nexts[0][0] is not None and target[1] is not None:
+    nexts, nrs, slot_pos, metas = edges
+    if target is not None and nexts[0] is not None and target[1] is not None:
         nexts = (into_base(target, graph),) + nexts[1:]
+        nrs = output_numbers((0,) + nrs[1:])
     keep = keep_for(base_rule, nexts, slot_pos)
     parts = None
     if base_rule.saves is not None:
@@ -375,9 +380,9 @@ def record_inplace(func, rule, args, kwargs, silent):
         values = (copy,) + tuple(values[1:])
     saved, versions = save_arguments(keep, values)
     out = kernel(func, args, kwargs, silent)
-    node = new_node(base_rule, nexts, slot_pos, metas, saved, versions, graph)
+    node = new_node(base_rule, nexts, nrs, slot_pos, metas, saved, versions, graph)
     if base_rule.saves_result and parts != ():
-        node.result = SavedResult(self.detach())
+        node.result = saved_output(self.detach())
     if type(self) is _PlainTensor:
         self.__class__ = _TENSOR_CLS
     graph.record(node)
@@ -386,15 +391,16 @@ def record_inplace(func, rule, args, kwargs, silent):
 
 
 def into_base(target, graph):
-    """The edge for the old value of a view changed in place: straight into its base's old
-    grad_fn (as torch's CopySlices does), not through the view's own grad_fn, which torch
-    never runs (so hooks on it do not fire)."""
+    """The node for the old value of a view changed in place (its output 0): straight into
+    its base's old grad_fn (as torch's CopySlices does), not through the view's own grad_fn,
+    which torch never runs (so hooks on it do not fire)."""
     base, base_node, base_nr, geometry = target
     rule = AS_STRIDED_RULE
     saved, versions = save_arguments(rule.keep, (base, geometry))
-    node = new_node(rule, ((base_node, base_nr),), (0,), (None,), saved, versions, graph)
+    node = new_node(rule, (base_node,), output_numbers((base_nr,)), (0,), (None,), saved,
+                    versions, graph)
     graph.record(node)
-    return (node, 0)
+    return node
 
 
 def check_inplace(name, self):
@@ -482,8 +488,9 @@ def _copy_slices(target, view_node, graph):
     rule = COPY_SLICES_RULE
     values = (base, None, geometry)
     saved, versions = save_arguments(rule.keep, values)
-    nexts = (_NO_EDGE if base_node is None else (base_node, base_nr), (view_node, 0))
-    node = new_node(rule, nexts, (0, 1), (None, None), saved, versions, graph)
+    nrs = output_numbers((0 if base_node is None else base_nr, 0))
+    node = new_node(rule, (base_node, view_node), nrs, (0, 1), (None, None), saved, versions,
+                    graph)
     _move_retained(base_node, base_nr, node)
     if type(base) is _PlainTensor:
         base.__class__ = _TENSOR_CLS
@@ -572,9 +579,9 @@ def _rebuild_view_node(t, graph):
     edges = slots(rule, values, graph, None)
     node = None
     if edges is not None:  # else the base no longer requires grad, and neither does the view
-        nexts, slot_pos, metas = edges
+        nexts, nrs, slot_pos, metas = edges
         saved, versions = save_arguments(rule.keep, values)
-        node = new_node(rule, nexts, slot_pos, metas, saved, versions, graph)
+        node = new_node(rule, nexts, nrs, slot_pos, metas, saved, versions, graph)
         node.view_version = _stamp(t)
         _move_retained(old, t._gg_nr, node)
         graph.record(node)

@@ -15,6 +15,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Size.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <string>
@@ -23,6 +24,7 @@ namespace {
 
 // torch's getters (unbound), for the objects this module does not read itself
 PyObject* g_get_version = nullptr;        // torch._C.TensorBase._version.__get__
+PyObject* g_get_shape = nullptr;          // torch._C.TensorBase.shape.__get__
 PyObject* g_get_dtype = nullptr;          // torch._C.TensorBase.dtype.__get__
 PyObject* g_get_requires_grad = nullptr;  // torch._C.TensorBase.requires_grad.__get__
 PyObject* g_dim = nullptr;                // torch._C.TensorBase.dim
@@ -70,6 +72,29 @@ PyObject* read_or_get(PyObject* t, PyObject* getter, Read read) {
 PyObject* version(PyObject*, PyObject* t) {
   return read_or_get(t, g_get_version,
                      [](const at::Tensor& x) { return PyLong_FromLongLong(x._version()); });
+}
+
+// t.shape as the torch.Size torch builds, but not tracked by the cyclic GC: it holds only ints,
+// so it can be in no cycle (CPython untracks such plain tuples itself, but only exact tuples, at
+// a collection). Nodes keep input shapes until backward; untracked, they never reach an older
+// generation's count.
+PyObject* shape(PyObject*, PyObject* t) {
+  return read_or_get(t, g_get_shape, [](const at::Tensor& x) -> PyObject* {
+    c10::IntArrayRef sizes = x.sizes();  // throws for symbolic sizes: torch's getter then
+    const Py_ssize_t n = static_cast<Py_ssize_t>(sizes.size());
+    PyObject* size = THPSizeType.tp_alloc(&THPSizeType, n);
+    if (!size) return nullptr;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = PyLong_FromLongLong(sizes[i]);
+      if (!item) {
+        Py_DECREF(size);
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(size, i, item);
+    }
+    PyObject_GC_UnTrack(size);
+    return size;
+  });
 }
 
 PyObject* dtype(PyObject*, PyObject* t) {
@@ -178,6 +203,7 @@ PyObject* register_class(PyObject*, PyObject* cls) {
 
 PyMethodDef methods[] = {
     {"version", version, METH_O, "t._version, read from the TensorImpl."},
+    {"shape", shape, METH_O, "t.shape, read from the TensorImpl (not tracked by the GC)."},
     {"dtype", dtype, METH_O, "t.dtype, read from the TensorImpl."},
     {"ndim", ndim, METH_O, "t.dim(), read from the TensorImpl."},
     {"device_index", device_index, METH_O, "t.get_device() (-1 on the CPU)."},
@@ -236,6 +262,7 @@ PyMODINIT_FUNC PyInit__tensor_meta() {
   Py_DECREF(C);
   if (!base) return nullptr;
   g_get_version = base_attr(base, "_version", true);
+  g_get_shape = base_attr(base, "shape", true);
   g_get_dtype = base_attr(base, "dtype", true);
   g_get_requires_grad = base_attr(base, "requires_grad", true);
   g_dim = base_attr(base, "dim", false);
@@ -243,7 +270,7 @@ PyMODINIT_FUNC PyInit__tensor_meta() {
   g_is_view = base_attr(base, "_is_view", false);
   g_is_same_size = base_attr(base, "is_same_size", false);
   Py_DECREF(base);
-  if (!g_get_version || !g_get_dtype || !g_get_requires_grad || !g_dim || !g_get_device ||
+  if (!g_get_version || !g_get_shape || !g_get_dtype || !g_get_requires_grad || !g_dim || !g_get_device ||
       !g_is_view || !g_is_same_size) {
     return nullptr;
   }
