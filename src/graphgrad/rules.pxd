@@ -9,11 +9,7 @@ cdef class Rule:
     cdef public bint saves_result, wants_needs, multi_output, elementwise, may_view, inplace_view
 
 
-cimport cython
-
-
 # A Meta holds a shape (ints), a dtype and a device: it can be in no reference cycle, so the
-# cyclic GC need not track it (nodes keep one per Meta-annotated input until backward).
-@cython.no_gc
+# engine untracks each one it makes (references.untracked).
 cdef class Meta:
     cdef public object shape, dtype, device
