@@ -462,10 +462,9 @@ def _save(node, ctx, outs):
     full = list(values)
     for (i, _), s in zip(plain, saved):
         full[i] = s
-    node.saved = PackedSaved(full) if type(saved) is PackedSaved else tuple(full)
     flat = []  # positions in ctx.to_save order, versions as save_arguments gives them
     for k in range(0, len(versions), 2):
         flat += [plain[versions[k]][0], versions[k + 1]]
-    node.versions = tuple(flat)
+    node.set_saved(PackedSaved(full) if type(saved) is PackedSaved else tuple(full), tuple(flat))
     node.saved_kinds = tuple(kinds)
     ctx.to_save = ()

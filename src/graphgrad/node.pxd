@@ -2,17 +2,18 @@
 # (fixed attribute slots instead of a __dict__; weak-referenceable).
 
 cimport cython
+from cpython.object cimport PyObject, PyTypeObject, traverseproc, visitproc
 from graphgrad.references cimport SavedResult, check_saved_versions, unpack_saved
 from graphgrad.rules cimport Rule
 
 
 cdef class Node:
     cdef public object rule
-    cdef public tuple next_nodes
+    cdef readonly tuple next_nodes
     cdef public tuple next_nrs
     cdef public tuple slot_pos
     cdef public tuple input_meta
-    cdef public object saved
+    cdef readonly object saved
     cdef public object versions
     cdef public SavedResult result
     cdef public Py_ssize_t num_outputs
@@ -60,3 +61,55 @@ cdef object _setup(Node node, object rule, tuple next_nodes, tuple next_nrs, tup
 cdef bint _holds_tensors(object saved) except -1
 @cython.locals(j=Py_ssize_t, nexts=tuple, slot_pos=tuple, needs=list)
 cdef tuple _needs_input_grad(Node node)
+
+
+# The edge tuple and the saved tuple as parts of their node for the cyclic GC (compiled engine):
+# _setup untracks the node's own next_nodes and saved tuples, and Node's traverse visits their
+# items in their place (after the fields Cython's function visits). Only the node that was made
+# with a tuple visits it: both fields are read-only to Python, and a new node always gets fresh
+# tuples (save_arguments' shared all-None ones hold nothing to visit), so each reference is
+# seen exactly once, as the tuple's own traverse would see it.
+cdef extern from "Python.h":
+    int PyObject_GC_IsTracked(object op)
+    void PyObject_GC_UnTrack(object op)
+
+cdef traverseproc _traverse_fields
+
+cdef inline int _traverse_node(PyObject* o, visitproc visit, void* arg) except -1:
+    cdef int e = _traverse_fields(o, visit, arg)
+    if e:
+        return e
+    cdef Node node = <Node><object>o
+    e = _visit_untracked(node.next_nodes, visit, arg)
+    if e:
+        return e
+    return _visit_untracked(node.saved, visit, arg)
+
+
+cdef inline int _visit_untracked(object t, visitproc visit, void* arg) except -1:
+    """Visit the items of an exact tuple the GC does not track (a tracked one was visited)."""
+    cdef Py_ssize_t i
+    cdef int e
+    if type(t) is not tuple or PyObject_GC_IsTracked(t):
+        return 0
+    for i in range(len(<tuple>t)):
+        item = (<tuple>t)[i]
+        if item is not None:
+            e = visit(<PyObject*>item, arg)
+            if e:
+                return e
+    return 0
+
+
+cdef inline void _own_tuples(Node node) noexcept:
+    """Untrack the new node's edge and saved tuples: its traverse visits their items."""
+    if len(node.next_nodes):
+        PyObject_GC_UnTrack(node.next_nodes)
+    if type(node.saved) is tuple and len(<tuple>node.saved):
+        PyObject_GC_UnTrack(node.saved)
+
+
+cdef inline void _install_traverse() noexcept:
+    global _traverse_fields
+    _traverse_fields = (<PyTypeObject*>Node).tp_traverse
+    (<PyTypeObject*>Node).tp_traverse = _traverse_node

@@ -14,6 +14,11 @@ import weakref
 
 import torch
 
+try:
+    import cython
+except ImportError:  # Cython is needed only to build the compiled engine
+    from . import _no_cython as cython
+
 from .codes import (
     GG_LEAF,
     KEEP_NOTHING,
@@ -70,6 +75,13 @@ class Node:
         return f"<{self.rule.name} object at {id(self):#x}>"
 
     # -- saved values ------------------------------------------------------------------
+    def set_saved(self, saved, versions) -> None:
+        """Replace what the node keeps (a custom Function saves after its forward ran).
+        ``saved`` is read-only as an attribute: the compiled engine's traverse relies on each
+        node's own saved tuple being its own."""
+        self.saved = saved
+        self.versions = versions
+
     @property
     def saved_values(self) -> dict:
         """The values this node keeps for backward, by rule parameter name (views, not copies)."""
@@ -240,6 +252,8 @@ def _setup(node, rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versio
     node.input_meta = input_meta
     node.saved = saved
     node.versions = versions
+    if cython.compiled:
+        _own_tuples(node)  # noqa: F821 (node.pxd): edges and saved values as parts of the node
     node.result = None
     node.num_outputs = 1
     node.released = NOT_RELEASED
@@ -381,3 +395,7 @@ class RemovableHandle:
 
     def __exit__(self, *exc):
         self.remove()
+
+
+if cython.compiled:
+    _install_traverse()  # noqa: F821 (node.pxd): Node's traverse visits its untracked tuples
