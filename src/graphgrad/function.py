@@ -65,6 +65,7 @@ from .views import (
     check_inplace,
     current_node,
     into_base,
+    node_of,
     rebase_history,
     torch_node,
     view_tag_message,
@@ -385,7 +386,9 @@ def _attach_outputs(node, ctx, args, outs, targets, graph):
         is_dirty = id(out) in dirty
         differentiable = node is not None and id(out) not in non_diff and _floating(out)
         if not differentiable:
-            if _node_of(out) is None:
+            # torch asks the tensor's raw requires_grad here: a view whose base changed since
+            # (even one a custom Function made, which can never be rebuilt) still has a node
+            if node_of(out) is None and _node_of(out) is None:
                 if is_input and not is_dirty:
                     out = _view_of(out)
             elif is_input:

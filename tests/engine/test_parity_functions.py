@@ -110,6 +110,20 @@ def test_mark_dirty_refused_like_torch(make, torch_says, gg_says):
     same_as_torch(program, RuntimeError, torch_says, gg_says)
 
 
+def test_a_dirty_function_under_no_grad_on_a_function_view_returns_a_detached_alias():
+    """Found by the random fuzz: graphgrad tried to rebuild the changed view's grad_fn (which a
+    custom Function's view never can) and raised; torch asks only whether it requires grad and
+    returns a detached alias, as for any non-differentiable input it gets back."""
+    def program(lib):
+        y = lib.leaf([[1.5]]).abs()
+        v = identity(lib).apply(y)  # the input returned as is: a view made by a custom Function
+        with torch.no_grad():
+            out = dirty(lib).apply(v)
+        return out, out is v, out.requires_grad, out.grad_fn is None, out._version, y._version
+
+    same_as_torch(program)
+
+
 def test_a_refused_mark_dirty_keeps_the_inputs_retained_grad():
     """A documented difference (docs/reliability.md): torch resets a dirty input's .grad before
     it refuses a view of a leaf; graphgrad refuses before changing anything it keeps."""
