@@ -277,7 +277,7 @@ def _attach(out, node, rule, parts):
         if not rule.may_view and not rule.elementwise and _is_view(out):
             out = _not_a_view(out)
         if rule.saves_result and parts != ():
-            node.result = saved_output(out.detach())
+            node.result = saved_output(out)
         dtype = _dtype(out)
         out.__class__ = _TENSOR_CLS
         if dtype in _DIFFERENTIABLE_DTYPES:
@@ -302,7 +302,7 @@ def _attach_tuple(out, node, rule, parts):
     node.num_outputs = n
     if rule.saves_result and parts != ():
         node.result = saved_output(tuple(
-            o.detach() if parts is None or i in parts else None for i, o in enumerate(items)))
+            o if parts is None or i in parts else None for i, o in enumerate(items)))
     for i, o in enumerate(items):
         if type(o) is _PlainTensor:
             if not rule.may_view and _is_view(o):

@@ -92,7 +92,7 @@ class Node:
             if keep != KEEP_NOTHING:
                 out[name] = value
         if self.result is not None:
-            out["result"] = self.result.data
+            out["result"] = self.result.kept()
         return out
 
     @property

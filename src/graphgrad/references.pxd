@@ -8,7 +8,7 @@ cimport cython
 cdef extern from "Python.h":
     void PyObject_GC_UnTrack(object o)
 
-cdef object _PlainTensor, _version, _hooks, _shape, _dtype, _device
+cdef object _PlainTensor, _version, _hooks, _shape, _dtype, _device, _save_alias, _SavedAlias
 cdef object _Disable, _EnableTorchFunction
 cdef list _NONES
 cdef int KEEP_NOTHING, KEEP_META
@@ -24,8 +24,11 @@ cdef class SavedResult:
     cdef public object data, version, unpack
     cdef public bint multi
     cpdef object value(self)
+    cpdef object kept(self)
     cpdef object check(self, object name)
-cpdef object saved_output(object data)
+cpdef object saved_output(object out)
+cdef object _alias(object t)
+cdef object _alias_version(object t)
 cpdef object untracked(object obj)
 cdef object _meta_of(object value)
 @cython.locals(meta=Meta)

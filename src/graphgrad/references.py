@@ -35,6 +35,9 @@ _device = _compat.tensor_device
 _Disable = _compat.DisableTorchFunctionSubclass
 _EnableTorchFunction = _compat.EnableTorchFunction
 _NONES: list = []  # _NONES[n] is (None,) * n
+#: the C++ alias of a saved output (tensor_meta.cpp), when the native module loaded
+_save_alias = _compat.native_meta.save_alias if _compat.native_meta is not None else None
+_SavedAlias = _compat.native_meta.SavedAlias if _compat.native_meta is not None else None
 
 __all__ = ["SavedResult", "saved_output", "untracked", "PackedTensor", "save_arguments",
            "check_saved_versions",
@@ -143,8 +146,11 @@ def unpack_saved(saved, create_graph):
 class SavedResult:
     """An op's output kept for its own backward: a plain alias of the data, and its version.
 
-    Under saved-tensor hooks the data is packed instead (and no version is checked). Outputs
-    of a multi-output op that the rule does not read are kept as None.
+    The alias is a detached tensor (same storage and version counter, no grad_fn), or, for a
+    built-in rule's output with the native module loaded, the same alias held as a C++ tensor
+    (``SavedAlias``: no Python tensor until backward). Under saved-tensor hooks the data is
+    packed instead (and no version is checked). Outputs of a multi-output op that the rule
+    does not read are kept as None.
     """
 
     __slots__ = ("data", "version", "unpack", "multi")
@@ -167,11 +173,18 @@ class SavedResult:
 
     def value(self):
         if self.unpack is None:
-            return self.data
+            return self.kept()
         with _EnableTorchFunction():
             if self.multi:
                 return tuple([None if p is None else self.unpack(p) for p in self.data])
             return self.unpack(self.data)
+
+    def kept(self):
+        """What is kept, C++ aliases as tensors (packed values stay packed)."""
+        data = self.data
+        if not self.multi:
+            return data.value() if type(data) is _SavedAlias else data
+        return tuple([t.value() if type(t) is _SavedAlias else t for t in data])
 
     def check(self, name):
         if self.version is None:
@@ -180,21 +193,45 @@ class SavedResult:
             return
         data = self.data
         if not self.multi:
-            if _version(data) != self.version:
-                raise RuntimeError(modified_message(name, "result", data, self.version))
+            if _alias_version(data) != self.version:
+                raise RuntimeError(modified_message(name, "result", self.kept(), self.version))
         else:
-            for t, v in zip(data, self.version):
-                if t is not None and _version(t) != v:
-                    raise RuntimeError(modified_message(name, "result", t, v))
+            for t, v, value in zip(data, self.version, self.kept()):
+                if t is not None and _alias_version(t) != v:
+                    raise RuntimeError(modified_message(name, "result", value, v))
 
 
-def saved_output(data):
-    """``SavedResult(data)`` for a built-in rule's output, untracked by the cyclic GC when
-    compiled and not packed: it holds only the plain alias (or a tuple of them) and ints, and
-    only the engine and the rule's body see the alias, so it can be in no cycle. (A custom
-    Function's saved outputs reach user code through ``ctx.saved_tensors`` and stay tracked.)"""
-    result = SavedResult(data)
-    return result if result.unpack is not None else untracked(result)
+def _alias_version(t):
+    return t.version() if type(t) is _SavedAlias else _version(t)
+
+
+def saved_output(out):
+    """The SavedResult of a built-in rule's output ``out`` (a tensor, or a tuple with None for
+    outputs the rule does not read): a C++ alias per tensor when the native module loaded,
+    else ``t.detach()``. Untracked by the cyclic GC when compiled and not packed: it holds only
+    aliases and ints, and only the engine and the rule's body see the aliases, so it can be in
+    no cycle. (A custom Function's saved outputs reach user code through ``ctx.saved_tensors``
+    and stay tracked.)"""
+    multi = not isinstance(out, _PlainTensor)
+    if _save_alias is None or current_saved_hooks() is not None:
+        result = SavedResult(tuple([None if t is None else t.detach() for t in out]) if multi
+                             else out.detach())
+        return result if result.unpack is not None else untracked(result)
+    result = SavedResult.__new__(SavedResult)
+    result.unpack = None
+    result.multi = multi
+    if multi:
+        result.version = tuple([None if t is None else _version(t) for t in out])
+        result.data = tuple([None if t is None else _alias(t) for t in out])
+    else:
+        result.version = _version(out)
+        result.data = _alias(out)
+    return untracked(result)
+
+
+def _alias(t):
+    alias = _save_alias(t)
+    return t.detach() if alias is None else alias
 
 
 def untracked(obj):
@@ -405,7 +442,8 @@ def saved_tensors(node):
                     yield from (i for i in v if isinstance(i, torch.Tensor))
     if node.result is not None:
         result = node.result
-        for v in (result.data if result.multi else (result.data,)):
+        kept = result.kept()
+        for v in (kept if result.multi else (kept,)):
             if isinstance(v, torch.Tensor):
                 yield v
             elif type(v) is tuple:

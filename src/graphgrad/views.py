@@ -382,7 +382,7 @@ def record_inplace(func, rule, args, kwargs, silent):
     out = kernel(func, args, kwargs, silent)
     node = new_node(base_rule, nexts, nrs, slot_pos, metas, saved, versions, graph)
     if base_rule.saves_result and parts != ():
-        node.result = saved_output(self.detach())
+        node.result = saved_output(self)
     if type(self) is _PlainTensor:
         self.__class__ = _TENSOR_CLS
     graph.record(node)

@@ -183,6 +183,54 @@ PyObject* same_meta(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return call2(g_is_same_size, a, b);
 }
 
+// -- saved outputs ------------------------------------------------------------------------------
+// A node that reads its own output (tanh, sigmoid, exp...) keeps it as a detached alias: the same
+// storage and version counter, no grad_fn, so the node never references the tensor it produced.
+// Kept as a C++ tensor, the alias is no Python object until backward asks for it: no PyObject, no
+// entry for the cyclic GC (it holds no Python references, so the type does not take part in GC).
+struct SavedAlias {
+  PyObject_HEAD
+  at::Tensor data;
+};
+
+PyTypeObject SavedAliasType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+void alias_dealloc(PyObject* self) {
+  reinterpret_cast<SavedAlias*>(self)->data.~Tensor();
+  Py_TYPE(self)->tp_free(self);
+}
+
+// value(): the alias as a plain torch.Tensor (one Python object per alias, made on first use)
+PyObject* alias_value(PyObject* self, PyObject*) {
+  return THPVariable_Wrap(reinterpret_cast<SavedAlias*>(self)->data);
+}
+
+// version(): the version counter the alias shares with the output
+PyObject* alias_version(PyObject* self, PyObject*) {
+  return PyLong_FromLongLong(reinterpret_cast<SavedAlias*>(self)->data._version());
+}
+
+PyMethodDef alias_methods[] = {
+    {"value", alias_value, METH_NOARGS, "The alias as a plain torch.Tensor."},
+    {"version", alias_version, METH_NOARGS, "The version counter it shares with the output."},
+    {nullptr, nullptr, 0, nullptr}};
+
+// save_alias(t): a SavedAlias of t.detach(), or None for objects this module does not read (the
+// engine then keeps t.detach() itself)
+PyObject* save_alias(PyObject*, PyObject* t) {
+  if (!readable(t)) Py_RETURN_NONE;
+  at::Tensor alias;
+  try {
+    alias = THPVariable_Unpack(t).detach();
+  } catch (const std::exception&) {
+    Py_RETURN_NONE;
+  }
+  PyObject* self = SavedAliasType.tp_alloc(&SavedAliasType, 0);
+  if (!self) return nullptr;
+  new (&reinterpret_cast<SavedAlias*>(self)->data) at::Tensor(std::move(alias));
+  return self;
+}
+
 PyObject* register_class(PyObject*, PyObject* cls) {
   if (!PyType_Check(cls) || !PyObject_IsSubclass(cls, THPVariableClass)) {
     PyErr_SetString(PyExc_TypeError, "register_class takes a subclass of torch.Tensor");
@@ -213,6 +261,8 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "a.is_same_size(b)."},
     {"same_meta", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(same_meta)),
      METH_FASTCALL, "t has ref's dtype, sizes and device."},
+    {"save_alias", save_alias, METH_O,
+     "A detached alias of t kept as a C++ tensor (SavedAlias), or None for other objects."},
     {"register_class", register_class, METH_O,
      "Read instances of this torch.Tensor subclass directly too (graphgrad.Tensor)."},
     {nullptr, nullptr, 0, nullptr}};
@@ -276,8 +326,21 @@ PyMODINIT_FUNC PyInit__tensor_meta() {
   }
   Py_INCREF(THPVariableClass);
   g_classes[g_n_classes++] = reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  SavedAliasType.tp_name = "graphgrad._tensor_meta.SavedAlias";
+  SavedAliasType.tp_basicsize = sizeof(SavedAlias);
+  SavedAliasType.tp_dealloc = alias_dealloc;
+  SavedAliasType.tp_flags = Py_TPFLAGS_DEFAULT;
+  SavedAliasType.tp_doc = "An op's output kept for its backward as a C++ tensor (see save_alias).";
+  SavedAliasType.tp_methods = alias_methods;
+  if (PyType_Ready(&SavedAliasType) < 0) return nullptr;
   PyObject* m = PyModule_Create(&module_def);
   if (!m) return nullptr;
+  Py_INCREF(&SavedAliasType);
+  if (PyModule_AddObject(m, "SavedAlias", reinterpret_cast<PyObject*>(&SavedAliasType)) < 0) {
+    Py_DECREF(&SavedAliasType);
+    Py_DECREF(m);
+    return nullptr;
+  }
   if (PyModule_AddStringConstant(m, "TORCH_VERSION", GRAPHGRAD_TORCH_VERSION) < 0) {
     Py_DECREF(m);
     return nullptr;
