@@ -8,6 +8,7 @@ hands back to torch's getter (other subclasses, inference tensors, nested tensor
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -28,6 +29,7 @@ needs_native = pytest.mark.skipif(native is None, reason="graphgrad._tensor_meta
 
 _base = torch._C.TensorBase
 GETTERS = {
+    "shape": _base.shape.__get__,
     "version": _base._version.__get__,
     "dtype": _base.dtype.__get__,
     "ndim": _base.dim,
@@ -125,6 +127,51 @@ def test_same_size_and_same_meta_match(a):
         assert _outcome(native.same_size, x, y) == want_size, (a, b)
         if want_meta[0] == "value":
             assert _outcome(native.same_meta, x, y) == want_meta, (a, b)
+
+
+@needs_native
+def test_shapes_are_sizes_the_gc_does_not_track():
+    """Nodes keep input shapes until backward: ints only, so in no cycle and not tracked."""
+    # (graphgrad.Tensor is read directly only when the engine uses the module: registered)
+    for t in (torch.randn(2, 3),) + ((gg.as_tensor(torch.randn(4)),) if gg.native_meta else ()):
+        s = native.shape(t)
+        assert type(s) is torch.Size and s == t.shape and not gc.is_tracked(s)
+
+
+@needs_native
+@pytest.mark.parametrize("name", [n for n in CASES if n != "foreign subclass"])
+def test_a_saved_alias_is_torchs_detached_alias(name):
+    """save_alias(t) holds t.detach() as a C++ tensor: value() gives it back as a plain tensor
+    with t's data, metadata and version counter, and no grad_fn."""
+    t = CASES[name]
+    alias = native.save_alias(t)
+    if type(t) is not torch.Tensor and not gg.native_meta:  # graphgrad.Tensor, not registered
+        assert alias is None
+        return
+    assert not gc.is_tracked(alias)
+    with torch._C.DisableTorchFunctionSubclass():
+        want = t.detach()
+        v = alias.value()
+        assert type(v) is torch.Tensor and v is not t and v.grad_fn is None
+        assert not v.requires_grad and v.dtype == want.dtype and v.device == want.device
+        if name != "nested":
+            assert v.shape == want.shape
+        if want.layout == torch.strided and want.device.type != "meta" and name != "nested":
+            assert v.data_ptr() == want.data_ptr() and v.stride() == want.stride()
+        if name != "inference":  # (an inference tensor has no version counter)
+            assert alias.version() == t._version
+    assert native.save_alias(CASES["foreign subclass"]) is None  # the engine detaches those
+
+
+@needs_native
+def test_a_saved_alias_shares_the_version_counter():
+    t = torch.randn(3)
+    alias = native.save_alias(t)
+    t.add_(1)
+    assert alias.version() == t._version == 1
+    value = alias.value()
+    value.mul_(2)  # (a rule never writes it; the counter is shared both ways)
+    assert t._version == 2 and torch.equal(t, value)
 
 
 @needs_native
