@@ -303,3 +303,27 @@ def test_inplace_shape_change_of_a_view_with_gradients_is_refused():
     with pytest.raises(NotImplementedError, match="in-place shape change of a view"):
         v.squeeze_(0)
     assert v.shape == (1, 3)
+
+
+@pytest.mark.parametrize("view", [
+    lambda b: b.as_strided((2, 3), (0, 1), 0),   # the whole base: both rows on one storage row
+    lambda b: b.as_strided((3,), (1,), 0),       # one storage row, read by both base rows
+    lambda b: b.as_strided((2,), (1,), 1),
+], ids=["same_geometry", "one_row", "inner"])
+def test_a_rebuilt_view_of_an_overlapping_base_shares_the_gradient_as_torch(view):
+    """Found by the random fuzz: graphgrad's AsStridedBackward mapped view elements to base
+    elements, which an expanded base (stride 0) does not have one-to-one, and raised. torch
+    adds the view's gradient up per storage element and gives each base element sharing one
+    an equal share; so does graphgrad now."""
+    from graphgrad.rules import Meta
+    from graphgrad.view_rules import ViewGeometry, as_strided_backward
+
+    g = torch.Generator().manual_seed(3)
+    leaf = torch.randn(1, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    base = leaf.expand(2, 3)
+    out = view(base)
+    grad = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    want, = torch.autograd.grad(out, base, grad)
+    with torch.no_grad():
+        got = as_strided_backward(grad, Meta(base), ViewGeometry(base, out))
+    torch.testing.assert_close(got, want)
