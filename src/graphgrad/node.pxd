@@ -46,8 +46,9 @@ cdef class AccumulateGrad(Node):
 cpdef Node new_node(object rule, tuple next_nodes, tuple next_nrs, tuple slot_pos,
                     tuple input_meta, object saved, object versions, object graph)
 cpdef tuple output_numbers(object nrs)
+cpdef object interned(tuple key)
 cdef list _ZEROS
-cdef dict _NRS
+cdef dict _INTERNED
 
 cdef Py_ssize_t _sequence_nr
 cdef int NOT_RELEASED, RELEASED_AFTER_BACKWARD, RELEASED_WITH_GRAPH, KEEP_NOTHING, GG_LEAF

@@ -39,7 +39,7 @@ from .references import (
 )
 
 __all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "split_edges",
-           "output_numbers", "current_sequence_nr"]
+           "output_numbers", "interned", "current_sequence_nr"]
 
 _sequence_nr = 0  # Nodes are numbered in recording order
 _anomaly_enabled = torch.is_anomaly_enabled
@@ -222,7 +222,7 @@ def split_edges(next_functions):
 
 
 _ZEROS = [(0,) * n for n in range(9)]  # _ZEROS[n]: n edges, each into its node's first output
-_NRS: dict = {}
+_INTERNED: dict = {}
 
 
 def output_numbers(nrs):
@@ -234,13 +234,20 @@ def output_numbers(nrs):
                 break
         else:
             return _ZEROS[n]
-    nrs = tuple(nrs)
+    return interned(tuple(nrs))
+
+
+def interned(key):
+    """One shared copy of small recurring tuples (output numbers, slot positions, all-None
+    metadata): nodes keep them without a copy each."""
     try:
-        return _NRS[nrs]
+        return _INTERNED[key]
     except KeyError:
-        if len(_NRS) < 4096:
-            _NRS[nrs] = nrs
-        return nrs
+        if len(_INTERNED) < 4096:
+            _INTERNED[key] = key
+        return key
+    except TypeError:
+        return key
 
 
 def _setup(node, rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, graph):

@@ -1,7 +1,7 @@
 # Cython declarations for views.py (pure-Python mode): the helpers dispatch calls per op are
 # cpdef (C calls from dispatch, which cimports them), the constants C globals.
 
-from graphgrad.node cimport Node, new_node, output_numbers
+from graphgrad.node cimport Node, interned, new_node, output_numbers
 from graphgrad.references cimport save_arguments, saved_output
 from graphgrad.rules cimport Rule
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
@@ -11,7 +11,7 @@ cimport cython
 cdef object _Disable, _grad_enabled, _set_grad_enabled, _shape, _dtype, _device, _ndim
 cdef object _same_meta, _device_index, _version, _is_view, _torch_requires_grad
 cdef object _torch_grad_fn, _has_internal_overlap, _get_base, _PlainTensor, _TENSOR_CLS
-cdef dict _inplace_cache, _INTERNED
+cdef dict _inplace_cache
 cdef object _EMPTY
 cdef int KEEP_META, KEEP_VALUE, NO_VIEW_TAG, NO_GRAD_VIEW, MULTI_OUTPUT_VIEW, PLAIN_VIEW
 cdef int CUSTOM_FUNCTION_VIEW, CUSTOM_MULTI_VIEW, TORCH_LEAF, TORCH_BRIDGE
@@ -22,7 +22,6 @@ cpdef object node_of(object t)
 cpdef object kernel(object func, tuple args, dict kwargs, bint silent)
 cpdef object bind(object func, Rule rule, tuple args, dict kwargs)
 cpdef object slots(Rule rule, tuple values, object graph, object ref)
-cdef object _interned(tuple key)
 @cython.locals(node=Node)
 cdef bint _add_slot(object t, object graph, list nexts, list nrs, list metas) except -1
 cpdef object keep_for(Rule rule, tuple nexts, tuple slot_pos)

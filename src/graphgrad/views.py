@@ -39,7 +39,7 @@ from .codes import (
     TORCH_LEAF,
 )
 from .graph import current_graph
-from .node import AccumulateGrad, new_node, output_numbers
+from .node import AccumulateGrad, interned, new_node, output_numbers
 from .references import save_arguments, saved_output
 from .rules import qualified_name
 from .view_rules import AS_STRIDED_RULE, COPY_SLICES_RULE, ViewGeometry
@@ -70,7 +70,6 @@ _PlainTensor = torch.Tensor
 _TENSOR_CLS = None  # graphgrad.Tensor (see wrap.on_tensor_class), read on the hot path
 _inplace_cache: dict = {}
 _EMPTY = inspect.Parameter.empty
-_INTERNED: dict = {}
 
 
 def _take_tensor_class(cls) -> None:
@@ -271,20 +270,8 @@ def slots(rule, values, graph, ref):
         for j in range(len(metas)):
             if metas[j] is None and nexts[j] is not None:
                 metas[j] = (_shape(out), _dtype(out), _device(out))
-    return (tuple(nexts), output_numbers(nrs), _interned(tuple(slot_pos)),
-            tuple(metas) if kept else _interned(tuple(metas)))
-
-
-def _interned(key):
-    """One shared copy of small recurring tuples (slot positions, all-None metadata)."""
-    try:
-        return _INTERNED[key]
-    except KeyError:
-        if len(_INTERNED) < 4096:
-            _INTERNED[key] = key
-        return key
-    except TypeError:
-        return key
+    return (tuple(nexts), output_numbers(nrs), interned(tuple(slot_pos)),
+            tuple(metas) if kept else interned(tuple(metas)))
 
 
 def _add_slot(t, graph, nexts, nrs, metas):
