@@ -65,11 +65,13 @@ cdef tuple _needs_input_grad(Node node)
 
 
 # The edge tuple and the saved tuple as parts of their node for the cyclic GC (compiled engine):
-# _setup untracks the node's own next_nodes and saved tuples, and Node's traverse visits their
+# new_node untracks the node's own next_nodes and saved tuples, and Node's traverse visits their
 # items in their place (after the fields Cython's function visits). Only the node that was made
-# with a tuple visits it: both fields are read-only to Python, and a new node always gets fresh
-# tuples (save_arguments' shared all-None ones hold nothing to visit), so each reference is
-# seen exactly once, as the tuple's own traverse would see it.
+# with a tuple visits it: both fields are read-only to Python, and the engine's callers of
+# new_node (dispatch, views) make fresh tuples for each node (save_arguments' shared all-None
+# ones hold nothing to visit), so each reference is seen exactly once, as the tuple's own
+# traverse would see it. Nodes made through Node(...) (custom Functions, user code) keep tracked
+# tuples, visited as fields.
 cdef extern from "Python.h":
     int PyObject_GC_IsTracked(object op)
     void PyObject_GC_UnTrack(object op)

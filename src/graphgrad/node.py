@@ -209,9 +209,13 @@ def _needs_input_grad(node):
 
 def new_node(rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, graph):
     """``Node(...)`` without the generic constructor call: dispatch's hot path (one per op).
-    Takes the edges split, as the node keeps them (``split_edges``)."""
+    Takes the edges split, as the node keeps them (``split_edges``). The node takes over
+    ``next_nodes`` and ``saved``: they must be tuples made for it (the compiled engine's
+    collector sees them as parts of this node only, see node.pxd)."""
     node = Node.__new__(Node)
     _setup(node, rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, graph)
+    if cython.compiled:
+        _own_tuples(node)  # noqa: F821 (node.pxd): edges and saved values as parts of the node
     return node
 
 
@@ -259,8 +263,6 @@ def _setup(node, rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versio
     node.input_meta = input_meta
     node.saved = saved
     node.versions = versions
-    if cython.compiled:
-        _own_tuples(node)  # noqa: F821 (node.pxd): edges and saved values as parts of the node
     node.result = None
     node.num_outputs = 1
     node.released = NOT_RELEASED
