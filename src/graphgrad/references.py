@@ -196,9 +196,9 @@ class SavedResult:
             if _alias_version(data) != self.version:
                 raise RuntimeError(modified_message(name, "result", self.kept(), self.version))
         else:
-            for t, v, value in zip(data, self.version, self.kept()):
+            for i, (t, v) in enumerate(zip(data, self.version)):
                 if t is not None and _alias_version(t) != v:
-                    raise RuntimeError(modified_message(name, "result", value, v))
+                    raise RuntimeError(modified_message(name, "result", self.kept()[i], v))
 
 
 def _alias_version(t):
@@ -213,10 +213,9 @@ def saved_output(out):
     no cycle. (A custom Function's saved outputs reach user code through ``ctx.saved_tensors``
     and stay tracked.)"""
     multi = not isinstance(out, _PlainTensor)
-    if _save_alias is None or current_saved_hooks() is not None:
-        result = SavedResult(tuple([None if t is None else t.detach() for t in out]) if multi
-                             else out.detach())
-        return result if result.unpack is not None else untracked(result)
+    if current_saved_hooks() is not None:  # the pack hook takes tensors; the result is tracked
+        return SavedResult(tuple([None if t is None else t.detach() for t in out]) if multi
+                           else out.detach())
     result = SavedResult.__new__(SavedResult)
     result.unpack = None
     result.multi = multi
@@ -230,7 +229,8 @@ def saved_output(out):
 
 
 def _alias(t):
-    alias = _save_alias(t)
+    """The C++ alias of ``t`` where the native module reads it, else ``t.detach()``."""
+    alias = None if _save_alias is None else _save_alias(t)
     return t.detach() if alias is None else alias
 
 
