@@ -7,10 +7,10 @@ from graphgrad.node cimport AccumulateGrad, Node
 cdef object _Disable, _set_grad_enabled, _PlainTensor, _heappush, _heappop
 cdef long long _FIRST
 
-@cython.locals(node=Node, parent=Node, i=Py_ssize_t, nexts=tuple)
+@cython.locals(node=Node, parent=Node, i=Py_ssize_t, nexts=tuple, stack=list, at=list, count=bint)
 cdef tuple _walk(list root_nodes, object targets, bint into_torch)
 
-@cython.locals(node=Node, j=Py_ssize_t, nexts=tuple, nrs=tuple, slot_pos=tuple, metas=tuple, ready=list,
+@cython.locals(node=Node, alone=Node, j=Py_ssize_t, nexts=tuple, nrs=tuple, slot_pos=tuple, metas=tuple, ready=list,
                buffers=dict, deps=dict, anomaly=bint, is_target=bint, n=Py_ssize_t)
 cdef object _run(list root_nodes, object root_grads, object retain_graph, bint create_graph,
                  object targets, object inputs, object accumulate, object allow_unused,

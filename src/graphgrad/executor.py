@@ -108,25 +108,36 @@ def _walk(root_nodes, targets, into_torch):
     distributed walk with graph.py's)."""
     deps = {}
     order = []  # post-order: a node after all of its inputs
+    count = targets is None and not into_torch  # every node is needed: count edges as walked
     for root, _ in root_nodes:
         if root in deps:  # reached from an earlier root
             continue
         deps[root] = 0
-        stack = [(root, 0)]
-        while stack:
-            node, i = stack.pop()
+        stack = [root]  # the path being walked, and how far each node's inputs were seen:
+        at = [0]  # two lists, not a (node, i) tuple per level, which in a long chain would
+        while stack:  # outlive enough collections to trigger a full one (see performance.md)
+            node = stack.pop()
+            i = at.pop()
             nexts = node.next_nodes
             while i < len(nexts):
                 parent = nexts[i]
                 i += 1
-                if parent is None or parent in deps:
+                if parent is None:
                     continue
-                deps[parent] = 0
-                stack.append((node, i))
-                stack.append((parent, 0))
+                if parent in deps:
+                    if count:
+                        deps[parent] += 1
+                    continue
+                deps[parent] = 1 if count else 0
+                stack.append(node)
+                at.append(i)
+                stack.append(parent)
+                at.append(0)
                 break
             else:
                 order.append(node)
+    if count:
+        return deps, None, order
     if targets is None:
         needed = None
     else:
@@ -178,8 +189,15 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
     for node in dict.fromkeys(n for n, _ in root_nodes):
         if deps[node] == 0:
             _heappush(ready, _Ready(_order(node), node))
-    while ready:
-        node = _heappop(ready).node
+    # the only ready node waits here instead of in the heap (a chain never fills the heap):
+    # one node in a heap is popped next all the same, so the order is the heap's
+    alone = None
+    while ready or alone is not None:
+        if alone is not None:
+            node = alone
+            alone = None
+        else:
+            node = _heappop(ready).node
         grads = buffers.pop(node, None)
         if needed is not None and not needed[node]:  # a root that leads to no input: torch
             if len(root_nodes) == 1:  # runs the tensor hooks of a single one, nothing else
@@ -261,7 +279,13 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                 _add_to_buffer(buffers, parent, nrs[j], g)
             deps[parent] -= 1
             if deps[parent] == 0:
-                _heappush(ready, _Ready(_order(parent), parent))
+                if alone is None and not ready:
+                    alone = parent
+                else:
+                    if alone is not None:
+                        _heappush(ready, _Ready(_order(alone), alone))
+                        alone = None
+                    _heappush(ready, _Ready(_order(parent), parent))
     if bridges:
         _into_torch(bridges, inputs, deps, retain_graph, accumulate, captured)
     if inputs is None or accumulate:

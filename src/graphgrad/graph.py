@@ -343,9 +343,11 @@ def topo_order(roots) -> list:
         if root is None or id(root) in done:
             continue
         done.add(id(root))
-        stack = [(root, 0)]
+        stack = [root]  # as the executor's walk: the path, and how far each node's
+        at = [0]  # inputs were seen, in two lists (no tuple per level for the GC to keep)
         while stack:
-            node, i = stack.pop()
+            node = stack.pop()
+            i = at.pop()
             nexts = node.next_nodes
             while i < len(nexts):
                 parent = nexts[i]
@@ -353,8 +355,10 @@ def topo_order(roots) -> list:
                 if parent is None or id(parent) in done:
                     continue
                 done.add(id(parent))
-                stack.append((node, i))
-                stack.append((parent, 0))
+                stack.append(node)
+                at.append(i)
+                stack.append(parent)
+                at.append(0)
                 break
             else:
                 order.append(node)
