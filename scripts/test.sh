@@ -52,7 +52,13 @@ if [ "$(nproc 2>/dev/null || echo 1)" -ge 2 ] && [ "${GRAPHGRAD_TEST_SERIAL:-0}"
   compiled_pid=$!
   GRAPHGRAD_OPDB_SAMPLE_CAP="$pure_opdb_cap" run_suite pure-Python "$pure_setting" &
   pure_pid=$!
-  (while sleep 60; do
+  # a progress line a minute; killed, it takes its sleep with it (an orphaned sleep would
+  # hold this script's output open for up to a minute after the script is done)
+  (nap=""
+   trap '[ -n "$nap" ] && kill "$nap" 2>/dev/null; exit 0' TERM
+   while :; do
+     sleep 60 & nap=$!
+     wait "$nap"
      echo "[tests $((SECONDS - start))s] compiled: $(progress_of compiled)%, pure-Python: $(progress_of pure-Python)%"
    done) &
   beat=$!
