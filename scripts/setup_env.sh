@@ -20,7 +20,10 @@ say() {
 with_heartbeat() {
   local what=$1 status=0 beat
   shift
-  (while sleep 30; do say "$what: still running"; done) &
+  # killed, the loop takes its sleep with it (an orphaned one would hold our output open)
+  (nap=""
+   trap '[ -n "$nap" ] && kill "$nap" 2>/dev/null; exit 0' TERM
+   while :; do sleep 30 & nap=$!; wait "$nap"; say "$what: still running"; done) &
   beat=$!
   "$@" || status=$?
   kill "$beat" 2>/dev/null || true
