@@ -43,7 +43,7 @@ from .views import (
 )
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 
-__all__ = ["torch_function", "call", "observe_calls", "note_call", "route"]
+__all__ = ["torch_function", "call", "observe_calls", "note_call", "redispatch", "route"]
 
 _Disable = _compat.DisableTorchFunctionSubclass
 _grad_enabled = _compat.is_grad_enabled
@@ -53,6 +53,8 @@ _device_index = _compat.tensor_device_index
 _is_view = _compat.tensor_is_view
 _torch_requires_grad = _compat.torch_requires_grad
 _autocast_enabled = _compat.autocast_enabled
+_tf_enabled = _compat.torch_function_enabled
+_tf_mode = _compat.torch_function_mode_enabled
 _PlainTensor = torch.Tensor
 _TENSOR_CLS = None  # graphgrad.Tensor (see wrap.on_tensor_class), read on the hot path
 _NO_KWARGS: dict = {}  # never mutated: the kwargs of calls that passed none
@@ -134,6 +136,38 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     if route is not None:
         return route(*args, **(kwargs or {}))
     return call(func, args, kwargs)
+
+
+def redispatch(func, *args, **kwargs):
+    """``func(*args, **kwargs)`` called from inside a composite rule, handed to graphgrad as
+    torch's protocol would hand it (``Tensor.__torch_function__``) but without the protocol's
+    own cost, which for the Python-level functions of ``torch.nn.functional`` and for
+    ``torch.ops`` overloads is several microseconds a call (``cross_entropy`` calls
+    ``nll_loss``, which calls ``aten.nll_loss_forward``). Goes through torch as written when
+    the protocol would not reach graphgrad alone: it is off, a torch-function mode is active,
+    no argument is a graphgrad Tensor, or another Tensor subclass is among them."""
+    if _tf_enabled() and not _tf_mode() and _only_ours(args, kwargs):
+        return torch_function(_TENSOR_CLS, func, (), args, kwargs)
+    return func(*args, **kwargs)
+
+
+def _only_ours(args, kwargs) -> bool:
+    """Is a graphgrad Tensor among the arguments (one list level deep) and no other subclass?"""
+    found = False
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, _PlainTensor):
+                    if type(b) is _TENSOR_CLS:
+                        found = True
+                    elif type(b) is not _PlainTensor:
+                        return False
+        elif isinstance(a, _PlainTensor):
+            if type(a) is _TENSOR_CLS:
+                found = True
+            elif type(a) is not _PlainTensor:
+                return False
+    return found
 
 
 def route(func, to, torch_function: bool = True) -> None:

@@ -121,3 +121,51 @@ def test_methods_without_rule_still_raise():
     x = leaf(3)
     with pytest.raises(NotImplementedError, match="no derivative rule"):
         torch.Tensor.histc(x)  # no rule, no decomposition: the protocol path names it
+
+
+def test_redispatch_records_what_the_protocol_records():
+    """A composite calling another function through ``dispatch.redispatch`` (cross_entropy's
+    nll_loss) gets the graph and gradients it gets through torch's protocol, and the call
+    reaches the observer of calls all the same."""
+    import torch.nn.functional as F
+
+    x0 = torch.randn(6, 4, dtype=F64)
+    y = torch.tensor([0, 3, 1, 1, 2, 0])
+    a, b = (gg.as_tensor(x0.clone(), requires_grad=True) for _ in range(2))
+    seen = []
+    dispatch.observe_calls(seen.append)
+    try:
+        la = dispatch.redispatch(F.nll_loss, a.log_softmax(1), y)
+    finally:
+        dispatch.observe_calls(None)
+    lb = F.nll_loss(b.log_softmax(1), y)
+    assert F.nll_loss in seen
+    assert la.grad_fn.name() == lb.grad_fn.name()
+    la.backward()
+    lb.backward()
+    torch.testing.assert_close(a.grad, b.grad)
+    torch.testing.assert_close(la.detach(), lb.detach())
+
+
+def test_redispatch_goes_through_torch_for_modes_other_subclasses_and_plain_tensors():
+    import torch.nn.functional as F
+
+    seen = []
+
+    class Logger(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = leaf(5, 3)
+    y = torch.tensor([0, 2, 1, 1, 0])
+    with Logger():
+        loss = dispatch.redispatch(F.nll_loss, x, y)
+    assert F.nll_loss in seen and loss.grad_fn is not None  # the mode saw it; still recorded
+    _Probe.seen = []
+    probe = torch.randn(5, 3, dtype=F64).as_subclass(_Probe)
+    dispatch.redispatch(torch.add, probe, x)
+    assert torch.add in _Probe.seen  # first in line, the other subclass answers (as in torch)
+    plain = torch.randn(5, 3, dtype=F64)
+    out = dispatch.redispatch(torch.mul, plain, plain)
+    assert type(out) is T  # no graphgrad tensor among the arguments: torch's answer as it is

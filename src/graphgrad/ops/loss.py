@@ -25,8 +25,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._compat import bound_function
+from .._compat import bound_function, tensor_dtype, tensor_ndim, tensor_shape
 from .._compat import nn_functions as _nn
+from ..dispatch import redispatch
 from ..rules import decomposition, derivative
 from .nn import autocast_float32, autocast_has_kernel, autocast_off, torch_body
 
@@ -258,29 +259,32 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
              reduction="mean"):
     """torch's ``nll_loss_nd``: 1-d and 2-d inputs through ``nll_loss_forward``, 4-d ones
     through ``nll_loss2d_forward``, the others viewed as 4-d; autocast runs it in float32."""
+    # sizes and dtypes read from the C++ tensors (tensor_ndim...): through graphgrad.Tensor's
+    # attributes each read is a call of its own (the device has no such reader)
     enum = torch.nn._reduction.get_enum(_reduction(size_average, reduce, reduction))
-    if input.dim() < 1:
-        raise ValueError(f"Expected 1 or more dimensions (got {input.dim()})")
-    if input.dim() != 1 and input.shape[0] != target.shape[0]:
-        raise ValueError(f"Expected input batch_size ({input.shape[0]}) to match target "
-                         f"batch_size ({target.shape[0]}).")
+    ndim = tensor_ndim(input)
+    if ndim < 1:
+        raise ValueError(f"Expected 1 or more dimensions (got {ndim})")
+    if ndim != 1 and tensor_shape(input)[0] != tensor_shape(target)[0]:
+        raise ValueError(f"Expected input batch_size ({tensor_shape(input)[0]}) to match target "
+                         f"batch_size ({tensor_shape(target)[0]}).")
     device = input.device.type
-    op = "aten::nll_loss" if input.dim() <= 2 else "aten::nll_loss2d"
+    op = "aten::nll_loss" if ndim <= 2 else "aten::nll_loss2d"
     input, weight = autocast_float32(op, device, input, weight)
-    if input.dim() <= 2:
-        return autocast_off(device, _aten.nll_loss_forward.default, input, target, weight, enum,
-                            ignore_index)[0]
+    if ndim <= 2:
+        return autocast_off(device, redispatch, _aten.nll_loss_forward.default, input, target,
+                            weight, enum, ignore_index)[0]
     if input.dim() == 4:
-        return autocast_off(device, _aten.nll_loss2d_forward.default, input, target, weight,
-                            enum, ignore_index)[0]
+        return autocast_off(device, redispatch, _aten.nll_loss2d_forward.default, input, target,
+                            weight, enum, ignore_index)[0]
     n, c = input.shape[0], input.shape[1]
     out_size = (n,) + tuple(input.shape[2:])
     if tuple(target.shape[1:]) != tuple(input.shape[2:]):
         raise RuntimeError(f"Expected target size {list(out_size)}, got {list(target.shape)}")
     input = input.contiguous().view(n, c, 1, -1) if input.numel() else input.view(n, c, 0, 0)
     target = target.contiguous().view(n, 1, -1) if target.numel() else target.view(n, 0, 0)
-    out = autocast_off(device, _aten.nll_loss2d_forward.default, input, target, weight, enum,
-                       ignore_index)[0]
+    out = autocast_off(device, redispatch, _aten.nll_loss2d_forward.default, input, target,
+                       weight, enum, ignore_index)[0]
     return out if enum != 0 else out.view(out_size)
 
 
@@ -334,19 +338,21 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     against the probabilities; label smoothing mixes in the uniform distribution, as torch does."""
     reduction = _reduction(size_average, reduce, reduction)
     device_type = input.device.type
-    if input.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(device_type) \
-            and autocast_has_kernel("aten::cross_entropy_loss", device_type):
+    if tensor_dtype(input) in (torch.float16, torch.bfloat16) and \
+            torch.is_autocast_enabled(device_type) and \
+            autocast_has_kernel("aten::cross_entropy_loss", device_type):
         input = input.float()  # autocast runs cross_entropy in float32 here: so must its pieces
-    class_dim = 1 if input.dim() >= 2 else 0
-    n_classes = input.shape[class_dim]
+    ndim = tensor_ndim(input)
+    class_dim = 1 if ndim >= 2 else 0
+    n_classes = tensor_shape(input)[class_dim]
     # the dtype given, as torch's own cross_entropy gives it: autocast then keeps log_softmax
     # in the input's precision where it has no cross_entropy kernel of its own (CUDA)
-    logp = torch.log_softmax(input, class_dim, dtype=input.dtype)
+    logp = redispatch(torch.log_softmax, input, class_dim, dtype=tensor_dtype(input))
     if weight is not None:
-        shape = [1] * input.dim()
+        shape = [1] * ndim
         shape[class_dim] = n_classes
         class_weight = weight.view(shape)
-    if target.is_floating_point():  # class probabilities
+    if tensor_dtype(target).is_floating_point:  # class probabilities
         if label_smoothing > 0.0:
             target = target * (1 - label_smoothing) + label_smoothing / n_classes
         prod = logp * target if weight is None else logp * target * class_weight
@@ -355,7 +361,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         if reduction == "sum":
             return -prod.sum()
         return -prod.sum() / (input.numel() / n_classes)
-    nll = F.nll_loss(logp, target, weight, None, ignore_index, None, reduction)
+    nll = redispatch(F.nll_loss, logp, target, weight, None, ignore_index, None, reduction)
     if label_smoothing == 0.0:
         return nll
     ignored = target == ignore_index
