@@ -108,7 +108,7 @@ def test_w6_compiled_and_pure(quick):
 def test_gc_counts(quick):
     _, result = quick
     gc_result = result["extra"]["GC"]
-    assert gc_result["steps"] == 100
+    assert gc_result["steps"] == 100 and gc_result["warm_up_steps"] == 200
     for engine in ("graphgrad", "torch", "bound"):
         counts = gc_result[engine]
         assert counts["collections"] == sum(counts["by_generation"]) >= 0
