@@ -274,7 +274,7 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
     if ndim <= 2:
         return autocast_off(device, redispatch, _aten.nll_loss_forward.default, input, target,
                             weight, enum, ignore_index)[0]
-    if input.dim() == 4:
+    if ndim == 4:
         return autocast_off(device, redispatch, _aten.nll_loss2d_forward.default, input, target,
                             weight, enum, ignore_index)[0]
     n, c = input.shape[0], input.shape[1]
