@@ -266,6 +266,7 @@ class Interpreter:
         self.stale_grad_graph = set()  # see grad_holders
         self.hooks = 0  # hooks registered so far (their ids in the logs)
         self.kept_only_by_torch = False  # see call_backward
+        self.ckpt_inputs_without_grad = set()  # see op(): torch's checkpoint recomputes with them
 
     # -- bookkeeping -------------------------------------------------------------------------
     def args(self, *idx):
@@ -421,6 +422,8 @@ class Interpreter:
         ks, gs, ts = picked
         fn = table[name]
         self.kept_only_by_torch |= name in KEPT_ONLY_BY_TORCH
+        if name.startswith("ckpt") and torch.is_grad_enabled():
+            self.ckpt_inputs_without_grad |= {k for k, t in zip(ks, ts) if not t.requires_grad}
         ok, out_g, out_t, _ = run_both(lambda: fn(*gs), lambda: fn(*ts))
         if ok and name in BROADCASTING_LOSSES:
             shape = torch.broadcast_shapes(*(g.shape for g in gs))
@@ -672,6 +675,15 @@ class Interpreter:
             elif kind == "requires_grad_":
                 picked = self.args(step[1])
                 flag = step[2]
+                if picked is not None and flag and picked[0][0] in self.ckpt_inputs_without_grad \
+                        and not picked[2][0].requires_grad:
+                    # torch's non-reentrant checkpoint recomputes with the input's flag as it is
+                    # at backward: the recomputed forward saves other tensors than the first
+                    # did, and torch unpacks them by position without an error. Its gradient is
+                    # then wrong (x * y.sin() + x gave 1 + y for x, not 1 + sin(y)); graphgrad
+                    # recomputes what it recorded. The programs part here (documented).
+                    STATS["stopped_at_requires_grad_on_a_checkpoint_input"] += 1
+                    raise StopProgram
                 if picked is not None and (flag or not picked[2][0].is_leaf):
                     # (requires_grad_(False) on a leaf is left out: torch keeps treating the
                     # views and results made from it as made from a leaf that requires grad)
