@@ -267,6 +267,7 @@ class Interpreter:
         self.hooks = 0  # hooks registered so far (their ids in the logs)
         self.kept_only_by_torch = False  # see call_backward
         self.ckpt_inputs_without_grad = set()  # see op(): torch's checkpoint recomputes with them
+        self.created_graph = False  # see call_backward: a create_graph=True pass ran
 
     # -- bookkeeping -------------------------------------------------------------------------
     def args(self, *idx):
@@ -378,6 +379,13 @@ class Interpreter:
                 # and frees it (graphgrad keeps the number). The programs part here.
                 STATS["stopped_where_torch_refused_a_second_backward"] += 1
                 raise StopProgram from e
+            if "modified by an inplace operation" in text and self.created_graph:
+                # differentiated again, graphgrad's rules save what their formulas use (square:
+                # grad * (2 * input) keeps 2 * input), torch's double-backward nodes what
+                # derivatives.yaml names (PowBackward0 keeps self): an in-place change that
+                # torch refuses may leave graphgrad's created graph valid (documented)
+                STATS["stopped_where_a_created_graph_saved_other_tensors"] += 1
+                raise StopProgram from e
             if "modified by an inplace operation" in text and self.kept_only_by_torch:
                 # an op whose input torch keeps for its shape only (KEPT_ONLY_BY_TORCH in
                 # tests/engine/test_parity_rules.py) had that input changed in place
@@ -394,6 +402,8 @@ class Interpreter:
                 STATS["stopped_where_torch_checkpoint_recomputed_differently"] += 1
                 raise StopProgram from e
             raise
+        if ok and create:
+            self.created_graph = True
         if not ok and kind == "not have been used in the graph" and (
                 len(self.G.log) > logged or any(g.grad is not b[0] for (_, g, _), b in zip(holders, before))):
             # an input reached that got no gradient: both libraries ran the pass, then refused
