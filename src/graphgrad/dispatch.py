@@ -155,17 +155,11 @@ def _only_ours(args, kwargs) -> bool:
     """Is a graphgrad Tensor among the arguments (one list level deep) and no other subclass?"""
     found = False
     for a in (*args, *kwargs.values()) if kwargs else args:
-        if type(a) is list or type(a) is tuple:
-            for b in a:
-                if isinstance(b, _PlainTensor):
-                    if type(b) is _TENSOR_CLS:
-                        found = True
-                    elif type(b) is not _PlainTensor:
-                        return False
-        elif isinstance(a, _PlainTensor):
-            if type(a) is _TENSOR_CLS:
+        for b in a if type(a) is list or type(a) is tuple else (a,):
+            tp = type(b)
+            if tp is _TENSOR_CLS:
                 found = True
-            elif type(a) is not _PlainTensor:
+            elif tp is not _PlainTensor and isinstance(b, _PlainTensor):
                 return False
     return found
 
