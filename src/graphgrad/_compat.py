@@ -95,6 +95,7 @@ if native_meta is not None:
     tensor_same_size = native_meta.same_size
     tensor_same_meta = native_meta.same_meta
     tensor_device_index = native_meta.device_index
+    tensor_device = native_meta.device
     tensor_version = native_meta.version
     tensor_is_view = native_meta.is_view
     torch_requires_grad = native_meta.requires_grad

@@ -2,6 +2,7 @@
 # functions and the module constants C globals, so recording an op makes no Python calls
 # of its own besides the rule's binder and the kernel.
 
+from graphgrad._torch_types cimport TensorBase
 from graphgrad.node cimport Node, new_node
 from graphgrad.rules cimport Rule
 from graphgrad.references cimport save_arguments, saved_output, untracked

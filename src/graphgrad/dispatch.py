@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
 
 from . import _compat
 from .codes import KEEP_VALUE, NEEDS_GRAD, NO_GRAD, PLAIN_VIEW, TORCH_TRACKED
@@ -98,13 +99,13 @@ def _needs_grad(args, kwargs):
                 return TORCH_TRACKED
         elif tp is list or tp is tuple:
             for b in a:
-                if isinstance(b, _PlainTensor):
+                if isinstance(b, TensorBase):
                     if _torch_requires_grad(b):
                         return TORCH_TRACKED
                     if node_of(b) is not None or (
                             getattr(b, "_gg_view_tag", 0) == PLAIN_VIEW and revived(b)):
                         found = NEEDS_GRAD
-        elif isinstance(a, _PlainTensor):
+        elif isinstance(a, TensorBase):
             if _torch_requires_grad(a):
                 return TORCH_TRACKED
             if node_of(a) is not None:
@@ -113,12 +114,12 @@ def _needs_grad(args, kwargs):
         for a in kwargs.values():
             if type(a) is list or type(a) is tuple:
                 for b in a:
-                    if isinstance(b, _PlainTensor):
+                    if isinstance(b, TensorBase):
                         if _torch_requires_grad(b):
                             return TORCH_TRACKED
                         if node_of(b) is not None:
                             found = NEEDS_GRAD
-            elif isinstance(a, _PlainTensor):
+            elif isinstance(a, TensorBase):
                 if _torch_requires_grad(a):
                     return TORCH_TRACKED
                 if node_of(a) is not None:
@@ -159,7 +160,7 @@ def _only_ours(args, kwargs) -> bool:
             tp = type(b)
             if tp is _TENSOR_CLS:
                 found = True
-            elif tp is not _PlainTensor and isinstance(b, _PlainTensor):
+            elif tp is not _PlainTensor and isinstance(b, TensorBase):
                 return False
     return found
 
@@ -286,7 +287,7 @@ def _as_autocast_ran(values, keep, dtype):
         return values
     out = list(values)
     for i, v in enumerate(values):
-        if keep[i] == KEEP_VALUE and isinstance(v, _PlainTensor) and v.is_floating_point() \
+        if keep[i] == KEEP_VALUE and isinstance(v, TensorBase) and v.is_floating_point() \
                 and v.dtype != dtype:
             out[i] = v.to(dtype)
     return tuple(out)
@@ -322,8 +323,8 @@ def _attach_tuple(out, node, rule, parts):
     # trailing integer outputs (max's indices) are not outputs of the node, as in torch,
     # nor are those a rule declares non-differentiable (native_layer_norm's statistics)
     n = len(items)
-    while n > 1 and type(items[n - 1]) is _PlainTensor and not (
-            items[n - 1].is_floating_point() or items[n - 1].is_complex()):
+    while n > 1 and type(items[n - 1]) is _PlainTensor and \
+            _dtype(items[n - 1]) not in _DIFFERENTIABLE_DTYPES:
         n -= 1
     if rule.differentiable_outputs is not None and rule.differentiable_outputs < n:
         n = rule.differentiable_outputs
@@ -335,7 +336,7 @@ def _attach_tuple(out, node, rule, parts):
         if type(o) is _PlainTensor:
             if not rule.may_view and _is_view(o):
                 o = _not_a_view(o)
-            if i < n and (o.is_floating_point() or o.is_complex()):
+            if i < n and _dtype(o) in _DIFFERENTIABLE_DTYPES:
                 items[i] = wrap_output(o, node, i)
             else:
                 o.__class__ = _TENSOR_CLS
@@ -358,7 +359,7 @@ def _no_rule(func, args, kwargs, silent):
     if is_inplace(func):
         name = qualified_name(func)
         self = args[0] if args else None
-        node = getattr(self, "_gg_node", None) if isinstance(self, _PlainTensor) else None
+        node = getattr(self, "_gg_node", None) if isinstance(self, TensorBase) else None
         if node is not None and node.graph is None:
             raise RuntimeError(
                 f"a leaf Variable that requires grad is being used in an in-place operation "
@@ -372,7 +373,7 @@ def _no_rule(func, args, kwargs, silent):
 
 
 def _has_float_tensor(out, args, kwargs):
-    if isinstance(out, _PlainTensor):
+    if isinstance(out, TensorBase):
         if is_input(out, args, kwargs):
             return False
         return out.is_floating_point() or out.is_complex()

@@ -1,6 +1,7 @@
 # Cython declarations for executor.py (pure-Python mode): the backward loop with typed
 # locals and C-level helpers.
 
+from graphgrad._torch_types cimport TensorBase
 cimport cython
 from graphgrad.node cimport AccumulateGrad, Node
 

@@ -23,6 +23,7 @@ import heapq
 import threading
 
 import torch
+from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
 
 from . import _compat
 from .codes import GG_LEAF, RELEASED_WITH_GRAPH, TORCH_BRIDGE, TORCH_LEAF
@@ -67,7 +68,7 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
     if inputs is not None:
         targets = {}
         for k, t in enumerate(inputs):
-            node = current_node(t) if isinstance(t, _PlainTensor) else None
+            node = current_node(t) if isinstance(t, TensorBase) else None
             if node is None:
                 raise RuntimeError(
                     f"One of the differentiated Tensors (inputs[{k}]) does not require grad; "
@@ -273,7 +274,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                     meta = metas[j]
                     if meta is not None:
                         g = _fit(g, meta, node, j)
-                    elif not isinstance(g, _PlainTensor):
+                    elif not isinstance(g, TensorBase):
                         _not_a_tensor(g, node, j)
             if g is not None:
                 _add_to_buffer(buffers, parent, nrs[j], g)
@@ -451,7 +452,7 @@ def _apply_checked(node, grads, create_graph):
     if not torch.is_anomaly_check_nan_enabled():
         return outs
     for j, g in enumerate(outs):
-        if isinstance(g, _PlainTensor) and (g.is_floating_point() or g.is_complex()) and \
+        if isinstance(g, TensorBase) and (g.is_floating_point() or g.is_complex()) and \
                 not bool(torch.isfinite(g).all()):
             kind = "nan" if bool(torch.isnan(g).any()) else "inf"
             raise RuntimeError(f"Function '{node.name()}' returned {kind} values in its {j}th "
@@ -473,7 +474,7 @@ def _edge_grads(node, outs):
     for j, parent in enumerate(node.next_nodes):
         g = None if parent is None else _pick(outs, node.slot_pos[j])
         meta = node.input_meta[j]
-        if g is not None and meta is None and not isinstance(g, _PlainTensor):
+        if g is not None and meta is None and not isinstance(g, TensorBase):
             _not_a_tensor(g, node, j)
         grads.append(g if g is None or meta is None else _fit(g, meta, node, j))
     return tuple(grads)
@@ -524,7 +525,7 @@ def _fit(g, meta, node, j):
     A real input of a complex op receives the real part of its complex gradient (torch's
     ``handle_r_to_c``), taken with ``.real``: a cast would warn that it drops the imaginary part.
     """
-    if not isinstance(g, _PlainTensor):
+    if not isinstance(g, TensorBase):
         _not_a_tensor(g, node, j)
     shape, dtype, device = meta
     if g.shape != shape:
@@ -623,7 +624,7 @@ def _run_tensor_hooks(node, grads, handed):
 def _check_hook_result(hook, g, r):
     """A tensor hook may replace a gradient, but not change what it is (as in torch)."""
     name = getattr(hook, "__name__", repr(hook))
-    if not isinstance(r, _PlainTensor):
+    if not isinstance(r, TensorBase):
         raise RuntimeError(f"hook '{name}' returned {type(r).__name__}; a tensor hook must "
                            "return a tensor or None")
     if r.shape != g.shape:

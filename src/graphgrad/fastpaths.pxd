@@ -1,6 +1,7 @@
 # Cython declarations for fastpaths.py (pure-Python mode): the fast paths call dispatch's
 # ``call`` as a C function.
 
+from graphgrad._torch_types cimport TensorBase
 from graphgrad.dispatch cimport call, note_call
 
 cdef object _Disable, _tf_enabled, _tf_mode, _shape, _PlainTensor, _TENSOR_CLS

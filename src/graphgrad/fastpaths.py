@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
 
 from . import _compat
 from .dispatch import call, note_call, route
@@ -70,7 +71,7 @@ def _get_data(self):
 
 def _set_data(self, value):
     node = node_of(self)
-    if node is not None and type(node) is not AccumulateGrad and isinstance(value, _PlainTensor) \
+    if node is not None and type(node) is not AccumulateGrad and isinstance(value, TensorBase) \
             and _shape(value) != _shape(self):
         note_reshaped(node, self._gg_nr, _shape(self))
     torch.Tensor.data.__set__(self, value)
@@ -203,6 +204,26 @@ def _getter(get):
     return fget
 
 
+def _read_getter(get, read):
+    """A metadata property read from the C++ TensorImpl (``read``: the C++ reader's, which
+    needs no protocol switched off and hands out one torch.device per device); torch's own
+    getter answers while a torch-function mode or the protocol's state asks for it."""
+    def fget(self):
+        if _tf_enabled() and not _tf_mode():
+            return read(self)
+        return get(self)
+    return fget
+
+
+def _native_readers() -> dict:
+    """The properties the C++ metadata reader answers, when it is built."""
+    native = _compat.native_meta
+    if native is None:
+        return {}
+    return {"shape": native.shape, "dtype": native.dtype, "device": native.device,
+            "ndim": native.ndim, "_version": native.version}
+
+
 def _special_property(name):
     descriptor = getattr(torch.Tensor, name)
     get, set_ = descriptor.__get__, descriptor.__set__
@@ -246,9 +267,12 @@ def install_fast_paths(cls) -> None:
             setattr(cls, name, _query(func))
         elif _hashable_in(func, RULES) and callable(func):
             setattr(cls, name, _method(func))
+    readers = _native_readers()
     for name in _PROPERTIES:
         if name not in own and hasattr(torch.Tensor, name):
-            setattr(cls, name, property(_getter(getattr(torch.Tensor, name).__get__)))
+            get = getattr(torch.Tensor, name).__get__
+            read = readers.get(name)
+            setattr(cls, name, property(_getter(get) if read is None else _read_getter(get, read)))
     for name in ("grad", "data"):
         if name not in own:
             setattr(cls, name, _special_property(name))

@@ -1,6 +1,7 @@
 # Cython declarations that make node.py's classes extension types when compiled
 # (fixed attribute slots instead of a __dict__; weak-referenceable).
 
+from graphgrad._torch_types cimport TensorBase
 cimport cython
 from cpython.object cimport PyObject, PyTypeObject, traverseproc, visitproc
 from graphgrad.references cimport SavedResult, check_saved_versions, unpack_saved

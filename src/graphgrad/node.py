@@ -13,6 +13,7 @@ import traceback
 import weakref
 
 import torch
+from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
 
 try:
     import cython
@@ -144,7 +145,7 @@ class Node:
             out = rule.fn(grad, *saved)
         else:
             out = rule.fn(grad, *saved, **extra)
-        if out is None or isinstance(out, _PlainTensor):
+        if out is None or isinstance(out, TensorBase):
             return (out,)
         return out
 
@@ -309,7 +310,7 @@ def _holds_tensors(saved):
         if tp is list or tp is tuple:
             if _holds_tensors(v):
                 return True
-        elif isinstance(v, _PlainTensor) or tp is PackedTensor or tp is SavedResult:
+        elif isinstance(v, TensorBase) or tp is PackedTensor or tp is SavedResult:
             return True
     return False
 

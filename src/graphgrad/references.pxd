@@ -1,5 +1,6 @@
 # Cython declarations for references.py (pure-Python mode).
 
+from graphgrad._torch_types cimport TensorBase
 from graphgrad.rules cimport Meta
 from graphgrad.wrap cimport wrap_output
 

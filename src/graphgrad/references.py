@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
 
 try:
     import cython
@@ -157,7 +158,7 @@ class SavedResult:
 
     def __init__(self, data):
         # data is a plain torch.Tensor (or a tuple of them for multi-output ops)
-        self.multi = not isinstance(data, _PlainTensor)
+        self.multi = not isinstance(data, TensorBase)
         hooks = current_saved_hooks()
         if hooks is not None:
             self.unpack = hooks[1]
@@ -212,7 +213,7 @@ def saved_output(out):
     aliases and ints, and only the engine and the rule's body see the aliases, so it can be in
     no cycle. (A custom Function's saved outputs reach user code through ``ctx.saved_tensors``
     and stay tracked.)"""
-    multi = not isinstance(out, _PlainTensor)
+    multi = not isinstance(out, TensorBase)
     if current_saved_hooks() is not None:  # the pack hook takes tensors; the result is tracked
         return SavedResult(tuple([None if t is None else t.detach() for t in out]) if multi
                            else out.detach())
@@ -275,19 +276,19 @@ def save_arguments(keep, values):
         tp = type(value)
         if k == KEEP_META:
             saved[i] = _meta_of(value)
-        elif hooks is not None and (isinstance(value, _PlainTensor) or (
+        elif hooks is not None and (isinstance(value, TensorBase) or (
                 (tp is list or tp is tuple) and _has_tensor(value))):
             saved[i] = _pack_all(value, hooks)
             packed = True
         else:
             saved[i] = value
-            if isinstance(value, _PlainTensor):
+            if isinstance(value, TensorBase):
                 versions.append(i)
                 versions.append(_version(value))
             elif tp is list or tp is tuple:
                 for j in range(len(value)):
                     item = value[j]
-                    if isinstance(item, _PlainTensor):
+                    if isinstance(item, TensorBase):
                         versions.append((i, j))
                         versions.append(_version(item))
     if saved is None:
@@ -304,10 +305,10 @@ def _nones(n):
 
 def _meta_of(value):
     """What a ``Meta``-annotated parameter keeps: Meta for tensors (also inside lists)."""
-    if isinstance(value, _PlainTensor):
+    if isinstance(value, TensorBase):
         return _new_meta(value)
     if type(value) is list or type(value) is tuple:
-        return type(value)([_new_meta(v) if isinstance(v, _PlainTensor) else v for v in value])
+        return type(value)([_new_meta(v) if isinstance(v, TensorBase) else v for v in value])
     return value
 
 
@@ -322,15 +323,15 @@ def _new_meta(tensor):
 
 def _has_tensor(items):
     for v in items:
-        if isinstance(v, _PlainTensor):
+        if isinstance(v, TensorBase):
             return True
     return False
 
 
 def _pack_all(value, hooks):
-    if isinstance(value, _PlainTensor):
+    if isinstance(value, TensorBase):
         return _pack(value, hooks)
-    return type(value)([_pack(v, hooks) if isinstance(v, _PlainTensor) else v for v in value])
+    return type(value)([_pack(v, hooks) if isinstance(v, TensorBase) else v for v in value])
 
 
 def check_saved_versions(name, params, saved, versions, sequence_nr=None):
@@ -386,7 +387,7 @@ def unpack_result(node, create_graph):
     data = node.result.value()
     if not create_graph:
         return data
-    if isinstance(data, torch.Tensor):
+    if isinstance(data, TensorBase):
         return wrap_output(data.detach(), node, 0)
     n = node.num_outputs  # outputs past it carry no gradient (integers, declared statistics)
     return tuple(None if t is None else wrap_output(t.detach(), node if i < n else None, i)
@@ -434,17 +435,17 @@ def saved_tensors(node):
             for v in items:
                 if type(v) is PackedTensor:
                     v = v.packed
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, TensorBase):
                     yield v
                 elif hasattr(v, "saved_tensors"):  # a packed form that keeps tensors elsewhere
                     yield from v.saved_tensors()
                 elif type(v) is tuple:  # e.g. save_on_cpu's (device, tensor)
-                    yield from (i for i in v if isinstance(i, torch.Tensor))
+                    yield from (i for i in v if isinstance(i, TensorBase))
     if node.result is not None:
         result = node.result
         kept = result.kept()
         for v in (kept if result.multi else (kept,)):
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, TensorBase):
                 yield v
             elif type(v) is tuple:
-                yield from (i for i in v if isinstance(i, torch.Tensor))
+                yield from (i for i in v if isinstance(i, TensorBase))

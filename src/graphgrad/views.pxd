@@ -1,6 +1,7 @@
 # Cython declarations for views.py (pure-Python mode): the helpers dispatch calls per op are
 # cpdef (C calls from dispatch, which cimports them), the constants C globals.
 
+from graphgrad._torch_types cimport TensorBase
 from graphgrad.node cimport Node, interned, new_node, output_numbers
 from graphgrad.references cimport save_arguments, saved_output
 from graphgrad.rules cimport Rule
@@ -8,7 +9,7 @@ from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython
 
-cdef object _Disable, _grad_enabled, _set_grad_enabled, _shape, _dtype, _device, _ndim
+cdef object _Disable, _grad_enabled, _set_grad_enabled, _OpOverload, _shape, _dtype, _device, _ndim
 cdef object _same_meta, _device_index, _version, _is_view, _torch_requires_grad
 cdef object _torch_grad_fn, _has_internal_overlap, _get_base, _PlainTensor, _TENSOR_CLS
 cdef dict _inplace_cache

@@ -22,6 +22,7 @@ import inspect
 import weakref
 
 import torch
+from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
 
 from . import _compat
 from .codes import (
@@ -54,6 +55,7 @@ __all__ = ["node_of", "torch_node", "current_node", "is_inplace", "slots", "bind
 _Disable = _compat.DisableTorchFunctionSubclass
 _grad_enabled = _compat.is_grad_enabled
 _set_grad_enabled = _compat.set_grad_enabled
+_OpOverload = _compat.OpOverload
 _shape = _compat.tensor_shape
 _dtype = _compat.tensor_dtype
 _device = _compat.tensor_device
@@ -146,6 +148,8 @@ def torch_node(t):
 def kernel(func, args, kwargs, silent):
     """Run the torch function; ``silent``: with torch's grad mode off, because an argument
     is tracked by torch's own autograd, which must not record what graphgrad records."""
+    if type(func) is _OpOverload:  # an ATen overload: its __call__ is a Python frame around _op
+        func = func._op
     if not silent:
         return func(*args, **kwargs)
     _set_grad_enabled(False)
@@ -160,7 +164,7 @@ def no_grad_view_op(func, rule, args, kwargs):
     change (``unsqueeze_``) of a tensor with a grad_fn is remembered on that node, whose
     gradient backward then sums down to the recorded shape, as torch's engine does."""
     self = args[0] if args else None
-    node = node_of(self) if rule.inplace_of is not None and isinstance(self, _PlainTensor) else None
+    node = node_of(self) if rule.inplace_of is not None and isinstance(self, TensorBase) else None
     if node is None or type(node) is AccumulateGrad:
         out = func(*args, **kwargs)
         _tag_views(out, args, kwargs, NO_GRAD_VIEW)
@@ -231,7 +235,7 @@ def slots(rule, values, graph, ref):
     for i in range(n):
         v = values[i]
         tp = type(v)
-        if tp is cls or (tp is not list and tp is not tuple and isinstance(v, _PlainTensor)):
+        if tp is cls or (tp is not list and tp is not tuple and isinstance(v, TensorBase)):
             slot_pos.append(i)
             if _add_slot(v, graph, nexts, nrs, metas):
                 any_grad = True
@@ -240,7 +244,7 @@ def slots(rule, values, graph, ref):
         elif tp is list or tp is tuple:
             for j in range(len(v)):
                 item = v[j]
-                if isinstance(item, _PlainTensor):
+                if isinstance(item, TensorBase):
                     slot_pos.append((i, j))
                     if _add_slot(item, graph, nexts, nrs, metas):
                         any_grad = True
@@ -491,8 +495,8 @@ def stamp_view(node, out):
     """Remember the version a view had when ``node`` became its grad_fn (plus one: ``NOT_A_VIEW``
     is 0). A different version at use means its base changed in place since."""
     first = out
-    if not isinstance(out, _PlainTensor):
-        if not isinstance(out, (tuple, list)) or not out or not isinstance(out[0], _PlainTensor):
+    if not isinstance(out, TensorBase):
+        if not isinstance(out, (tuple, list)) or not out or not isinstance(out[0], TensorBase):
             return
         first = out[0]
     if _is_view(first):
@@ -607,14 +611,14 @@ def _tag_views(out, args, kwargs, tag):
     with grad mode on of a tensor that required no grad, stamped with its version, so that it
     requires grad once its base does (see ``_revived``)."""
     stamped = tag == PLAIN_VIEW or tag >= CUSTOM_FUNCTION_VIEW  # (a Function's view: from now)
-    if isinstance(out, _PlainTensor):
+    if isinstance(out, TensorBase):
         if _is_view(out) and not is_input(out, args, kwargs):
             out._gg_view_tag = tag
             if stamped:
                 out._gg_view_version = _stamp(out)
     elif isinstance(out, (tuple, list)):
         for o in out:
-            if isinstance(o, _PlainTensor) and _is_view(o) and not is_input(o, args, kwargs):
+            if isinstance(o, TensorBase) and _is_view(o) and not is_input(o, args, kwargs):
                 o._gg_view_tag = tag
                 if stamped:
                     o._gg_view_version = _stamp(o)

@@ -34,6 +34,7 @@ GETTERS = {
     "dtype": _base.dtype.__get__,
     "ndim": _base.dim,
     "device_index": _base.get_device,
+    "device": _base.device.__get__,
     "requires_grad": _base.requires_grad.__get__,
     "is_view": _base._is_view,
 }
@@ -180,7 +181,41 @@ def test_foreign_subclass_keeps_its_protocol():
     Logged.seen.clear()
     native.version(t)
     native.dtype(t)
-    assert len(Logged.seen) == 2
+    native.device(t)
+    assert len(Logged.seen) == 3
+
+
+@needs_native
+def test_one_device_object_per_device():
+    """torch.device is immutable: the reader hands out the same one for every tensor on a
+    device (torch's getter makes one per read), equal to torch's."""
+    a, b = torch.randn(2), torch.arange(3)
+    assert native.device(a) is native.device(b)
+    assert native.device(a) == torch.device("cpu") and native.device(a).index is None
+    meta = native.device(CASES["meta device"])
+    assert meta == torch.device("meta") and meta is not native.device(a)
+
+
+@pytest.mark.parametrize("name", ["shape", "dtype", "device", "ndim", "_version"])
+def test_metadata_properties_answer_as_torch_and_reach_a_mode(name):
+    """graphgrad.Tensor's metadata properties (the C++ reader where it is built) give torch's
+    values, and under a TorchFunctionMode they reach the mode, as torch's getters do."""
+    t = gg.as_tensor(torch.randn(3, 2, dtype=torch.float64), requires_grad=True)
+    y = t * 2
+    with torch._C.DisableTorchFunctionSubclass():
+        want = getattr(torch.Tensor, name).__get__(y)
+    assert getattr(y, name) == want
+
+    seen = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        assert getattr(y, name) == want
+    assert seen, f"{name} did not reach the TorchFunctionMode"
 
 
 @needs_native

@@ -14,6 +14,7 @@
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Size.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -29,6 +30,7 @@ PyObject* g_get_dtype = nullptr;          // torch._C.TensorBase.dtype.__get__
 PyObject* g_get_requires_grad = nullptr;  // torch._C.TensorBase.requires_grad.__get__
 PyObject* g_dim = nullptr;                // torch._C.TensorBase.dim
 PyObject* g_get_device = nullptr;         // torch._C.TensorBase.get_device
+PyObject* g_get_device_obj = nullptr;     // torch._C.TensorBase.device.__get__
 PyObject* g_is_view = nullptr;            // torch._C.TensorBase._is_view
 PyObject* g_is_same_size = nullptr;       // torch._C.TensorBase.is_same_size
 
@@ -112,6 +114,33 @@ PyObject* ndim(PyObject*, PyObject* t) {
 PyObject* device_index(PyObject*, PyObject* t) {
   return read_or_get(t, g_get_device,
                      [](const at::Tensor& x) { return PyLong_FromLongLong(x.get_device()); });
+}
+
+// torch.device objects are immutable: one per (type, index) is made and handed out again (torch's
+// getter makes a new one per read)
+constexpr int kCachedIndices = 64;  // indices -1 (none) .. 62
+PyObject* g_devices[static_cast<int>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)]
+                   [kCachedIndices] = {};
+
+PyObject* device_object(const at::Device& d) {
+  const int type = static_cast<int>(d.type());
+  const int slot = static_cast<int>(d.index()) + 1;
+  if (type < 0 || type >= static_cast<int>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES) ||
+      slot < 0 || slot >= kCachedIndices) {
+    return THPDevice_New(d);
+  }
+  PyObject*& cached = g_devices[type][slot];
+  if (!cached) {
+    cached = THPDevice_New(d);
+    if (!cached) return nullptr;
+  }
+  Py_INCREF(cached);
+  return cached;
+}
+
+PyObject* device(PyObject*, PyObject* t) {
+  return read_or_get(t, g_get_device_obj,
+                     [](const at::Tensor& x) { return device_object(x.device()); });
 }
 
 PyObject* requires_grad(PyObject*, PyObject* t) {
@@ -255,6 +284,7 @@ PyMethodDef methods[] = {
     {"dtype", dtype, METH_O, "t.dtype, read from the TensorImpl."},
     {"ndim", ndim, METH_O, "t.dim(), read from the TensorImpl."},
     {"device_index", device_index, METH_O, "t.get_device() (-1 on the CPU)."},
+    {"device", device, METH_O, "t.device, read from the TensorImpl (one torch.device per device)."},
     {"requires_grad", requires_grad, METH_O, "torch's own requires_grad flag of t."},
     {"is_view", is_view, METH_O, "t._is_view()."},
     {"same_size", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(same_size)),
@@ -317,11 +347,12 @@ PyMODINIT_FUNC PyInit__tensor_meta() {
   g_get_requires_grad = base_attr(base, "requires_grad", true);
   g_dim = base_attr(base, "dim", false);
   g_get_device = base_attr(base, "get_device", false);
+  g_get_device_obj = base_attr(base, "device", true);
   g_is_view = base_attr(base, "_is_view", false);
   g_is_same_size = base_attr(base, "is_same_size", false);
   Py_DECREF(base);
-  if (!g_get_version || !g_get_shape || !g_get_dtype || !g_get_requires_grad || !g_dim || !g_get_device ||
-      !g_is_view || !g_is_same_size) {
+  if (!g_get_version || !g_get_shape || !g_get_dtype || !g_get_requires_grad || !g_dim ||
+      !g_get_device || !g_get_device_obj || !g_is_view || !g_is_same_size) {
     return nullptr;
   }
   Py_INCREF(THPVariableClass);
