@@ -21,6 +21,8 @@ cdef frozenset _DIFFERENTIABLE_DTYPES
 cdef int KEEP_VALUE, NO_GRAD, NEEDS_GRAD, PLAIN_VIEW, TORCH_TRACKED
 
 cdef int _needs_grad(tuple args, dict kwargs) except -1
+cdef bint _only_ours(tuple args, dict kwargs) except -1
+cdef int _ours(object x)
 @cython.locals(rule=Rule)
 cpdef object call(object func, tuple args, dict kwargs)
 cpdef object note_call(object func)

@@ -155,14 +155,32 @@ def redispatch(func, *args, **kwargs):
 def _only_ours(args, kwargs) -> bool:
     """Is a graphgrad Tensor among the arguments (one list level deep) and no other subclass?"""
     found = False
-    for a in (*args, *kwargs.values()) if kwargs else args:
-        for b in a if type(a) is list or type(a) is tuple else (a,):
-            tp = type(b)
-            if tp is _TENSOR_CLS:
-                found = True
-            elif tp is not _PlainTensor and isinstance(b, TensorBase):
+    for a in args if not kwargs else args + tuple(kwargs.values()):
+        tp = type(a)
+        if tp is list or tp is tuple:
+            for b in a:
+                kind = _ours(b)
+                if kind < 0:
+                    return False
+                if kind:
+                    found = True
+        else:
+            kind = _ours(a)
+            if kind < 0:
                 return False
+            if kind:
+                found = True
     return found
+
+
+def _ours(x) -> int:
+    """1 for a graphgrad Tensor, -1 for another Tensor subclass, 0 for anything else."""
+    tp = type(x)
+    if tp is _TENSOR_CLS:
+        return 1
+    if tp is not _PlainTensor and isinstance(x, TensorBase):
+        return -1
+    return 0
 
 
 def route(func, to, torch_function: bool = True) -> None:
@@ -331,7 +349,7 @@ def _attach_tuple(out, node, rule, parts):
     node.num_outputs = n
     if rule.saves_result and parts != ():
         node.result = saved_output(tuple(
-            o if parts is None or i in parts else None for i, o in enumerate(items)))
+            items if parts is None else [o if i in parts else None for i, o in enumerate(items)]))
     for i, o in enumerate(items):
         if type(o) is _PlainTensor:
             if not rule.may_view and _is_view(o):

@@ -6,6 +6,7 @@ cimport cython
 from graphgrad.node cimport AccumulateGrad, Node
 
 cdef object _Disable, _set_grad_enabled, _PlainTensor, _heappush, _heappop
+cdef object _shape, _dtype, _device, _ndim
 cdef long long _FIRST
 
 @cython.locals(node=Node, parent=Node, i=Py_ssize_t, nexts=tuple, stack=list, at=list, count=bint)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+from operator import attrgetter, methodcaller
 
 import torch
 from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
@@ -34,6 +35,12 @@ __all__ = ["run_backward", "observe_accumulation"]
 
 _Disable = _compat.DisableTorchFunctionSubclass
 _set_grad_enabled = _compat.set_grad_enabled
+if _compat.native_meta is not None:  # the C++ reader: no protocol, no torch.Size churn
+    _shape, _dtype = _compat.tensor_shape, _compat.tensor_dtype
+    _device, _ndim = _compat.tensor_device, _compat.tensor_ndim
+else:  # torch's getters would take the protocol's slow path for a graphgrad Tensor (create_graph)
+    _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
+    _device, _ndim = attrgetter("device"), methodcaller("dim")
 _PlainTensor = torch.Tensor
 _ACCUMULATE_LOCK = threading.Lock()
 _heappush = heapq.heappush
@@ -528,30 +535,32 @@ def _fit(g, meta, node, j):
     if not isinstance(g, TensorBase):
         _not_a_tensor(g, node, j)
     shape, dtype, device = meta
-    if g.shape != shape:
-        g = unbroadcast(g, shape, node.name())
-    if g.dtype != dtype:
+    if _shape(g) != shape:
+        g = unbroadcast(g, shape, node)
+    if _dtype(g) != dtype:
         if g.is_complex() and not dtype.is_complex:
             g = g.real
-        if g.dtype != dtype:
+        if _dtype(g) != dtype:
             g = g.to(dtype)
-    if g.device != device:
+    if _device(g) != device:
         g = g.to(device)
     return g
 
 
-def unbroadcast(g, shape, name="rule"):
+def unbroadcast(g, shape, owner="rule"):
     """Sum ``g`` down to ``shape``: the inverse of broadcasting ``shape`` up to ``g.shape``.
 
     Over leading dimensions only (a bias), one ``sum``: ``sum_to_size`` would return a view of
-    its result, which a leaf's ``.grad`` then has to copy.
+    its result, which a leaf's ``.grad`` then has to copy. ``owner`` (the node whose rule gave
+    ``g``, or a name) is named if ``g`` cannot be reduced; a node's name is made only then.
     """
-    lead = g.dim() - len(shape)
-    if lead > 0 and g.shape[lead:] == shape:
+    lead = _ndim(g) - len(shape)
+    if lead > 0 and _shape(g)[lead:] == shape:
         return g.sum(tuple(range(lead)))
     try:
         return g.sum_to_size(shape)
     except RuntimeError:
+        name = owner if isinstance(owner, str) else owner.name()
         raise RuntimeError(
             f"{name} returned a gradient of shape {tuple(g.shape)}, which cannot be reduced "
             f"to its input's shape {tuple(shape)}; the rule is wrong.") from None

@@ -51,20 +51,26 @@ _NON_LEAF_GRAD = (
     "instead.")
 
 
+# torch's own accessors, looked up once (each ``torch.Tensor.grad.__get__`` makes a new wrapper)
+_GRAD_GET, _GRAD_SET = torch.Tensor.grad.__get__, torch.Tensor.grad.__set__
+_DATA_GET, _DATA_SET = torch.Tensor.data.__get__, torch.Tensor.data.__set__
+_BASE_GET = torch.Tensor._base.__get__
+
+
 def _get_grad(self):
     node = getattr(self, "_gg_node", None)
     if node is not None and type(node) is not AccumulateGrad and (
             node.retained is None or node.retained.get(getattr(self, "_gg_nr", 0)) is None):
         warnings.warn(_NON_LEAF_GRAD, UserWarning, stacklevel=3)
-    return torch.Tensor.grad.__get__(self)
+    return _GRAD_GET(self)
 
 
 def _set_grad(self, value):
-    torch.Tensor.grad.__set__(self, value)
+    _GRAD_SET(self, value)
 
 
 def _get_data(self):
-    data = torch.Tensor.data.__get__(self)
+    data = _DATA_GET(self)
     data.__class__ = _TENSOR_CLS
     return data
 
@@ -74,11 +80,11 @@ def _set_data(self, value):
     if node is not None and type(node) is not AccumulateGrad and isinstance(value, TensorBase) \
             and _shape(value) != _shape(self):
         note_reshaped(node, self._gg_nr, _shape(self))
-    torch.Tensor.data.__set__(self, value)
+    _DATA_SET(self, value)
 
 
 def _get_base(self):
-    return torch.Tensor._base.__get__(self)
+    return _BASE_GET(self)
 
 
 def _requires_grad(t):
