@@ -55,6 +55,8 @@ _NON_LEAF_GRAD = (
 _GRAD_GET, _GRAD_SET = torch.Tensor.grad.__get__, torch.Tensor.grad.__set__
 _DATA_GET, _DATA_SET = torch.Tensor.data.__get__, torch.Tensor.data.__set__
 _BASE_GET = torch.Tensor._base.__get__
+#: the C++ reader's t.grad where it is built: it needs no protocol switched off
+_GRAD_READ = _compat.native_meta.grad if _compat.native_meta is not None else None
 
 
 def _get_grad(self):
@@ -62,7 +64,7 @@ def _get_grad(self):
     if node is not None and type(node) is not AccumulateGrad and (
             node.retained is None or node.retained.get(getattr(self, "_gg_nr", 0)) is None):
         warnings.warn(_NON_LEAF_GRAD, UserWarning, stacklevel=3)
-    return _GRAD_GET(self)
+    return _GRAD_GET(self) if _GRAD_READ is None else _GRAD_READ(self)
 
 
 def _set_grad(self, value):
@@ -234,9 +236,12 @@ def _special_property(name):
     descriptor = getattr(torch.Tensor, name)
     get, set_ = descriptor.__get__, descriptor.__set__
     special_get, special_set = _SPECIAL[get], _SPECIAL[set_]
+    free = name == "grad" and _GRAD_READ is not None  # its read needs no protocol switched off
 
     def fget(self):
         if _tf_enabled() and not _tf_mode():
+            if free:
+                return special_get(self)
             with _Disable():
                 return special_get(self)
         return get(self)

@@ -35,6 +35,7 @@ GETTERS = {
     "ndim": _base.dim,
     "device_index": _base.get_device,
     "device": _base.device.__get__,
+    "grad": _base.grad.__get__,
     "requires_grad": _base.requires_grad.__get__,
     "is_view": _base._is_view,
 }
@@ -83,6 +84,12 @@ def _tensors():
         "nested": nested,
         "foreign subclass": torch.randn(2, 2).as_subclass(Logged),
     }
+    with_grad = torch.randn(3, requires_grad=True)
+    with_grad.grad = torch.ones(3)
+    cases["torch leaf with a grad"] = with_grad
+    gg_with_grad = gg.as_tensor(torch.randn(2, 2), requires_grad=True)
+    (gg_with_grad * 3).sum().backward()
+    cases["graphgrad leaf with a grad"] = gg_with_grad
     if torch.cuda.is_available():
         cases["cuda"] = torch.randn(2, 3, device="cuda")
     return cases
@@ -107,7 +114,8 @@ def _outcome(fn, *args):
 @pytest.mark.parametrize("read", list(GETTERS))
 def test_reads_match_torch_getters(name, read):
     t = CASES[name]
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch._C.DisableTorchFunctionSubclass(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's grad getter warns for its own non-leaves
         expected = _outcome(GETTERS[read], t)
     got = _outcome(getattr(native, read), t)
     if name == "foreign subclass":  # handed to torch's getter, with the subclass's protocol on

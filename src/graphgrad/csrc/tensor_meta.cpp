@@ -31,6 +31,7 @@ PyObject* g_get_requires_grad = nullptr;  // torch._C.TensorBase.requires_grad._
 PyObject* g_dim = nullptr;                // torch._C.TensorBase.dim
 PyObject* g_get_device = nullptr;         // torch._C.TensorBase.get_device
 PyObject* g_get_device_obj = nullptr;     // torch._C.TensorBase.device.__get__
+PyObject* g_get_grad = nullptr;           // torch._C.TensorBase.grad.__get__
 PyObject* g_is_view = nullptr;            // torch._C.TensorBase._is_view
 PyObject* g_is_same_size = nullptr;       // torch._C.TensorBase.is_same_size
 
@@ -141,6 +142,13 @@ PyObject* device_object(const at::Device& d) {
 PyObject* device(PyObject*, PyObject* t) {
   return read_or_get(t, g_get_device_obj,
                      [](const at::Tensor& x) { return device_object(x.device()); });
+}
+
+// t.grad as torch's getter gives it (None when undefined), with no protocol to switch off. Read
+// for graphgrad tensors, which torch never records: torch's warning for reading the .grad of one
+// of its own non-leaf tensors does not arise (graphgrad warns for its own non-leaves)
+PyObject* grad(PyObject*, PyObject* t) {
+  return read_or_get(t, g_get_grad, [](const at::Tensor& x) { return THPVariable_Wrap(x.grad()); });
 }
 
 PyObject* requires_grad(PyObject*, PyObject* t) {
@@ -285,6 +293,7 @@ PyMethodDef methods[] = {
     {"ndim", ndim, METH_O, "t.dim(), read from the TensorImpl."},
     {"device_index", device_index, METH_O, "t.get_device() (-1 on the CPU)."},
     {"device", device, METH_O, "t.device, read from the TensorImpl (one torch.device per device)."},
+    {"grad", grad, METH_O, "t.grad, read from the TensorImpl (None when it has none)."},
     {"requires_grad", requires_grad, METH_O, "torch's own requires_grad flag of t."},
     {"is_view", is_view, METH_O, "t._is_view()."},
     {"same_size", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(same_size)),
@@ -348,11 +357,12 @@ PyMODINIT_FUNC PyInit__tensor_meta() {
   g_dim = base_attr(base, "dim", false);
   g_get_device = base_attr(base, "get_device", false);
   g_get_device_obj = base_attr(base, "device", true);
+  g_get_grad = base_attr(base, "grad", true);
   g_is_view = base_attr(base, "_is_view", false);
   g_is_same_size = base_attr(base, "is_same_size", false);
   Py_DECREF(base);
   if (!g_get_version || !g_get_shape || !g_get_dtype || !g_get_requires_grad || !g_dim ||
-      !g_get_device || !g_get_device_obj || !g_is_view || !g_is_same_size) {
+      !g_get_device || !g_get_device_obj || !g_get_grad || !g_is_view || !g_is_same_size) {
     return nullptr;
   }
   Py_INCREF(THPVariableClass);
