@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._config import env_flag
 
 __all__ = [
-    "DisableTorchFunctionSubclass", "EnableTorchFunction", "is_grad_enabled", "set_grad_enabled",
+    "DisableTorchFunctionSubclass", "protocol_off", "protocol_restore", "EnableTorchFunction",
+    "is_grad_enabled", "set_grad_enabled",
     "torch_function_enabled", "torch_function_mode_enabled", "autocast_enabled",
     "tensor_shape", "tensor_dtype", "tensor_device", "tensor_ndim", "tensor_same_size",
     "tensor_device_index", "tensor_same_meta", "native_meta", "register_tensor_class",
@@ -37,6 +38,22 @@ __all__ = [
 #: kernels on graphgrad tensors without re-entering ``__torch_function__`` (checked on torch 2.13)
 DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
 NoTorchFunction = DisableTorchFunctionSubclass  # (capture's name for it)
+
+
+def protocol_off():
+    """Switch subclasses' ``__torch_function__`` off (``DisableTorchFunctionSubclass``'s
+    ``__enter__``); hand what it returns to ``protocol_restore``. The C++ reader's pair, where
+    it is built, does the same without the context manager's objects."""
+    guard = DisableTorchFunctionSubclass()
+    guard.__enter__()
+    return guard
+
+
+def protocol_restore(state) -> None:
+    """Undo ``protocol_off`` (its ``state``)."""
+    state.__exit__(None, None, None)
+
+
 #: hooks and recomputation see graphgrad tensors again inside a disabled region (checked on torch 2.13)
 EnableTorchFunction = torch._C._EnableTorchFunction
 #: grad mode read and set without the Python context-manager objects (checked on torch 2.13)
@@ -96,6 +113,8 @@ if native_meta is not None:
     tensor_same_meta = native_meta.same_meta
     tensor_device_index = native_meta.device_index
     tensor_device = native_meta.device
+    protocol_off = native_meta.protocol_off
+    protocol_restore = native_meta.protocol_restore
     tensor_version = native_meta.version
     tensor_is_view = native_meta.is_view
     torch_requires_grad = native_meta.requires_grad

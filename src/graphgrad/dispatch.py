@@ -46,7 +46,8 @@ from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 
 __all__ = ["torch_function", "call", "observe_calls", "note_call", "redispatch", "route"]
 
-_Disable = _compat.DisableTorchFunctionSubclass
+_protocol_off = _compat.protocol_off  # a C++ pair where built (no context-manager objects per op)
+_protocol_restore = _compat.protocol_restore
 _grad_enabled = _compat.is_grad_enabled
 _dtype = _compat.tensor_dtype
 _ndim = _compat.tensor_ndim
@@ -131,8 +132,11 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     """``Tensor.__torch_function__``: compute with torch, record with graphgrad."""
     special = _SPECIAL.get(func)
     if special is not None:
-        with _Disable():
+        state = _protocol_off()
+        try:
             return special(*args, **(kwargs or {}))
+        finally:
+            _protocol_restore(state)
     route = _ROUTES.get(func)
     if route is not None:
         return route(*args, **(kwargs or {}))
@@ -205,7 +209,8 @@ def call(func, args, kwargs):
         kwargs = _NO_KWARGS
     elif kwargs.get("requires_grad"):
         return _new_leaf(func, args, kwargs)
-    with _Disable():
+    state = _protocol_off()
+    try:
         if not _grad_enabled():
             if rule is not None and rule.may_view:
                 return no_grad_view_op(func, rule, args, kwargs)
@@ -233,6 +238,8 @@ def call(func, args, kwargs):
             if rule.inplace_of is not None or is_inplace(func):
                 return record_inplace(func, rule, args, kwargs, silent)
             return _record(func, rule, args, kwargs, silent)
+    finally:
+        _protocol_restore(state)
     # a composite: run it with recording on, so its primitives are recorded
     return rule.fn(*args, **kwargs)
 

@@ -26,7 +26,8 @@ from .wrap import on_tensor_class
 
 __all__ = ["install_fast_paths"]
 
-_Disable = _compat.DisableTorchFunctionSubclass
+_protocol_off = _compat.protocol_off  # a C++ pair where built (no context-manager objects)
+_protocol_restore = _compat.protocol_restore
 _tf_enabled = _compat.torch_function_enabled
 _tf_mode = _compat.torch_function_mode_enabled
 _shape = _compat.tensor_shape
@@ -195,8 +196,11 @@ def _query(func):
     def method(self, *args, **kwargs):
         if _tf_enabled() and not _tf_mode():
             note_call(func)
-            with _Disable():
+            state = _protocol_off()
+            try:
                 return func(self, *args, **kwargs)
+            finally:
+                _protocol_restore(state)
         return func(self, *args, **kwargs)
     method.__name__ = getattr(func, "__name__", "method")
     method.__doc__ = getattr(func, "__doc__", None)
@@ -206,8 +210,11 @@ def _query(func):
 def _getter(get):
     def fget(self):
         if _tf_enabled() and not _tf_mode():
-            with _Disable():
+            state = _protocol_off()
+            try:
                 return get(self)
+            finally:
+                _protocol_restore(state)
         return get(self)
     return fget
 
@@ -242,14 +249,20 @@ def _special_property(name):
         if _tf_enabled() and not _tf_mode():
             if free:
                 return special_get(self)
-            with _Disable():
+            state = _protocol_off()
+            try:
                 return special_get(self)
+            finally:
+                _protocol_restore(state)
         return get(self)
 
     def fset(self, value):
         if _tf_enabled() and not _tf_mode():
-            with _Disable():
+            state = _protocol_off()
+            try:
                 special_set(self, value)
+            finally:
+                _protocol_restore(state)
         else:
             set_(self, value)
 

@@ -8,6 +8,7 @@ hands back to torch's getter (other subclasses, inference tensors, nested tensor
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -258,3 +259,29 @@ def test_without_the_native_reader_torch_getters_are_used():
                          timeout=300, check=True).stdout.split()
     assert out[0] in ("compiled", "python") and out[1] == "False"
     assert out[2:] == ["[2.0,", "4.0]"]
+
+
+def _protocol_state():
+    return torch._C._is_torch_function_enabled(), torch._C._is_torch_function_all_disabled()
+
+
+@needs_native
+@pytest.mark.parametrize("outer", [None, torch._C.DisableTorchFunctionSubclass,
+                                   torch._C.DisableTorchFunction])
+def test_protocol_switch_does_what_disable_torch_function_subclass_does(outer):
+    """protocol_off/protocol_restore leave the protocol in the states the context manager
+    would, inside and after, from each state it can start in."""
+    with outer() if outer is not None else contextlib.nullcontext():
+        before = _protocol_state()
+        with torch._C.DisableTorchFunctionSubclass():
+            want_inside = _protocol_state()
+        state = native.protocol_off()
+        try:
+            assert _protocol_state() == want_inside
+            t = gg.as_tensor(torch.ones(2), requires_grad=True)
+            assert type(torch.Tensor.add(t, 1)) is torch.Tensor  # no __torch_function__ inside
+        finally:
+            native.protocol_restore(state)
+        assert _protocol_state() == before
+    with pytest.raises(ValueError, match="not a state"):
+        native.protocol_restore(7)

@@ -13,6 +13,7 @@
 
 #include <Python.h>
 
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -268,6 +269,33 @@ PyObject* save_alias(PyObject*, PyObject* t) {
   return self;
 }
 
+// -- the torch-function protocol's switch ---------------------------------------------------------
+// protocol_off() does what torch._C.DisableTorchFunctionSubclass().__enter__() does (subclasses'
+// __torch_function__ off, unless everything is off already) and returns the state to hand to
+// protocol_restore(), as its __exit__ restores it: without the context manager's object and
+// bound methods, which the recording step paid once per op.
+PyObject* protocol_off(PyObject*, PyObject*) {
+  const auto old = at::impl::PythonTorchFunctionTLS::get_disabled_state();
+  if (old == at::impl::TorchFunctionDisabledState::ENABLED) {
+    at::impl::PythonTorchFunctionTLS::set_disabled_state(
+        at::impl::TorchFunctionDisabledState::SUBCLASSES_DISABLED);
+  }
+  return PyLong_FromLong(static_cast<long>(old));
+}
+
+PyObject* protocol_restore(PyObject*, PyObject* state) {
+  const long v = PyLong_AsLong(state);
+  if (v == -1 && PyErr_Occurred()) return nullptr;
+  if (v < at::impl::TorchFunctionDisabledState::ENABLED ||
+      v > at::impl::TorchFunctionDisabledState::ALL_DISABLED) {
+    PyErr_SetString(PyExc_ValueError, "protocol_restore: not a state protocol_off returned");
+    return nullptr;
+  }
+  at::impl::PythonTorchFunctionTLS::set_disabled_state(
+      static_cast<at::impl::TorchFunctionDisabledState>(v));
+  Py_RETURN_NONE;
+}
+
 PyObject* register_class(PyObject*, PyObject* cls) {
   if (!PyType_Check(cls) || !PyObject_IsSubclass(cls, THPVariableClass)) {
     PyErr_SetString(PyExc_TypeError, "register_class takes a subclass of torch.Tensor");
@@ -302,6 +330,9 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "t has ref's dtype, sizes and device."},
     {"save_alias", save_alias, METH_O,
      "A detached alias of t kept as a C++ tensor (SavedAlias), or None for other objects."},
+    {"protocol_off", protocol_off, METH_NOARGS,
+     "Switch subclasses' __torch_function__ off; returns the state for protocol_restore."},
+    {"protocol_restore", protocol_restore, METH_O, "Restore what protocol_off changed."},
     {"register_class", register_class, METH_O,
      "Read instances of this torch.Tensor subclass directly too (graphgrad.Tensor)."},
     {nullptr, nullptr, 0, nullptr}};
