@@ -23,7 +23,8 @@ cdef int KEEP_VALUE, NO_GRAD, NEEDS_GRAD, PLAIN_VIEW, TORCH_TRACKED
 
 cdef int _needs_grad(tuple args, dict kwargs) except -1
 cdef bint _only_ours(tuple args, dict kwargs) except -1
-cdef int _ours(object x)
+cdef int _list_kind(object items) except? -2
+cdef int _kind(object x)
 @cython.locals(rule=Rule)
 cpdef object call(object func, tuple args, dict kwargs)
 cpdef object note_call(object func)

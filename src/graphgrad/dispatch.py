@@ -160,24 +160,27 @@ def _only_ours(args, kwargs) -> bool:
     """Is a graphgrad Tensor among the arguments (one list level deep) and no other subclass?"""
     found = False
     for a in args if not kwargs else args + tuple(kwargs.values()):
-        tp = type(a)
-        if tp is list or tp is tuple:
-            for b in a:
-                kind = _ours(b)
-                if kind < 0:
-                    return False
-                if kind:
-                    found = True
-        else:
-            kind = _ours(a)
-            if kind < 0:
-                return False
-            if kind:
-                found = True
+        kind = _list_kind(a) if type(a) is list or type(a) is tuple else _kind(a)
+        if kind < 0:
+            return False
+        if kind:
+            found = True
     return found
 
 
-def _ours(x) -> int:
+def _list_kind(items) -> int:
+    """``_kind`` of a list's items together: -1 if any is another subclass, else 1 if any is ours."""
+    found = 0
+    for b in items:
+        kind = _kind(b)
+        if kind < 0:
+            return -1
+        if kind:
+            found = 1
+    return found
+
+
+def _kind(x) -> int:
     """1 for a graphgrad Tensor, -1 for another Tensor subclass, 0 for anything else."""
     tp = type(x)
     if tp is _TENSOR_CLS:

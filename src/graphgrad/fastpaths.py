@@ -53,11 +53,12 @@ _NON_LEAF_GRAD = (
 
 
 # torch's own accessors, looked up once (each ``torch.Tensor.grad.__get__`` makes a new wrapper)
-_GRAD_GET, _GRAD_SET = torch.Tensor.grad.__get__, torch.Tensor.grad.__set__
+_GRAD_SET = torch.Tensor.grad.__set__
 _DATA_GET, _DATA_SET = torch.Tensor.data.__get__, torch.Tensor.data.__set__
 _BASE_GET = torch.Tensor._base.__get__
-#: the C++ reader's t.grad where it is built: it needs no protocol switched off
-_GRAD_READ = _compat.native_meta.grad if _compat.native_meta is not None else None
+#: t.grad: the C++ reader's where it is built, which needs no protocol switched off
+_GRAD_FREE = _compat.native_meta is not None
+_GRAD_GET = _compat.native_meta.grad if _GRAD_FREE else torch.Tensor.grad.__get__
 
 
 def _get_grad(self):
@@ -65,7 +66,7 @@ def _get_grad(self):
     if node is not None and type(node) is not AccumulateGrad and (
             node.retained is None or node.retained.get(getattr(self, "_gg_nr", 0)) is None):
         warnings.warn(_NON_LEAF_GRAD, UserWarning, stacklevel=3)
-    return _GRAD_GET(self) if _GRAD_READ is None else _GRAD_READ(self)
+    return _GRAD_GET(self)
 
 
 def _set_grad(self, value):
@@ -243,7 +244,7 @@ def _special_property(name):
     descriptor = getattr(torch.Tensor, name)
     get, set_ = descriptor.__get__, descriptor.__set__
     special_get, special_set = _SPECIAL[get], _SPECIAL[set_]
-    free = name == "grad" and _GRAD_READ is not None  # its read needs no protocol switched off
+    free = name == "grad" and _GRAD_FREE  # its read needs no protocol switched off
 
     def fget(self):
         if _tf_enabled() and not _tf_mode():
