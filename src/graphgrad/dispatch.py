@@ -295,7 +295,7 @@ def _record(func, rule, args, kwargs, silent):
         values = _as_autocast_ran(values, keep, out.dtype)
     parts = None
     if rule.saves is not None:
-        keep, parts = rule.saves(values, keep, needs_of(rule, nexts, slot_pos))
+        keep, parts = rule.saves(values, keep, needs_of(rule, values, nexts, slot_pos))
     saved, versions = save_arguments(keep, values)
     node = new_node(rule, nexts, nrs, slot_pos, metas, saved, versions, graph)
     out = _attach(out, node, rule, parts)

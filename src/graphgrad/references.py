@@ -267,7 +267,14 @@ def save_arguments(keep, values):
         hooks = stack[-1] if stack else None
     packed = False
     for i in range(n):
-        k = keep[i]
+        code = keep[i]
+        if type(code) is tuple:  # a list argument, item by item (a rule's ``saves`` chose)
+            if saved is None:
+                saved = [None] * n
+            saved[i], item_packed = _save_items(i, code, values[i], hooks, versions)
+            packed = packed or item_packed
+            continue
+        k = code
         if k == KEEP_NOTHING:
             continue
         if saved is None:
@@ -294,6 +301,30 @@ def save_arguments(keep, values):
     if saved is None:
         return _nones(n), ()
     return (PackedSaved(saved) if packed else tuple(saved)), tuple(versions)
+
+
+def _save_items(i, keep, items, hooks, versions):
+    """What a node keeps of list argument ``i`` whose items ``keep`` codes one by one (None,
+    the item, or its Meta), appending the saved items' versions; and whether hooks packed one."""
+    out = []
+    packed = False
+    for j in range(len(items)):
+        item = items[j]
+        k = keep[j]
+        if k == KEEP_NOTHING:
+            out.append(None)
+        elif not isinstance(item, TensorBase):
+            out.append(item)
+        elif k == KEEP_META:
+            out.append(_new_meta(item))
+        elif hooks is not None:
+            out.append(_pack(item, hooks))
+            packed = True
+        else:
+            out.append(item)
+            versions.append((i, j))
+            versions.append(_version(item))
+    return type(items)(out), packed
 
 
 def _nones(n):

@@ -396,7 +396,10 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     ``saves(values, keep, needs) -> (keep, result_parts)`` narrows what one call saves, for
     rules whose overloads need different things (``max(x, dim)`` needs only its indices):
     ``values`` are the bound arguments, ``keep`` says per parameter ``KEEP_NOTHING``,
-    ``KEEP_VALUE`` or ``KEEP_META``, ``needs`` per parameter whether it needs a gradient, and
+    ``KEEP_VALUE`` or ``KEEP_META`` (for a list parameter also a tuple of those, one per item:
+    einsum saves an operand only if another one needs a gradient), ``needs`` per parameter
+    whether it needs a gradient (for a list parameter some item needs, a tuple of one bool per
+    item), and
     ``result_parts`` lists the outputs of a multi-output op that the rule reads (None: all;
     ``()``: none, for single-output ops too: the rule's ``result`` then defaults to None).
     What is not saved is not version-checked either, so an in-place change of it after the

@@ -26,7 +26,7 @@ cpdef object slots(Rule rule, tuple values, object graph, object ref)
 @cython.locals(node=Node)
 cdef bint _add_slot(object t, object graph, list nexts, list nrs, list metas) except -1
 cpdef object keep_for(Rule rule, tuple nexts, tuple slot_pos)
-cpdef object needs_of(Rule rule, tuple nexts, tuple slot_pos)
+cpdef object needs_of(Rule rule, tuple values, tuple nexts, tuple slot_pos)
 @cython.locals(base_rule=Rule)
 cpdef object record_inplace(object func, Rule rule, tuple args, dict kwargs, bint silent)
 cpdef object no_grad_view_op(object func, Rule rule, tuple args, dict kwargs)

@@ -320,13 +320,24 @@ def keep_for(rule, nexts, slot_pos):
     return keep
 
 
-def needs_of(rule, nexts, slot_pos):
-    """One bool per rule parameter: does it need a gradient (for ``rule.saves``)?"""
+def needs_of(rule, values, nexts, slot_pos):
+    """Per rule parameter, does it need a gradient (for ``rule.saves``)? False, True, or for a
+    list parameter of which some item needs one, a tuple of one bool per item (truthy)."""
     needs = [False] * len(rule.params)
     for j in range(len(nexts)):
         if nexts[j] is not None:
             pos = slot_pos[j]
-            needs[pos[0] if type(pos) is tuple else pos] = True
+            if type(pos) is tuple:
+                i, k = pos
+                items = needs[i]
+                if items is False:
+                    items = needs[i] = [False] * len(values[i])
+                items[k] = True
+            else:
+                needs[pos] = True
+    for i in range(len(needs)):
+        if type(needs[i]) is list:
+            needs[i] = tuple(needs[i])
     return tuple(needs)
 
 
@@ -363,7 +374,7 @@ def record_inplace(func, rule, args, kwargs, silent):
     keep = keep_for(base_rule, nexts, slot_pos)
     parts = None
     if base_rule.saves is not None:
-        keep, parts = base_rule.saves(values, keep, needs_of(base_rule, nexts, slot_pos))
+        keep, parts = base_rule.saves(values, keep, needs_of(base_rule, values, nexts, slot_pos))
     if keep and keep[0] == KEEP_VALUE:  # the rule reads the value before the op
         copy = self.clone()
         if old is not None and _grad_enabled():

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..codes import KEEP_META, KEEP_VALUE
 from ..rules import Meta, decomposition, derivative
 
 T = torch.Tensor
@@ -224,7 +225,19 @@ def _einsum_labels(equation: str, operands) -> tuple[list[list[str]], list[str]]
     return labels, expand(rhs, n_ellipsis + len(rhs.replace("...", "")))
 
 
-@derivative(torch.einsum, view=False)
+def _einsum_saves(values, keep, needs):
+    """Operand ``j``'s values only if another operand needs a gradient (they are its factors),
+    else its Meta, as torch saves only what the gradients use: an operand changed in place
+    after the op is then refused only if a gradient reads it."""
+    items = needs[1]
+    if type(items) is not tuple:
+        return keep, None
+    n_needing = sum(items)
+    codes = tuple(KEEP_VALUE if n_needing - need > 0 else KEEP_META for need in items)
+    return (keep[0], codes) + keep[2:], None
+
+
+@derivative(torch.einsum, view=False, saves=_einsum_saves)
 def einsum(grad, equation, *operands, needs_input_grad):
     """Each operand's gradient is another einsum: ``grad`` times the other operands.
 
@@ -238,9 +251,12 @@ def einsum(grad, equation, *operands, needs_input_grad):
     unused = [c for c in _LETTERS if c not in {c for term in labels for c in term} | set(out)]
     grads = []
     for k, op in enumerate(operands):
-        # (every floating operand: a saved operand's requires_grad says nothing once
-        # saved-tensor hooks unpacked it; the engine drops what no input needs)
-        if not (isinstance(op, torch.Tensor) and (op.is_floating_point() or op.is_complex())):
+        # (every floating operand whose factors were saved: a saved operand's requires_grad
+        # says nothing once saved-tensor hooks unpacked it; the engine drops what no input
+        # needs. Another operand kept as a Meta means that no operand but it needs a gradient.)
+        if not (isinstance(op, (torch.Tensor, Meta)) and
+                (op.dtype.is_floating_point or op.dtype.is_complex)) or \
+                any(type(operands[j]) is Meta for j in range(len(operands)) if j != k):
             grads.append(None)
             continue
         terms = [out] + [labels[j] for j in range(len(operands)) if j != k]
