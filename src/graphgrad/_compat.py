@@ -23,7 +23,7 @@ __all__ = [
     "is_grad_enabled", "set_grad_enabled",
     "torch_function_enabled", "torch_function_mode_enabled", "autocast_enabled",
     "tensor_shape", "tensor_dtype", "tensor_device", "tensor_ndim", "tensor_same_size",
-    "tensor_device_index", "tensor_same_meta", "native_meta", "register_tensor_class",
+    "tensor_same_meta", "native_meta", "register_tensor_class",
     "tensor_version", "tensor_is_view", "torch_requires_grad",
     "torch_grad_fn", "get_grad", "set_grad", "has_internal_overlap", "VariableFunctions",
     "nn_functions", "special_functions", "flatten_dense_tensors", "unflatten_dense_tensors",
@@ -72,7 +72,6 @@ tensor_dtype = torch._C.TensorBase.dtype.__get__
 tensor_device = torch._C.TensorBase.device.__get__
 tensor_ndim = torch._C.TensorBase.dim
 tensor_same_size = torch._C.TensorBase.is_same_size
-tensor_device_index = torch._C.TensorBase.get_device
 #: version counters: saved tensors are checked against them (checked on torch 2.13)
 tensor_version = torch._C.TensorBase._version.__get__
 tensor_is_view = torch._C.TensorBase._is_view
@@ -111,7 +110,6 @@ if native_meta is not None:
     tensor_ndim = native_meta.ndim
     tensor_same_size = native_meta.same_size
     tensor_same_meta = native_meta.same_meta
-    tensor_device_index = native_meta.device_index
     tensor_device = native_meta.device
     protocol_off = native_meta.protocol_off
     protocol_restore = native_meta.protocol_restore

@@ -14,7 +14,7 @@ from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 cimport cython
 
 cdef object _protocol_off, _protocol_restore
-cdef object _grad_enabled, _dtype, _device_index, _ndim, _is_view
+cdef object _grad_enabled, _dtype, _ndim, _is_view
 cdef object _torch_requires_grad, _autocast_enabled, _PlainTensor
 cdef object _TENSOR_CLS, _observer, _weakref
 cdef dict _NO_KWARGS, _ROUTES, _SPECIAL

@@ -51,7 +51,6 @@ _protocol_restore = _compat.protocol_restore
 _grad_enabled = _compat.is_grad_enabled
 _dtype = _compat.tensor_dtype
 _ndim = _compat.tensor_ndim
-_device_index = _compat.tensor_device_index
 _is_view = _compat.tensor_is_view
 _torch_requires_grad = _compat.torch_requires_grad
 _autocast_enabled = _compat.autocast_enabled
@@ -285,7 +284,7 @@ def _record(func, rule, args, kwargs, silent):
         if is_input(out, args, kwargs):  # the op returned an input unchanged (x.to(x.dtype))
             return out
         if rule.elementwise:
-            ref = (out, _dtype(out), _device_index(out), _ndim(out))
+            ref = (out, _dtype(out), _ndim(out))
     edges = slots(rule, values, graph, ref)
     if edges is None:
         return wrap_plain(out, args, kwargs)

@@ -10,9 +10,10 @@ from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 cimport cython
 
 cdef object _Disable, _grad_enabled, _set_grad_enabled, _OpOverload, _shape, _dtype, _device, _ndim
-cdef object _same_meta, _device_index, _version, _is_view, _torch_requires_grad
+cdef object _same_meta, _version, _is_view, _torch_requires_grad
 cdef object _torch_grad_fn, _has_internal_overlap, _get_base, _PlainTensor, _TENSOR_CLS
 cdef dict _inplace_cache
+cdef list _RANGES, _ALL_NONE
 cdef object _EMPTY
 cdef int KEEP_META, KEEP_VALUE, NO_VIEW_TAG, NO_GRAD_VIEW, MULTI_OUTPUT_VIEW, PLAIN_VIEW
 cdef int CUSTOM_FUNCTION_VIEW, CUSTOM_MULTI_VIEW, TORCH_LEAF, TORCH_BRIDGE
@@ -22,6 +23,7 @@ cdef long long _stamp(object t) except? -2
 cpdef object node_of(object t)
 cpdef object kernel(object func, tuple args, dict kwargs, bint silent)
 cpdef object bind(object func, Rule rule, tuple args, dict kwargs)
+@cython.locals(simple=bint, n=Py_ssize_t, m=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t)
 cpdef object slots(Rule rule, tuple values, object graph, object ref)
 @cython.locals(node=Node)
 cdef bint _add_slot(object t, object graph, list nexts, list nrs, list metas) except -1

@@ -61,7 +61,6 @@ _dtype = _compat.tensor_dtype
 _device = _compat.tensor_device
 _ndim = _compat.tensor_ndim
 _same_meta = _compat.tensor_same_meta
-_device_index = _compat.tensor_device_index
 _version = _compat.tensor_version
 _is_view = _compat.tensor_is_view
 _torch_requires_grad = _compat.torch_requires_grad
@@ -211,11 +210,15 @@ def bind(func, rule, args, kwargs):
         ) from None
 
 
+_RANGES = [tuple(range(n)) for n in range(9)]  # slot positions 0..n-1 (no list argument)
+_ALL_NONE = [(None,) * n for n in range(9)]  # metadata of n inputs none of which is kept
+
+
 def slots(rule, values, graph, ref):
     """The edges (next nodes, their output numbers), the rule parameter of each, and input
     metadata for unbroadcasting.
 
-    ``ref`` is (output, its dtype, its device index, its ndim) for elementwise rules (None
+    ``ref`` is (output, its dtype, its ndim) for elementwise rules (None
     for the others: they may return gradients the engine must reduce). When every tensor
     argument has the output's dtype and no more dimensions than it, an input that also has
     its size and device gets None as metadata: the rule's gradient for it needs no
@@ -232,25 +235,31 @@ def slots(rule, values, graph, ref):
     cls = _TENSOR_CLS
     uniform = ref is not None
     n = len(values)
+    simple = True  # so far slot j is parameter j (no list argument, no gap)
     for i in range(n):
         v = values[i]
         tp = type(v)
         if tp is cls or (tp is not list and tp is not tuple and isinstance(v, TensorBase)):
+            if simple and len(slot_pos) != i:
+                simple = False
             slot_pos.append(i)
             if _add_slot(v, graph, nexts, nrs, metas):
                 any_grad = True
-            elif uniform and (_dtype(v) is not ref[1] or _ndim(v) > ref[3]):
+            elif uniform and (_dtype(v) is not ref[1] or _ndim(v) > ref[2]):
                 uniform = False
         elif tp is list or tp is tuple:
+            simple = False
             for j in range(len(v)):
                 item = v[j]
                 if isinstance(item, TensorBase):
                     slot_pos.append((i, j))
                     if _add_slot(item, graph, nexts, nrs, metas):
                         any_grad = True
-                    elif uniform and (_dtype(item) is not ref[1] or _ndim(item) > ref[3]):
+                    elif uniform and (_dtype(item) is not ref[1] or _ndim(item) > ref[2]):
                         uniform = False
         elif i < n_required:
+            if simple and len(slot_pos) != i:
+                simple = False
             nexts.append(None)
             nrs.append(0)
             metas.append(None)
@@ -267,13 +276,18 @@ def slots(rule, values, graph, ref):
         else:
             metas[j] = (_shape(t), _dtype(t), _device(t))
             kept = True
-            if uniform and (_dtype(t) is not ref[1] or _ndim(t) > ref[3]):
+            if uniform and (_dtype(t) is not ref[1] or _ndim(t) > ref[2]):
                 uniform = False
     if ref is not None and kept and not uniform:  # a later input broke uniformity: redo
         out = ref[0]
         for j in range(len(metas)):
             if metas[j] is None and nexts[j] is not None:
                 metas[j] = (_shape(out), _dtype(out), _device(out))
+    m = len(slot_pos)
+    if m < 9:  # the shared tuples of the common shapes, without a hash lookup
+        positions = _RANGES[m] if simple else interned(tuple(slot_pos))
+        return (tuple(nexts), output_numbers(nrs), positions,
+                tuple(metas) if kept else _ALL_NONE[m])
     return (tuple(nexts), output_numbers(nrs), interned(tuple(slot_pos)),
             tuple(metas) if kept else interned(tuple(metas)))
 

@@ -253,13 +253,15 @@ PyMethodDef alias_methods[] = {
     {"version", alias_version, METH_NOARGS, "The version counter it shares with the output."},
     {nullptr, nullptr, 0, nullptr}};
 
-// save_alias(t): a SavedAlias of t.detach(), or None for objects this module does not read (the
+// save_alias(t): a SavedAlias of t's data as t.detach() has it, or None for objects this module does not read (the
 // engine then keeps t.detach() itself)
 PyObject* save_alias(PyObject*, PyObject* t) {
   if (!readable(t)) Py_RETURN_NONE;
   at::Tensor alias;
   try {
-    alias = THPVariable_Unpack(t).detach();
+    // tensor_data(): detach()'s shallow copy (same storage and version counter, no autograd
+    // metadata) made directly, not through the dispatcher as the detach op is
+    alias = THPVariable_Unpack(t).tensor_data();
   } catch (const std::exception&) {
     Py_RETURN_NONE;
   }
