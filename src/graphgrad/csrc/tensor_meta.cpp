@@ -253,8 +253,8 @@ PyMethodDef alias_methods[] = {
     {"version", alias_version, METH_NOARGS, "The version counter it shares with the output."},
     {nullptr, nullptr, 0, nullptr}};
 
-// save_alias(t): a SavedAlias of t's data as t.detach() has it, or None for objects this module does not read (the
-// engine then keeps t.detach() itself)
+// save_alias(t): a SavedAlias of what t.detach() would hold, or None for objects this module does
+// not read (the engine then keeps t.detach() itself)
 PyObject* save_alias(PyObject*, PyObject* t) {
   if (!readable(t)) Py_RETURN_NONE;
   at::Tensor alias;
