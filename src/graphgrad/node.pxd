@@ -3,7 +3,7 @@
 
 from graphgrad._torch_types cimport TensorBase
 cimport cython
-from cpython.object cimport PyObject, PyTypeObject, traverseproc, visitproc
+from cpython.object cimport PyObject, PyTypeObject, visitproc
 from graphgrad.references cimport SavedResult, check_saved_versions, unpack_saved
 from graphgrad.rules cimport Rule
 
@@ -67,35 +67,49 @@ cdef tuple _needs_input_grad(Node node)
 
 # The edge tuple and the saved tuple as parts of their node for the cyclic GC (compiled engine):
 # new_node untracks the node's own next_nodes and saved tuples, and Node's traverse visits their
-# items in their place (after the fields Cython's function visits). Only the node that was made
-# with a tuple visits it: both fields are read-only to Python, and the engine's callers of
-# new_node (dispatch, views) make fresh tuples for each node (save_arguments' shared all-None
-# ones hold nothing to visit), so each reference is seen exactly once, as the tuple's own
-# traverse would see it. Nodes made through Node(...) (custom Functions, user code) keep tracked
-# tuples, visited as fields.
+# items in their place. Only the node that was made with a tuple visits it: both fields are
+# read-only to Python, and the engine's callers of new_node (dispatch, views) make fresh tuples
+# for each node (save_arguments' shared all-None ones hold nothing to visit), so each reference
+# is seen exactly once, as the tuple's own traverse would see it. Nodes made through Node(...)
+# (custom Functions, user code) keep tracked tuples, visited as fields.
+#
+# The traverse visits only the fields that can lead back to a Python object able to close a
+# cycle, and only when they are not None (None is no container: visiting it does nothing):
+# rule, next_nodes, saved, result, graph, tensor_hooks, retained, hooks, prehooks, trace. It
+# skips next_nrs and slot_pos (ints), versions (ints and pairs of ints), input_meta (sizes,
+# dtypes, devices) and out_shapes (ints to sizes): containers of atoms, which can be in no
+# cycle. Not visiting a reference only makes its target look referenced from outside during a
+# collection (kept alive, which it is, by this node), never freed early. Cython's own traverse
+# visited all fifteen object fields, None or not, several times per node a collection.
 cdef extern from "Python.h":
     int PyObject_GC_IsTracked(object op)
     void PyObject_GC_UnTrack(object op)
 
-cdef traverseproc _traverse_fields
 
 cdef inline int _traverse_node(PyObject* o, visitproc visit, void* arg) except -1:
-    cdef int e = _traverse_fields(o, visit, arg)
-    if e:
-        return e
+    # (no Python object is made here: the collector is running)
     cdef Node node = <Node><object>o
-    e = _visit_untracked(node.next_nodes, visit, arg)
-    if e:
-        return e
-    return _visit_untracked(node.saved, visit, arg)
+    return (_visit_field(node.rule, visit, arg) or _visit_part(node.next_nodes, visit, arg) or
+            _visit_part(node.saved, visit, arg) or _visit_field(node.result, visit, arg) or
+            _visit_field(node.graph, visit, arg) or _visit_field(node.tensor_hooks, visit, arg) or
+            _visit_field(node.retained, visit, arg) or _visit_field(node.hooks, visit, arg) or
+            _visit_field(node.prehooks, visit, arg) or _visit_field(node.trace, visit, arg))
 
 
-cdef inline int _visit_untracked(object t, visitproc visit, void* arg) except -1:
-    """Visit the items of an exact tuple the GC does not track (a tracked one was visited)."""
+cdef inline int _visit_field(object f, visitproc visit, void* arg) except -1:
+    if f is None:
+        return 0
+    return visit(<PyObject*>f, arg)
+
+
+cdef inline int _visit_part(object t, visitproc visit, void* arg) except -1:
+    """Visit a tuple the node owns untracked item by item; anything else as itself."""
     cdef Py_ssize_t i
     cdef int e
-    if type(t) is not tuple or PyObject_GC_IsTracked(t):
+    if t is None:
         return 0
+    if type(t) is not tuple or PyObject_GC_IsTracked(t):
+        return visit(<PyObject*>t, arg)
     for i in range(len(<tuple>t)):
         item = (<tuple>t)[i]
         if item is not None:
@@ -114,6 +128,4 @@ cdef inline void _own_tuples(Node node) noexcept:
 
 
 cdef inline void _install_traverse() noexcept:
-    global _traverse_fields
-    _traverse_fields = (<PyTypeObject*>Node).tp_traverse
     (<PyTypeObject*>Node).tp_traverse = _traverse_node

@@ -437,6 +437,61 @@ def test_a_cycle_through_a_nodes_saved_values_is_still_collected():
     assert ref() is None
 
 
+def _close_by_prehook(z, w):
+    z.grad_fn.register_prehook(lambda grad_outputs, w=w: None)
+
+
+def _close_by_tensor_hook(z, w):
+    z.register_hook(lambda grad, w=w: None)
+
+
+CLOSERS = {"prehook": _close_by_prehook, "tensor_hook": _close_by_tensor_hook}
+
+
+@pytest.mark.parametrize("close", CLOSERS.values(), ids=CLOSERS.keys())
+def test_a_cycle_through_each_field_the_traverse_visits_is_collected(close):
+    """The compiled Node's traverse visits only fields that can lead back to a Python object
+    (node.pxd): a cycle through a node's prehooks or tensor hooks is still found by the cyclic
+    GC (its node hooks: ``test_a_cycle_through_a_nodes_inputs_is_still_collected``)."""
+    x = leaf(3)
+    z = x * 2
+    w = z.sin()  # w's node -> next_nodes -> z's node -> (the field) -> ... -> w
+    close(z, w)
+    ref = weakref.ref(w.grad_fn)
+    del z, w
+    assert ref() is not None
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_cycle_through_a_saved_output_under_hooks_is_collected():
+    """Under saved-tensor hooks a node's saved output is what the pack hook returned (tracked):
+    a packed object that keeps the output closes a cycle through ``result``."""
+    x = leaf(3)
+
+    class Box:
+        pass
+
+    boxes = []
+
+    def pack(t):
+        box = Box()
+        box.t = t
+        boxes.append(box)
+        return box
+
+    with gg.saved_tensors_hooks(pack, lambda box: box.t):
+        w = (x * 2).tanh()  # tanh saves its output: packed into a Box
+    for box in boxes:
+        box.out = w  # w -> node -> result -> Box -> w
+    ref = weakref.ref(w.grad_fn)
+    boxes.clear()
+    del w, box
+    assert ref() is not None
+    gc.collect()
+    assert ref() is None
+
+
 def test_gc_during_recording_and_backward_keeps_gradients():
     """Collections while nodes hold untracked edge and saved tuples: everything reachable
     stays alive and the gradients are torch's."""
