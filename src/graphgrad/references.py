@@ -381,7 +381,8 @@ def check_saved_versions(name, params, saved, versions, sequence_nr=None):
             raise RuntimeError(modified_message(name, _param_name(params, pos), value, version))
         if sequence_nr is not None and type(value) is not _PlainTensor:  # (graphgrad's detach_)
             detached = getattr(value, "_gg_detached", 0)
-            if detached and detached >= sequence_nr and value._gg_node is None:
+            # (no grad_fn since: none, or a leaf's after requires_grad_(), as torch checks)
+            if detached and detached >= sequence_nr and value.grad_fn is None:
                 raise RuntimeError(detached_message(name, _param_name(params, pos)))
 
 

@@ -352,6 +352,27 @@ def test_a_saved_tensor_detached_in_place_after_it_was_saved_is_refused():
 
     same_as_torch(checkpointed, RuntimeError, "detached in-place", "use the out-of-place .detach()")
 
+    def leaf_again(lib):  # found by a random fuzz run: a leaf again has no grad_fn either
+        x = lib.leaf([0.5, -1.0])
+        y = x.abs()
+        z = 2.0 ** y  # saves y, which has a grad_fn
+        y.detach_()
+        y.requires_grad_(True)
+        z.sum().backward()
+
+    same_as_torch(leaf_again, RuntimeError, "detached in-place", "use the out-of-place .detach()")
+
+    def given_a_grad_fn_again(lib):  # an in-place op gives it one: the version check speaks
+        x = lib.leaf([0.5, -1.0])
+        y = x.abs()
+        z = y.abs()
+        y.detach_()
+        y.mul_(x)
+        z.sum().backward()
+
+    same_as_torch(given_a_grad_fn_again, RuntimeError, "modified by an inplace operation",
+                  "modified by an inplace operation")
+
     def custom_function(lib):  # torch's custom Functions unpack it anyway
         class Pair(lib.Function):
             @staticmethod
