@@ -6,9 +6,9 @@ from graphgrad._torch_types cimport TensorBase
 from graphgrad.node cimport Node, new_node
 from graphgrad.rules cimport Rule
 from graphgrad.references cimport save_arguments, saved_output, untracked
-from graphgrad.views cimport (bind, keep_for, kernel, needs_of, no_grad_op, no_grad_view_op, node_of,
-                              note_view_outputs, record_inplace, revived, slots,
-                              unrecorded_view_op)
+from graphgrad.views cimport (bind, function_view_changed, keep_for, kernel, needs_of, no_grad_op,
+                              no_grad_view_op, node_of, note_view_outputs, record_inplace, revived,
+                              slots, unrecorded_view_op)
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython
@@ -19,7 +19,7 @@ cdef object _torch_requires_grad, _autocast_enabled, _PlainTensor
 cdef object _TENSOR_CLS, _observer, _weakref
 cdef dict _NO_KWARGS, _ROUTES, _SPECIAL
 cdef frozenset _DIFFERENTIABLE_DTYPES
-cdef int KEEP_VALUE, NO_GRAD, NEEDS_GRAD, PLAIN_VIEW, TORCH_TRACKED
+cdef int KEEP_VALUE, NO_GRAD, NEEDS_GRAD, PLAIN_VIEW, TORCH_TRACKED, CUSTOM_FUNCTION_VIEW
 
 cdef int _needs_grad(tuple args, dict kwargs) except -1
 cdef bint _only_ours(tuple args, dict kwargs) except -1

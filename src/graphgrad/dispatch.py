@@ -20,7 +20,7 @@ import torch
 from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
 
 from . import _compat
-from .codes import KEEP_VALUE, NEEDS_GRAD, NO_GRAD, PLAIN_VIEW, TORCH_TRACKED
+from .codes import CUSTOM_FUNCTION_VIEW, KEEP_VALUE, NEEDS_GRAD, NO_GRAD, PLAIN_VIEW, TORCH_TRACKED
 from .decompose import find as find_decomposition
 from .decompose import no_rule_error
 from .graph import current_graph
@@ -29,6 +29,7 @@ from .references import save_arguments, saved_output, untracked
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 from .views import (
     bind,
+    function_view_changed,
     is_inplace,
     keep_for,
     kernel,
@@ -92,8 +93,15 @@ def _needs_grad(args, kwargs):
     for a in args:
         tp = type(a)
         if tp is cls:
-            if a._gg_node is not None or (a._gg_view_tag == PLAIN_VIEW and revived(a)):
+            if a._gg_node is not None:
                 found = NEEDS_GRAD
+            else:
+                tag = a._gg_view_tag
+                if tag == PLAIN_VIEW:
+                    if revived(a):
+                        found = NEEDS_GRAD
+                elif tag >= CUSTOM_FUNCTION_VIEW and function_view_changed(a):
+                    found = NEEDS_GRAD  # (then refused by any op that records, as in torch)
         elif tp is _PlainTensor:
             if _torch_requires_grad(a):
                 return TORCH_TRACKED
@@ -102,9 +110,15 @@ def _needs_grad(args, kwargs):
                 if isinstance(b, TensorBase):
                     if _torch_requires_grad(b):
                         return TORCH_TRACKED
-                    if node_of(b) is not None or (
-                            getattr(b, "_gg_view_tag", 0) == PLAIN_VIEW and revived(b)):
+                    if node_of(b) is not None:
                         found = NEEDS_GRAD
+                    else:
+                        tag = getattr(b, "_gg_view_tag", 0)
+                        if tag == PLAIN_VIEW:
+                            if revived(b):
+                                found = NEEDS_GRAD
+                        elif tag >= CUSTOM_FUNCTION_VIEW and function_view_changed(b):
+                            found = NEEDS_GRAD
         elif isinstance(a, TensorBase):
             if _torch_requires_grad(a):
                 return TORCH_TRACKED

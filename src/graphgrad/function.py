@@ -43,7 +43,6 @@ from .codes import (
     CUSTOM_MULTI_VIEW,
     CUSTOM_OUTPUTS,
     KEEP_NOTHING,
-    NO_GRAD_VIEW,
     NO_VIEW_TAG,
     PLAIN_VIEW,
     RELEASED_AFTER_BACKWARD,
@@ -419,10 +418,10 @@ def _attach_outputs(node, ctx, args, outs, targets, graph):
         if not (is_input and is_dirty) and _is_view(out):
             views.append(out)
         result.append(out)
-    # torch's creation_meta: IN_CUSTOM_FUNCTION (MULTI_OUTPUT_NODE); NO_GRAD_MODE for views
-    # made while grad mode was off (the Function ran unrecorded, under no_grad)
-    tag = (CUSTOM_MULTI_VIEW if n_diff > 1 else CUSTOM_FUNCTION_VIEW) if torch.is_grad_enabled() \
-        else NO_GRAD_VIEW
+    # torch's creation_meta: IN_CUSTOM_FUNCTION (MULTI_OUTPUT_NODE), whatever the grad mode:
+    # torch's _wrap_outputs sets it on every view output after setting its history, under
+    # no_grad too, so such a view is unusable once its base changed in place and requires grad
+    tag = CUSTOM_MULTI_VIEW if n_diff > 1 else CUSTOM_FUNCTION_VIEW
     for v in views:
         v._gg_view_tag = tag
         with _Disable():

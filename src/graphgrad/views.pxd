@@ -37,4 +37,5 @@ cpdef object unrecorded_view_op(object func, Rule rule, tuple args, dict kwargs)
 cpdef object note_view_outputs(Node node, object out, Rule rule, tuple args, dict kwargs)
 cpdef object stamp_view(Node node, object out)
 cpdef bint revived(object t) except -1
+cpdef bint function_view_changed(object t) except -1
 cdef object _tag_views(object out, tuple args, dict kwargs, int tag)

@@ -46,9 +46,9 @@ from .rules import qualified_name
 from .view_rules import AS_STRIDED_RULE, COPY_SLICES_RULE, ViewGeometry
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 
-__all__ = ["node_of", "torch_node", "current_node", "is_inplace", "slots", "bind", "keep_for",
-           "needs_of", "kernel", "record_inplace", "check_inplace", "view_target", "into_base",
-           "rebase_history", "note_reshaped", "note_view_outputs", "stamp_view",
+__all__ = ["node_of", "torch_node", "current_node", "function_view_changed", "is_inplace", "slots",
+           "bind", "keep_for", "needs_of", "kernel", "record_inplace", "check_inplace", "view_target",
+           "into_base", "rebase_history", "note_reshaped", "note_view_outputs", "stamp_view",
            "no_grad_op", "no_grad_view_op", "unrecorded_view_op", "view_tag_message", "base_requires_grad",
            "revived"]
 
@@ -297,6 +297,9 @@ def _add_slot(t, graph, nexts, nrs, metas):
     if node is not None and node.view_version != NOT_A_VIEW and _stamp(t) != node.view_version:
         node = _rebuild_view_node(t, graph)
     if node is None:
+        if type(t) is _TENSOR_CLS and t._gg_view_tag >= CUSTOM_FUNCTION_VIEW and \
+                function_view_changed(t):
+            raise _custom_view_changed(t._gg_view_tag)
         nexts.append(None)
         nrs.append(0)
         metas.append(None)
@@ -553,12 +556,18 @@ def current_node(t):
                 if revived(t):
                     node = t._gg_node
         elif tag >= CUSTOM_FUNCTION_VIEW and _grad_enabled():
-            # a Function's view that required no grad: once its base changed in place and
-            # requires grad, unusable (as torch; under no_grad the engine may still look)
+            # (under no_grad the engine may still look)
             with _Disable():
-                if _stamp(t) != t._gg_view_version and base_requires_grad(t):
+                if function_view_changed(t):
                     raise _custom_view_changed(tag)
     return node
+
+
+def function_view_changed(t):
+    """Is ``t``, a Function's view that required no grad, one whose base was changed in place
+    by an op that made the base require grad? It requires grad then, and is unusable by any
+    op that records (as in torch: its gradient would bypass the Function's backward)."""
+    return _stamp(t) != t._gg_view_version and base_requires_grad(t)
 
 
 def _rebuild_view_node(t, graph):

@@ -334,6 +334,19 @@ class Interpreter:
             self.broken.add(k)
             STATS["multi_output_views_changed"] += 1
             return True
+        if k in self.detached_on_torch and k in self.function_views:
+            # torch's side is a detached copy (a Function's view made under no_grad of a tensor
+            # that requires grad, compared as graphgrad has it: see op()); torch's own view, as
+            # graphgrad's, is refused once its base changed: from then on left out
+            try:
+                _ = self.G.env[k].grad_fn
+            except RuntimeError as e:
+                assert "custom Function" in str(e), e
+                self.stale[k] = True
+                self.broken.add(k)
+                STATS["function_views_made_under_no_grad_refused_after_their_base_changed"] += 1
+                return True
+            return False
         # reading grad_fn rebuilds a view's grad_fn after its base changed, moving its
         # retain_grad, in torch: so it must in graphgrad, read as often
         _ = self.G.env[k].grad_fn

@@ -222,6 +222,28 @@ def test_an_unrecorded_function_view_is_refused_once_its_base_requires_grad_and_
                   "clone() the output")
 
 
+@pytest.mark.parametrize("under_no_grad", [False, True], ids=["grad_mode", "no_grad"])
+@pytest.mark.parametrize("make", [identity, first_row], ids=["input_as_is", "view"])
+@pytest.mark.parametrize("then", ["grad_fn", "use"])
+def test_an_unrecorded_function_view_is_unusable_once_its_base_requires_grad_and_changed(
+        under_no_grad, make, then):
+    """Found by a 20,000-program fuzz run: a Function applied under no_grad marked its view
+    as made in no-grad mode, where torch marks every view a Function returns as the
+    Function's (creation_meta IN_CUSTOM_FUNCTION, whatever the grad mode); and using such a
+    view in an op that records (not only asking its grad_fn) ran without a gradient where
+    torch refuses."""
+    def program(lib):
+        x = lib.leaf(X)
+        h = x.detach()
+        with torch.set_grad_enabled(not under_no_grad):
+            v = make(lib).apply(h)
+        h.add_(x)  # the base now requires grad, changed in place
+        return v.grad_fn if then == "grad_fn" else v * 2
+
+    same_as_torch(program, RuntimeError, "base or another view of its base has been modified",
+                  "clone() the output")
+
+
 def test_a_view_of_an_unrecorded_function_view_is_usable_until_its_base_changes():
     """Found by a random fuzz run: a view of a Function's view that recorded nothing (its
     input, a view made under no_grad, required no grad in graphgrad; see docs/reliability.md)
