@@ -27,6 +27,19 @@ __all__ = ["Tensor", "tensor", "as_tensor"]
 _Disable = _compat.DisableTorchFunctionSubclass
 
 
+def _adopt_tensor_hooks(acc, hooks) -> None:
+    """A tensor that is a leaf again after ``detach_()`` runs the tensor hooks it had as a
+    non-leaf, as torch's AccumulateGrad reads the tensor's own hooks: ``acc`` shares the
+    list (a hook registered on either is run by both)."""
+    if acc.tensor_hooks is None:
+        acc.tensor_hooks = {}
+    own = acc.tensor_hooks.get(0)
+    if own is None:
+        acc.tensor_hooks[0] = hooks
+    elif own is not hooks:
+        own[:0] = [h for h in hooks if h not in own]
+
+
 class Tensor(torch.Tensor):
     """A torch.Tensor recorded by graphgrad. Create with ``gg.tensor`` or ``gg.as_tensor``."""
 
@@ -37,6 +50,7 @@ class Tensor(torch.Tensor):
     _gg_retains_grad = False  # retain_grad() was called (torch's retains_grad flag)
     _gg_detached = 0  # newest Node number when detach_() took it out of the graph (0: never)
     _gg_acc = None  # a leaf's AccumulateGrad while it does not require grad (see requires_grad_)
+    _gg_hooks = None  # the tensor hooks it had as a non-leaf, when detach_() took it out
 
     __torch_function__ = classmethod(torch_function)
 
@@ -73,7 +87,11 @@ class Tensor(torch.Tensor):
                         "only Tensors of floating point and complex dtype can require "
                         f"gradients (this one is {dtype}); convert it first, e.g. x.float().")
                 acc = self._gg_acc  # the one it had: its hooks and graphs still count (torch)
-                self._gg_node = acc if acc is not None else AccumulateGrad(self)
+                if acc is None:
+                    acc = AccumulateGrad(self)
+                if self._gg_hooks is not None:
+                    _adopt_tensor_hooks(acc, self._gg_hooks)
+                self._gg_node = acc
         elif node is not None:
             self._gg_acc = node
             self._gg_node = None
@@ -128,6 +146,9 @@ class Tensor(torch.Tensor):
         elif node is not None:
             self._gg_detached = current_sequence_nr()  # nodes that saved it before may no
             # longer use it (as torch)
+            hooks = node.tensor_hooks.get(self._gg_nr) if node.tensor_hooks else None
+            if hooks:  # the tensor's own, in torch: a leaf again, it runs them (and its old
+                self._gg_hooks = hooks  # grad_fn still does, sharing the same list)
         self._gg_node = None
         if self._gg_nr:
             self._gg_nr = 0

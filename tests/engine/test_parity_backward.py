@@ -394,6 +394,27 @@ def test_a_saved_tensor_detached_in_place_after_it_was_saved_is_refused():
     same_as_torch(custom_function)
 
 
+def test_a_tensor_detached_in_place_and_a_leaf_again_runs_the_hooks_it_had():
+    """Found by a 20,000-program random fuzz run (a silently wrong gradient): tensor hooks are
+    the tensor's own in torch (its AccumulateGrad reads them from the tensor), so a non-leaf
+    with hooks that is ``detach_()``ed and made to require grad again runs them as a leaf;
+    graphgrad kept them on the old grad_fn only. A hook registered afterwards is run by the
+    old grad_fn too (torch's hook dict is shared)."""
+    def program(lib):
+        x = lib.leaf([1.0, 2.0])
+        y = x * 2
+        y.register_hook(lambda g: g * 10)
+        w = y * 5  # reaches y's old grad_fn
+        y.detach_()
+        y.requires_grad_(True)
+        y.register_hook(lambda g: g * 100)
+        (y * 3).sum().backward()
+        w.sum().backward()
+        return x.grad, y.grad
+
+    same_as_torch(program)
+
+
 @pytest.mark.parametrize("op", ["view_as", "reshape_as", "expand_as", "type_as"])
 def test_a_tensor_giving_only_a_shape_or_dtype_is_no_input_of_the_node(op):
     """Found by the fuzzer: ``x.view_as(y)`` had an edge to y (which never got a gradient), so
