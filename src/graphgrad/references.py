@@ -44,7 +44,7 @@ __all__ = ["SavedResult", "saved_output", "untracked", "PackedTensor", "save_arg
            "check_saved_versions",
            "unpack_result", "unpack_saved", "saved_bytes", "describe", "push_saved_hooks",
            "pop_saved_hooks", "current_saved_hooks", "PackedSaved", "CheckedPack",
-           "check_packed", "modified_message", "detached_message", "storage_of", "storage_bytes",
+           "check_packed", "nones", "modified_message", "detached_message", "storage_of", "storage_bytes",
            "saved_tensors", "node_saved_bytes"]
 
 
@@ -299,7 +299,7 @@ def save_arguments(keep, values):
                         versions.append((i, j))
                         versions.append(_version(item))
     if saved is None:
-        return _nones(n), ()
+        return nones(n), ()
     return (PackedSaved(saved) if packed else tuple(saved)), tuple(versions)
 
 
@@ -327,8 +327,9 @@ def _save_items(i, keep, items, hooks, versions):
     return type(items)(out), packed
 
 
-def _nones(n):
-    """The shared all-None saved tuple of length ``n``."""
+def nones(n):
+    """The shared all-None tuple of length ``n`` (what a node keeps when it saves nothing,
+    and the metadata of inputs none of which is kept)."""
     while len(_NONES) <= n:
         _NONES.append((None,) * len(_NONES))
     return _NONES[n]

@@ -3,7 +3,7 @@
 
 from graphgrad._torch_types cimport TensorBase
 from graphgrad.node cimport Node, interned, new_node, output_numbers
-from graphgrad.references cimport save_arguments, saved_output
+from graphgrad.references cimport nones, save_arguments, saved_output
 from graphgrad.rules cimport Rule
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
@@ -13,7 +13,7 @@ cdef object _Disable, _grad_enabled, _set_grad_enabled, _OpOverload, _shape, _dt
 cdef object _same_meta, _version, _is_view, _torch_requires_grad
 cdef object _torch_grad_fn, _has_internal_overlap, _get_base, _PlainTensor, _TENSOR_CLS
 cdef dict _inplace_cache
-cdef list _RANGES, _ALL_NONE
+cdef list _RANGES
 cdef object _EMPTY
 cdef int KEEP_META, KEEP_VALUE, NO_VIEW_TAG, NO_GRAD_VIEW, MULTI_OUTPUT_VIEW, PLAIN_VIEW
 cdef int CUSTOM_FUNCTION_VIEW, CUSTOM_MULTI_VIEW, TORCH_LEAF, TORCH_BRIDGE

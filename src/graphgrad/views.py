@@ -41,7 +41,7 @@ from .codes import (
 )
 from .graph import current_graph
 from .node import AccumulateGrad, interned, new_node, output_numbers
-from .references import save_arguments, saved_output
+from .references import nones, save_arguments, saved_output
 from .rules import qualified_name
 from .view_rules import AS_STRIDED_RULE, COPY_SLICES_RULE, ViewGeometry
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
@@ -211,7 +211,6 @@ def bind(func, rule, args, kwargs):
 
 
 _RANGES = [tuple(range(n)) for n in range(9)]  # slot positions 0..n-1 (no list argument)
-_ALL_NONE = [(None,) * n for n in range(9)]  # metadata of n inputs none of which is kept
 
 
 def slots(rule, values, graph, ref):
@@ -283,13 +282,9 @@ def slots(rule, values, graph, ref):
         for j in range(len(metas)):
             if metas[j] is None and nexts[j] is not None:
                 metas[j] = (_shape(out), _dtype(out), _device(out))
-    m = len(slot_pos)
-    if m < 9:  # the shared tuples of the common shapes, without a hash lookup
-        positions = _RANGES[m] if simple else interned(tuple(slot_pos))
-        return (tuple(nexts), output_numbers(nrs), positions,
-                tuple(metas) if kept else _ALL_NONE[m])
-    return (tuple(nexts), output_numbers(nrs), interned(tuple(slot_pos)),
-            tuple(metas) if kept else interned(tuple(metas)))
+    m = len(slot_pos)  # shared tuples: the common positions without a hash lookup
+    positions = _RANGES[m] if simple and m < 9 else interned(tuple(slot_pos))
+    return (tuple(nexts), output_numbers(nrs), positions, tuple(metas) if kept else nones(m))
 
 
 def _add_slot(t, graph, nexts, nrs, metas):
