@@ -8,8 +8,9 @@ from graphgrad.node cimport AccumulateGrad, Node
 cdef object _Disable, _set_grad_enabled, _PlainTensor, _heappush, _heappop
 cdef object _shape, _dtype, _device, _ndim
 cdef long long _FIRST
+cdef object COPY_SLICES_RULE, _INSIDE_COPY_SLICES
 
-@cython.locals(node=Node, parent=Node, i=Py_ssize_t, nexts=tuple, stack=list, at=list, count=bint)
+@cython.locals(node=Node, parent=Node, op=Node, i=Py_ssize_t, nexts=tuple, stack=list, at=list, count=bint)
 cdef tuple _walk(list root_nodes, object targets, bint into_torch)
 
 @cython.locals(node=Node, alone=Node, j=Py_ssize_t, nexts=tuple, nrs=tuple, slot_pos=tuple, metas=tuple, ready=list,

@@ -29,7 +29,13 @@ from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when
 from . import _compat
 from .codes import GG_LEAF, RELEASED_WITH_GRAPH, TORCH_BRIDGE, TORCH_LEAF
 from .node import AccumulateGrad, Node
+from .view_rules import COPY_SLICES_RULE
 from .views import current_node
+
+# needed[node] for an in-place op's node that leads to no wanted input but runs all the same:
+# its CopySlices runs (torch's CopySlices calls the op's node it wraps whenever it runs, so
+# the node's saved tensors are unpacked: version checks, unpack hooks, "freed" errors)
+_INSIDE_COPY_SLICES = 2
 
 __all__ = ["run_backward", "observe_accumulation"]
 
@@ -158,6 +164,10 @@ def _walk(root_nodes, targets, into_torch):
                         need = True
                         break
             needed[node] = need
+            if need and node.rule is COPY_SLICES_RULE:
+                op = node.next_nodes[1]
+                if op is not None and not needed[op]:
+                    needed[op] = _INSIDE_COPY_SLICES
     for node in order:
         if needed is not None and not needed[node]:
             continue
@@ -225,7 +235,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         # runs the inputs' own nodes, grad() only reads their gradients
         runs = needed is None or (accumulate and is_target) or (
             type(node) is not AccumulateGrad and _leads_on(node, needed)) or (
-            into_torch and _is_bridge(node))
+            into_torch and _is_bridge(node)) or needed[node] is _INSIDE_COPY_SLICES
         if is_target and not accumulate and runs:  # read before its tensor hooks (torch)
             _capture(targets[node], grads, captured)
         if node.tensor_hooks is not None:
@@ -397,7 +407,7 @@ def _leads_on(node, needed):
 def _runs(node, needed, targets, accumulate):
     """Will backward call this wanted node? An input's own node runs in backward(inputs=),
     in grad() only if it leads on (as in torch)."""
-    if accumulate and node in targets:
+    if accumulate and node in targets or needed[node] is _INSIDE_COPY_SLICES:
         return True
     return type(node) is not AccumulateGrad and _leads_on(node, needed)
 

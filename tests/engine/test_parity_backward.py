@@ -115,6 +115,52 @@ def test_backward_with_inputs_on_a_freed_node_raises():
     same_as_torch(program, RuntimeError, "second time", "retain_graph=True")
 
 
+def test_copy_slices_runs_the_in_place_op_it_stands_for_whenever_it_runs():
+    """Found by a 20,000-program random fuzz run (seed 23): torch's CopySlices (a base's grad_fn
+    after an in-place op on its view) calls the op's node it wraps each time it runs, so that
+    node's saved tensors are unpacked even when no input past it is wanted; graphgrad ran the
+    op's node only if it led on, and ran where torch refuses. And torch's CopySlices drops the
+    op's node when it is freed: a second pass refuses even when the op saved no tensor."""
+    def changed_saved_tensor(lib):  # mul_ saves t, which it changes itself (t is the base)
+        x = lib.leaf([1.0, -2.0, 0.5])
+        t = x * 1.0
+        t.squeeze().mul_(t)
+        (t * 1).sum().backward(inputs=[t])
+
+    same_as_torch(changed_saved_tensor, RuntimeError, "modified by an inplace operation",
+                  "modified by an inplace operation")
+
+    def unpacked(lib):  # the op's saved tensor is unpacked (its hook runs) all the same
+        log = []
+        x, w = lib.leaf([1.0, -2.0, 0.5]), lib.leaf([3.0, 4.0])
+        t = x * 1.0
+        with lib.saved_tensors_hooks(lambda s: s, lambda s: log.append("unpack") or s):
+            t[:2].mul_(w)
+        (t * 1).sum().backward(inputs=[t])
+        return t.grad, x.grad, w.grad, log
+
+    same_as_torch(unpacked)
+
+    def twice(lib):  # mul_(2) saves no tensor: the second pass is refused all the same
+        x = lib.leaf([1.0, -2.0, 0.5])
+        t = x * 1.0
+        t[:2].mul_(2)
+        t.sum().backward()
+        t.sum().backward()
+
+    same_as_torch(twice, RuntimeError, "second time", "retain_graph=True")
+
+    def twice_retained(lib):
+        x = lib.leaf([1.0, -2.0, 0.5])
+        t = x * 1.0
+        t[:2].mul_(2)
+        t.sum().backward(retain_graph=True)
+        t.sum().backward()
+        return x.grad
+
+    same_as_torch(twice_retained)
+
+
 # -- item 18: hooks of outputs that got no gradient ----------------------------------------
 @pytest.mark.parametrize("sizes", [[2, 0], [1, 1]], ids=["empty_output", "unused_output"])
 def test_tensor_hooks_of_outputs_without_gradient_see_none(sizes):
