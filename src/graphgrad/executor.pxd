@@ -10,8 +10,9 @@ cdef object _shape, _dtype, _device, _ndim
 cdef long long _FIRST
 cdef object COPY_SLICES_RULE, _INSIDE_COPY_SLICES
 
-@cython.locals(node=Node, parent=Node, op=Node, i=Py_ssize_t, nexts=tuple, stack=list, at=list, count=bint)
-cdef tuple _walk(list root_nodes, object targets, bint into_torch)
+@cython.locals(node=Node, parent=Node, op=Node, i=Py_ssize_t, nexts=tuple, stack=list, at=list, count=bint,
+               leads=bint)
+cdef tuple _walk(list root_nodes, object targets, bint into_torch, object accumulate)
 
 @cython.locals(node=Node, alone=Node, j=Py_ssize_t, nexts=tuple, nrs=tuple, slot_pos=tuple, metas=tuple, ready=list,
                buffers=dict, deps=dict, anomaly=bint, is_target=bint, n=Py_ssize_t)

@@ -112,9 +112,10 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
     return result
 
 
-def _walk(root_nodes, targets, into_torch):
+def _walk(root_nodes, targets, into_torch, accumulate):
     """Dependency counts over the nodes needed to reach the targets (all nodes if none;
-    ``into_torch``: bridges into torch's own graph count as targets too).
+    ``into_torch``: bridges into torch's own graph count as targets too). A CopySlices that
+    runs needs the in-place op's node it stands for run too (see ``_INSIDE_COPY_SLICES``).
 
     The post-order is ``graph.topo_order``'s (the same iterative depth-first search), written
     out here with typed locals and the ``deps`` dict as its visited set, so the walk that runs
@@ -157,15 +158,15 @@ def _walk(root_nodes, targets, into_torch):
     else:
         needed = {}
         for node in order:
-            need = node in targets or (into_torch and _is_bridge(node))
-            if not need:
-                for parent in node.next_nodes:
-                    if parent is not None and needed.get(parent, False):
-                        need = True
-                        break
+            leads = False
+            for parent in node.next_nodes:
+                if parent is not None and needed.get(parent, False):
+                    leads = True
+                    break
+            need = leads or node in targets or (into_torch and _is_bridge(node))
             needed[node] = need
-            if need and node.rule is COPY_SLICES_RULE:
-                op = node.next_nodes[1]
+            if need and node.rule is COPY_SLICES_RULE and (leads or accumulate and node in targets):
+                op = node.next_nodes[1]  # CopySlices runs (see _runs): so does its op's node
                 if op is not None and not needed[op]:
                     needed[op] = _INSIDE_COPY_SLICES
     for node in order:
@@ -179,7 +180,7 @@ def _walk(root_nodes, targets, into_torch):
 
 def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, accumulate,
          allow_unused, into_torch):
-    deps, needed, order = _walk(root_nodes, targets, into_torch)
+    deps, needed, order = _walk(root_nodes, targets, into_torch, accumulate)
     for node in order:  # everything that can fail, before anything changes
         if node.released == RELEASED_WITH_GRAPH or needed is None or (
                 needed[node] and _runs(node, needed, targets, accumulate)):
