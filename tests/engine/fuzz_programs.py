@@ -476,6 +476,12 @@ class Interpreter:
             # crashes the process
             STATS["inplace_on_retained_second_output_left_out"] += 1
             return
+        tb = t._base if t._is_view() else None
+        if tb is not None and id(tb) in self.retained and tb.output_nr != 0:
+            # the same torch bug through a view of that output (its CopySlices): torch's
+            # backward then crashes the process (segmentation fault; found by a fuzz run)
+            STATS["inplace_on_views_of_a_retained_second_output_left_out"] += 1
+            return
         if t.retains_grad and t.grad_fn is None and other_requires_grad(name, to):
             # torch bug (2.13): detach_() keeps retains_grad on, and an in-place op that makes
             # the tensor require grad again fails "old_fn INTERNAL ASSERT FAILED"
