@@ -27,7 +27,7 @@ import torch
 from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
 
 from . import _compat
-from .codes import GG_LEAF, RELEASED_WITH_GRAPH, TORCH_BRIDGE, TORCH_LEAF
+from .codes import GG_LEAF, RELEASED_AFTER_BACKWARD, RELEASED_WITH_GRAPH, TORCH_BRIDGE, TORCH_LEAF
 from .node import AccumulateGrad, Node
 from .view_rules import COPY_SLICES_RULE
 from .views import current_node
@@ -280,6 +280,8 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             edge_grads = _run_hooks(node, edge, grads, handed)
         if not retain_graph:
             node.release()
+            if node.rule is COPY_SLICES_RULE:  # it saved no tensor, yet never runs again:
+                node.released = RELEASED_AFTER_BACKWARD  # torch's drops the op it wraps
         for j in range(len(nexts)):
             parent = nexts[j]
             if parent is None or (needed is not None and not needed[parent]):

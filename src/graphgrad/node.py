@@ -38,7 +38,6 @@ from .references import (
     unpack_result,
     unpack_saved,
 )
-from .view_rules import COPY_SLICES_RULE
 
 __all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "split_edges",
            "output_numbers", "interned", "current_sequence_nr"]
@@ -154,11 +153,10 @@ class Node:
         """Drop what this node saved (after backward, or when its graph is released).
 
         A node that kept tensors can never run again, so everything goes; one that kept
-        only numbers and shapes may run again (as in torch) and keeps them. CopySlices never
-        runs again either: torch's drops the in-place op's node it wraps.
+        only numbers and shapes may run again (as in torch) and keeps them.
         """
         if how == RELEASED_WITH_GRAPH or self.result is not None or self.versions or \
-                type(self.saved) is PackedSaved or self.rule is COPY_SLICES_RULE:
+                type(self.saved) is PackedSaved:
             self.released = how
             self.saved = ()
         elif _holds_tensors(self.saved):  # saved by other means (e.g. gg.Function)
