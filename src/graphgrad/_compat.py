@@ -21,7 +21,7 @@ from ._config import env_flag
 __all__ = [
     "DisableTorchFunctionSubclass", "protocol_off", "protocol_restore", "EnableTorchFunction",
     "is_grad_enabled", "set_grad_enabled",
-    "torch_function_enabled", "torch_function_mode_enabled", "autocast_enabled",
+    "torch_function_enabled", "torch_function_mode_enabled", "autocast_enabled", "protocol_on",
     "tensor_shape", "tensor_dtype", "tensor_device", "tensor_ndim", "tensor_same_size",
     "tensor_same_meta", "native_meta", "register_tensor_class",
     "tensor_version", "tensor_is_view", "torch_requires_grad",
@@ -64,6 +64,12 @@ torch_function_enabled = torch._C._is_torch_function_enabled
 torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
 #: under autocast, saved inputs take the kernel's dtype (checked on torch 2.13; absent before 2.4)
 autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: False)
+
+
+def protocol_on() -> bool:
+    """Would a torch call on a subclass reach its ``__torch_function__`` directly (the protocol
+    on, no torch-function mode)? The fast paths skip the protocol only then."""
+    return torch_function_enabled() and not torch_function_mode_enabled()
 
 # -- the base class's getters: graphgrad.Tensor's own properties would add a check per read --
 #: (all checked on torch 2.13)
@@ -116,6 +122,9 @@ if native_meta is not None:
     tensor_version = native_meta.version
     tensor_is_view = native_meta.is_view
     torch_requires_grad = native_meta.requires_grad
+    is_grad_enabled = native_meta.grad_enabled
+    autocast_enabled = native_meta.autocast_enabled
+    protocol_on = native_meta.protocol_on
 
 
 def register_tensor_class(cls) -> None:

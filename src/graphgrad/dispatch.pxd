@@ -3,9 +3,10 @@
 # of its own besides the rule's binder and the kernel.
 
 from graphgrad._torch_types cimport TensorBase
+from graphgrad.graph cimport AutogradGraph, current_graph
 from graphgrad.node cimport Node, new_node
 from graphgrad.rules cimport Rule
-from graphgrad.references cimport save_arguments, saved_output, untracked
+from graphgrad.references cimport save_arguments, saved_output, weak_ref
 from graphgrad.views cimport (bind, function_view_changed, keep_for, kernel, needs_of, no_grad_op,
                               no_grad_view_op, node_of, note_view_outputs, record_inplace, revived,
                               slots, unrecorded_view_op)
@@ -15,9 +16,9 @@ cimport cython
 
 cdef object _protocol_off, _protocol_restore
 cdef object _grad_enabled, _dtype, _ndim, _is_view
-cdef object _torch_requires_grad, _autocast_enabled, _PlainTensor
-cdef object _TENSOR_CLS, _observer, _weakref
-cdef dict _NO_KWARGS, _ROUTES, _SPECIAL
+cdef object _torch_requires_grad, _autocast_enabled, _protocol_on, _PlainTensor
+cdef object _TENSOR_CLS, _observer
+cdef dict _NO_KWARGS, _ROUTES, _SPECIAL, _RULES
 cdef frozenset _DIFFERENTIABLE_DTYPES
 cdef int KEEP_VALUE, NO_GRAD, NEEDS_GRAD, PLAIN_VIEW, TORCH_TRACKED, CUSTOM_FUNCTION_VIEW
 
@@ -28,6 +29,7 @@ cdef int _kind(object x)
 @cython.locals(rule=Rule)
 cpdef object call(object func, tuple args, dict kwargs)
 cpdef object note_call(object func)
+@cython.locals(graph=AutogradGraph, pending=list)
 cdef object _record(object func, Rule rule, tuple args, dict kwargs, bint silent)
 cdef object _attach(object out, Node node, Rule rule, object parts)
 cdef object _attach_tuple(object out, Node node, Rule rule, object parts)

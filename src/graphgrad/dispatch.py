@@ -14,8 +14,6 @@ Grad mode is torch's own (``torch.is_grad_enabled``), so ``torch.no_grad()`` ins
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
 
@@ -25,7 +23,7 @@ from .decompose import find as find_decomposition
 from .decompose import no_rule_error
 from .graph import current_graph
 from .node import new_node
-from .references import save_arguments, saved_output, untracked
+from .references import save_arguments, saved_output, weak_ref
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 from .views import (
     bind,
@@ -55,8 +53,7 @@ _ndim = _compat.tensor_ndim
 _is_view = _compat.tensor_is_view
 _torch_requires_grad = _compat.torch_requires_grad
 _autocast_enabled = _compat.autocast_enabled
-_tf_enabled = _compat.torch_function_enabled
-_tf_mode = _compat.torch_function_mode_enabled
+_protocol_on = _compat.protocol_on  # the protocol on and no torch-function mode: one C call
 _PlainTensor = torch.Tensor
 _TENSOR_CLS = None  # graphgrad.Tensor (see wrap.on_tensor_class), read on the hot path
 _NO_KWARGS: dict = {}  # never mutated: the kwargs of calls that passed none
@@ -64,7 +61,7 @@ _NO_KWARGS: dict = {}  # never mutated: the kwargs of calls that passed none
 _DIFFERENTIABLE_DTYPES = frozenset(
     d for d in vars(torch).values()
     if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex))
-_weakref = weakref.ref
+_RULES = RULES  # (a C-typed dict when compiled: .get without a method lookup per call)
 _observer = None  # see observe_calls
 #: torch functions that graphgrad answers with its own (``torch.autograd.grad`` -> ``gg.grad``,
 #: ``Tensor.grad.__get__``), filled by ``route`` from the modules above this one: called with
@@ -164,7 +161,7 @@ def redispatch(func, *args, **kwargs):
     ``nll_loss``, which calls ``aten.nll_loss_forward``). Goes through torch as written when
     the protocol would not reach graphgrad alone: it is off, a torch-function mode is active,
     no argument is a graphgrad Tensor, or another Tensor subclass is among them."""
-    if _tf_enabled() and not _tf_mode() and _only_ours(args, kwargs):
+    if _protocol_on() and _only_ours(args, kwargs):
         return torch_function(_TENSOR_CLS, func, (), args, kwargs)
     return func(*args, **kwargs)
 
@@ -218,7 +215,7 @@ def call(func, args, kwargs):
     The torch-function protocol ends here, and so do the operator and method fast paths
     that ``install_fast_paths`` puts on the Tensor class (which skip the protocol).
     """
-    rule = RULES.get(func)
+    rule = _RULES.get(func)
     if _observer is not None:
         _observer(func)
     if kwargs is None:
@@ -315,7 +312,7 @@ def _record(func, rule, args, kwargs, silent):
     if rule.may_view:
         note_view_outputs(node, out, rule, args, kwargs)
     pending = graph.pending  # graph.record(node), inlined
-    pending.append(untracked(_weakref(node)))  # no callback: in no cycle
+    pending.append(weak_ref(node))
     if len(pending) >= graph._compact_at:
         graph._compact()
     return out

@@ -28,8 +28,7 @@ __all__ = ["install_fast_paths"]
 
 _protocol_off = _compat.protocol_off  # a C++ pair where built (no context-manager objects)
 _protocol_restore = _compat.protocol_restore
-_tf_enabled = _compat.torch_function_enabled
-_tf_mode = _compat.torch_function_mode_enabled
+_protocol_on = _compat.protocol_on  # the protocol on and no torch-function mode: one C call
 _shape = _compat.tensor_shape
 _PlainTensor = torch.Tensor
 _TENSOR_CLS = None  # graphgrad.Tensor (see wrap.on_tensor_class)
@@ -173,7 +172,7 @@ _PROPERTIES = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "_versio
 
 def _binary(func, dunder):
     def method(self, other):
-        if _tf_enabled() and not _tf_mode():
+        if _protocol_on():
             try:
                 return call(func, (self, other), None)
             except TypeError:
@@ -185,7 +184,7 @@ def _binary(func, dunder):
 
 def _method(func):
     def method(self, *args, **kwargs):
-        if _tf_enabled() and not _tf_mode():
+        if _protocol_on():
             return call(func, (self,) + args, kwargs)
         return func(self, *args, **kwargs)
     method.__name__ = getattr(func, "__name__", "method")
@@ -195,7 +194,7 @@ def _method(func):
 
 def _query(func):
     def method(self, *args, **kwargs):
-        if _tf_enabled() and not _tf_mode():
+        if _protocol_on():
             note_call(func)
             state = _protocol_off()
             try:
@@ -210,7 +209,7 @@ def _query(func):
 
 def _getter(get):
     def fget(self):
-        if _tf_enabled() and not _tf_mode():
+        if _protocol_on():
             state = _protocol_off()
             try:
                 return get(self)
@@ -225,7 +224,7 @@ def _read_getter(get, read):
     needs no protocol switched off and hands out one torch.device per device); torch's own
     getter answers while a torch-function mode or the protocol's state asks for it."""
     def fget(self):
-        if _tf_enabled() and not _tf_mode():
+        if _protocol_on():
             return read(self)
         return get(self)
     return fget
@@ -247,7 +246,7 @@ def _special_property(name):
     free = name == "grad" and _GRAD_FREE  # its read needs no protocol switched off
 
     def fget(self):
-        if _tf_enabled() and not _tf_mode():
+        if _protocol_on():
             if free:
                 return special_get(self)
             state = _protocol_off()
@@ -258,7 +257,7 @@ def _special_property(name):
         return get(self)
 
     def fset(self, value):
-        if _tf_enabled() and not _tf_mode():
+        if _protocol_on():
             state = _protocol_off()
             try:
                 special_set(self, value)

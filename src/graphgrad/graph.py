@@ -24,7 +24,7 @@ import rustworkx as rx
 from . import _compat
 from .codes import RELEASED_WITH_GRAPH
 from .node import Node
-from .references import node_saved_bytes, saved_bytes, saved_tensors, storage_of, untracked
+from .references import node_saved_bytes, saved_bytes, saved_tensors, storage_of, weak_ref
 
 __all__ = ["AutogradGraph", "current_graph", "default_graph", "reachable", "topo_order"]
 
@@ -33,6 +33,7 @@ __all__ = ["AutogradGraph", "current_graph", "default_graph", "reachable", "topo
 # generation-0 threshold (700 net allocations), which would trigger collections.
 _COMPACT_AT = 64
 _local = threading.local()
+_graphs_made = 0  # numbers the graphs (their ``id``)
 
 
 def _stack() -> list:
@@ -64,11 +65,10 @@ class AutogradGraph:
     inside keep their values but can no longer be differentiated through.
     """
 
-    _counter = 0
-
     def __init__(self, _default: bool = False):
-        AutogradGraph._counter += 1
-        self.id = AutogradGraph._counter
+        global _graphs_made
+        _graphs_made += 1
+        self.id = _graphs_made
         self.is_default = _default
         self.active = _default
         self.pending: list = []
@@ -109,7 +109,7 @@ class AutogradGraph:
     def record(self, node) -> None:
         """Note a new node (a weak reference); the rustworkx graph catches up when queried."""
         pending = self.pending
-        pending.append(untracked(weakref.ref(node)))  # no callback: in no cycle
+        pending.append(weak_ref(node))
         if len(pending) >= self._compact_at:
             self._compact()
 

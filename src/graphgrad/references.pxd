@@ -8,6 +8,7 @@ cimport cython
 
 cdef extern from "Python.h":
     void PyObject_GC_UnTrack(object o)
+    object PyWeakref_NewRef(object ob, object callback)
 
 cdef object _PlainTensor, _version, _hooks, _shape, _dtype, _device, _save_alias, _SavedAlias
 cdef object _Disable, _EnableTorchFunction
@@ -31,6 +32,7 @@ cpdef object saved_output(object out)
 cdef object _alias(object t)
 cdef object _alias_version(object t)
 cpdef object untracked(object obj)
+cpdef object weak_ref(object obj)
 cdef object _meta_of(object value)
 cpdef tuple nones(Py_ssize_t n)
 @cython.locals(k=int)

@@ -14,6 +14,7 @@ a pair is active, each tensor a node saves is replaced by ``pack(tensor)`` and r
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
@@ -243,6 +244,16 @@ def untracked(obj):
     if cython.compiled:
         PyObject_GC_UnTrack(obj)  # noqa: F821 (cimported in references.pxd)
     return obj
+
+
+def weak_ref(obj):
+    """A weak reference to ``obj`` without a callback (so in no cycle: untracked), made with
+    one C call when compiled: the graph keeps one per recorded node."""
+    if cython.compiled:
+        ref = PyWeakref_NewRef(obj, None)  # noqa: F821 (cimported in references.pxd)
+        PyObject_GC_UnTrack(ref)  # noqa: F821 (cimported in references.pxd)
+        return ref
+    return weakref.ref(obj)
 
 
 class PackedSaved(tuple):

@@ -27,6 +27,7 @@ cpdef object bind(object func, Rule rule, tuple args, dict kwargs)
 cpdef object slots(Rule rule, tuple values, object graph, object ref)
 @cython.locals(node=Node)
 cdef bint _add_slot(object t, object graph, list nexts, list nrs, list metas) except -1
+@cython.locals(cache=dict)
 cpdef object keep_for(Rule rule, tuple nexts, tuple slot_pos)
 cpdef object needs_of(Rule rule, tuple values, tuple nexts, tuple slot_pos)
 @cython.locals(base_rule=Rule)

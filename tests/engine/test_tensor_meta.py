@@ -288,3 +288,41 @@ def test_protocol_switch_does_what_disable_torch_function_subclass_does(outer):
         assert _protocol_state() == before
     with pytest.raises(ValueError, match="not a state"):
         native.protocol_restore(7)
+
+
+class _Mode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+_STATES = {  # a name -> a context that sets the thread-local state it names
+    "default": contextlib.nullcontext,
+    "no_grad": torch.no_grad,
+    "autocast_cpu": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    "autocast_cpu_off_inside": lambda: _nested(torch.autocast("cpu", dtype=torch.bfloat16),
+                                               torch.autocast("cpu", enabled=False)),
+    "subclasses_disabled": torch._C.DisableTorchFunctionSubclass,
+    "all_disabled": torch._C.DisableTorchFunction,
+    "mode": _Mode,
+}
+
+
+@contextlib.contextmanager
+def _nested(*contexts):
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
+
+
+@needs_native
+@pytest.mark.parametrize("state", list(_STATES))
+def test_mode_reads_match_torch(state):
+    """grad_enabled, autocast_enabled and protocol_on answer as torch's own functions, in each
+    thread-local state they read."""
+    with _STATES[state]():
+        want = (torch._C.is_grad_enabled(), torch._C._is_any_autocast_enabled(),
+                torch._C._is_torch_function_enabled()
+                and not torch._C._is_torch_function_mode_enabled())
+        have = (native.grad_enabled(), native.autocast_enabled(), native.protocol_on())
+    assert have == want

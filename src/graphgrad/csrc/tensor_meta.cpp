@@ -14,6 +14,9 @@
 #include <Python.h>
 
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -298,6 +301,32 @@ PyObject* protocol_restore(PyObject*, PyObject* state) {
   Py_RETURN_NONE;
 }
 
+// -- thread-local modes read per op ----------------------------------------------------------------
+// The same answers as torch._C.is_grad_enabled(), torch._C._is_any_autocast_enabled() and
+// _is_torch_function_enabled() and not _is_torch_function_mode_enabled(), read from the same
+// thread-local state without torch's argument handling (and the last two in one call).
+PyObject* grad_enabled(PyObject*, PyObject*) {
+  if (c10::GradMode::is_enabled()) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
+}
+
+// autocast is on for a device type when its dispatch key is not excluded on this thread
+PyObject* autocast_enabled(PyObject*, PyObject*) {
+  const c10::DispatchKeySet excluded = c10::impl::tls_local_dispatch_key_set().excluded_;
+  if ((excluded & c10::autocast_dispatch_keyset) != c10::autocast_dispatch_keyset) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
+}
+
+// would a call on a subclass reach its __torch_function__ directly (protocol on, no mode)?
+PyObject* protocol_on(PyObject*, PyObject*) {
+  if (at::impl::PythonTorchFunctionTLS::get_disabled_state() ==
+          at::impl::TorchFunctionDisabledState::ENABLED &&
+      !at::impl::torch_function_mode_enabled()) {
+    Py_RETURN_TRUE;
+  }
+  Py_RETURN_FALSE;
+}
+
 PyObject* register_class(PyObject*, PyObject* cls) {
   if (!PyType_Check(cls) || !PyObject_IsSubclass(cls, THPVariableClass)) {
     PyErr_SetString(PyExc_TypeError, "register_class takes a subclass of torch.Tensor");
@@ -335,6 +364,11 @@ PyMethodDef methods[] = {
     {"protocol_off", protocol_off, METH_NOARGS,
      "Switch subclasses' __torch_function__ off; returns the state for protocol_restore."},
     {"protocol_restore", protocol_restore, METH_O, "Restore what protocol_off changed."},
+    {"grad_enabled", grad_enabled, METH_NOARGS, "torch.is_grad_enabled()."},
+    {"autocast_enabled", autocast_enabled, METH_NOARGS,
+     "Is autocast on for any device type on this thread?"},
+    {"protocol_on", protocol_on, METH_NOARGS,
+     "The torch-function protocol is on and no torch-function mode is active."},
     {"register_class", register_class, METH_O,
      "Read instances of this torch.Tensor subclass directly too (graphgrad.Tensor)."},
     {nullptr, nullptr, 0, nullptr}};

@@ -1,0 +1,14 @@
+# Cython declarations for graph.py (pure-Python mode): AutogradGraph is an extension type, so
+# the recording step (dispatch._record) appends to a graph's pending list and reads its
+# compaction threshold as C struct members, not through attribute lookup, once per op.
+
+cdef class AutogradGraph:
+    cdef public object id, is_default, active, _rx, _leaves
+    cdef public list pending
+    cdef public Py_ssize_t _prune_at, _compact_at
+    cdef object __weakref__
+
+cdef Py_ssize_t _COMPACT_AT
+cdef Py_ssize_t _graphs_made
+
+cpdef AutogradGraph current_graph()
