@@ -116,11 +116,12 @@ def test_backward_with_inputs_on_a_freed_node_raises():
 
 
 def test_copy_slices_runs_the_in_place_op_it_stands_for_whenever_it_runs():
-    """Found by 20,000-program random fuzz runs (seed 23; the last case, a first fix's error): torch's CopySlices (a base's grad_fn
-    after an in-place op on its view) calls the op's node it wraps each time it runs, so that
-    node's saved tensors are unpacked even when no input past it is wanted; graphgrad ran the
-    op's node only if it led on, and ran where torch refuses. And torch's CopySlices drops the
-    op's node when it is freed: a second pass refuses even when the op saved no tensor."""
+    """Found by 20,000-program random fuzz runs (seed 23; the last case, by a first fix's
+    error): torch's CopySlices (a base's grad_fn after an in-place op on its view) calls the
+    op's node it wraps each time it runs, so that node's saved tensors are unpacked even when
+    no input past it is wanted; graphgrad ran the op's node only if it led on, and ran where
+    torch refuses. And torch's CopySlices drops the op's node when it is freed: a second pass
+    refuses even when the op saved no tensor."""
     def changed_saved_tensor(lib):  # mul_ saves t, which it changes itself (t is the base)
         x = lib.leaf([1.0, -2.0, 0.5])
         t = x * 1.0
