@@ -39,6 +39,9 @@ _mish_backward_kernel = bound_function(_aten.mish_backward.default)
 _softplus_backward_kernel = bound_function(_aten.softplus_backward.default)
 _hardsigmoid_backward_kernel = bound_function(_aten.hardsigmoid_backward.default)
 _hardswish_backward_kernel = bound_function(_aten.hardswish_backward.default)
+_hardtanh_backward_kernel = bound_function(_aten.hardtanh_backward.default)
+_hardshrink_backward_kernel = bound_function(_aten.hardshrink_backward.default)
+_softshrink_backward_kernel = bound_function(_aten.softshrink_backward.default)
 _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -64,9 +67,17 @@ def relu_function(input, inplace=False):
 
 
 def _hardtanh_grad(grad, input, min_val, max_val):
-    """torch's hardtanh_backward: no gradient where the input is at or beyond a bound. It
-    reads the input (as torch's does), so an in-place change of the output is allowed."""
-    return torch.where((input <= min_val) | (input >= max_val), 0.0, grad)
+    """torch's hardtanh_backward kernel: no gradient where the input is at or beyond a bound.
+    It reads the input (as torch's does), so an in-place change of the output is allowed.
+    (The kernel, not a formula: at a NaN input torch's answer depends on the size, its
+    vectorized loop and its scalar tail disagreeing; a formula would differ from one.)"""
+    return _hardtanh_backward_kernel(grad, input, min_val, max_val)
+
+
+@derivative(_aten.hardtanh_backward, _aten.hardtanh_backward.default, elementwise=True)
+def hardtanh_backward(grad, grad_output, input, min_val, max_val):
+    """Linear in ``grad_output`` (the same mask); constant in the input (torch: zeros)."""
+    return _hardtanh_backward_kernel(grad, input, min_val, max_val), None
 
 
 @derivative(_nn.hardtanh, inplace=(_nn.hardtanh_,), elementwise=True)
@@ -307,10 +318,28 @@ def hardswish_function(input, inplace=False):
     return _nn.hardswish_(input) if inplace else _nn.hardswish(input)
 
 
-@derivative(torch.hardshrink, T.hardshrink, _nn.softshrink, elementwise=True)
-def shrink(grad, input, lambd=0.5):
-    """hardshrink and softshrink: the gradient passes outside [-lambd, lambd]."""
-    return torch.where((input >= -lambd) & (input <= lambd), 0.0, grad)
+@derivative(torch.hardshrink, T.hardshrink, elementwise=True)
+def hardshrink(grad, input, lambd=0.5):
+    """The gradient passes outside [-lambd, lambd]: torch's kernel (see _hardtanh_grad)."""
+    return _hardshrink_backward_kernel(grad, input, lambd)
+
+
+@derivative(_nn.softshrink, elementwise=True)
+def softshrink(grad, input, lambd=0.5):
+    """As hardshrink's: torch's own kernel."""
+    return _softshrink_backward_kernel(grad, input, lambd)
+
+
+@derivative(_aten.hardshrink_backward, _aten.hardshrink_backward.default, elementwise=True)
+def hardshrink_backward(grad, grad_out, input, lambd):
+    """Linear in ``grad_out``; constant in the input (torch: zeros)."""
+    return _hardshrink_backward_kernel(grad, input, lambd), None
+
+
+@derivative(_aten.softshrink_backward, _aten.softshrink_backward.default, elementwise=True)
+def softshrink_backward(grad, grad_output, input, lambd):
+    """Linear in ``grad_output``; constant in the input (torch: zeros)."""
+    return _softshrink_backward_kernel(grad, input, lambd), None
 
 
 @derivative(torch.prelu, T.prelu, saved_for={"weight": "input"}, elementwise=True)
