@@ -586,6 +586,12 @@ class Interpreter:
         if picked is None:
             return
         _, (g, *gi), (t, *ti) = picked
+        if any(b._is_view() and not a._is_view() for a, b in zip(gi, ti)):
+            # w.r.t. a view of a kernel temporary in torch only (documented): once that
+            # temporary changed in place, torch's view gets a new grad_fn the output does not
+            # reach (unused input), graphgrad's tensor keeps its own (see backward). Left out.
+            STATS["grad_inputs_on_views_of_temporaries_left_out"] += 1
+            return
         STATS["grad_calls"] += 1
         STATS["grad_with_materialize_grads"] += bool(materialize)
         options = {"retain_graph": retain, "create_graph": create, "materialize_grads": materialize}
