@@ -6,5 +6,5 @@ from graphgrad.dispatch cimport call, note_call
 
 cdef object _protocol_off, _protocol_restore
 cdef object _protocol_on, _shape, _PlainTensor, _TENSOR_CLS
-cdef object _GRAD_GET, _GRAD_SET, _DATA_GET, _DATA_SET, _BASE_GET
+cdef object _GRAD_GET, _GRAD_CLEAR, _GRAD_SET, _DATA_GET, _DATA_SET, _BASE_GET
 cdef bint _GRAD_FREE

@@ -55,9 +55,11 @@ _NON_LEAF_GRAD = (
 _GRAD_SET = torch.Tensor.grad.__set__
 _DATA_GET, _DATA_SET = torch.Tensor.data.__get__, torch.Tensor.data.__set__
 _BASE_GET = torch.Tensor._base.__get__
-#: t.grad: the C++ reader's where it is built, which needs no protocol switched off
+#: t.grad: the C++ reader's where it is built, which needs no protocol switched off; so does
+#: t.grad = None (every parameter, every optimizer step's zero_grad)
 _GRAD_FREE = _compat.native_meta is not None
 _GRAD_GET = _compat.native_meta.grad if _GRAD_FREE else torch.Tensor.grad.__get__
+_GRAD_CLEAR = _compat.native_meta.clear_grad if _GRAD_FREE else None
 
 
 def _get_grad(self):
@@ -258,6 +260,8 @@ def _special_property(name):
 
     def fset(self, value):
         if _protocol_on():
+            if value is None and free and _GRAD_CLEAR(self):
+                return
             state = _protocol_off()
             try:
                 special_set(self, value)

@@ -326,3 +326,25 @@ def test_mode_reads_match_torch(state):
                 and not torch._C._is_torch_function_mode_enabled())
         have = (native.grad_enabled(), native.autocast_enabled(), native.protocol_on())
     assert have == want
+
+
+@needs_native
+def test_clear_grad_is_setting_grad_to_none():
+    """``t.grad = None`` on graphgrad tensors goes through clear_grad: the same end state as
+    torch's setter; other objects are left to torch's setter (False)."""
+    t = gg.as_tensor(torch.ones(3), requires_grad=True)
+    (t * 2).sum().backward()
+    assert t.grad is not None
+    t.grad = None
+    assert t.grad is None and torch._C.TensorBase.grad.__get__(t) is None
+    t.grad = torch.full((3,), 5.0)  # a value still goes through torch's setter and its checks
+    assert torch.equal(t.grad, torch.full((3,), 5.0))
+    with pytest.raises(RuntimeError, match="size"):
+        t.grad = torch.ones(4)
+    if gg._compat.native_meta is not None:  # (graphgrad.Tensor is registered when it is used)
+        assert native.clear_grad(t) is True and t.grad is None
+    assert native.clear_grad(torch.ones(2)) is True  # plain tensors are read too
+    assert native.clear_grad([1, 2]) is False
+    plain = torch.ones(2, requires_grad=True)
+    plain.sum().backward()
+    assert native.clear_grad(plain) is True and plain.grad is None

@@ -155,6 +155,18 @@ PyObject* grad(PyObject*, PyObject* t) {
   return read_or_get(t, g_get_grad, [](const at::Tensor& x) { return THPVariable_Wrap(x.grad()); });
 }
 
+// t.grad = None (what zero_grad(set_to_none=True) does to every parameter): torch's setter resets
+// the C++ grad field, and so does this, after the same check that t is a tensor it reads; True if
+// it did, False for other objects (the caller then goes through torch's setter)
+PyObject* clear_grad(PyObject*, PyObject* t) {
+  if (!readable(t)) Py_RETURN_FALSE;
+  const at::Tensor& x = THPVariable_Unpack(t);
+  if (x.grad().defined()) {
+    x.mutable_grad().reset();
+  }
+  Py_RETURN_TRUE;
+}
+
 PyObject* requires_grad(PyObject*, PyObject* t) {
   return read_or_get(t, g_get_requires_grad,
                      [](const at::Tensor& x) { return PyBool_FromLong(x.requires_grad()); });
@@ -354,6 +366,8 @@ PyMethodDef methods[] = {
     {"device", device, METH_O, "t.device, read from the TensorImpl (one torch.device per device)."},
     {"grad", grad, METH_O, "t.grad, read from the TensorImpl (None when it has none)."},
     {"requires_grad", requires_grad, METH_O, "torch's own requires_grad flag of t."},
+    {"clear_grad", clear_grad, METH_O,
+     "t.grad = None in the TensorImpl; False (nothing done) for objects it does not read."},
     {"is_view", is_view, METH_O, "t._is_view()."},
     {"same_size", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(same_size)),
      METH_FASTCALL, "a.is_same_size(b)."},

@@ -176,7 +176,9 @@ def linear(grad, input, weight, bias=None, *, needs_input_grad):
     grad_input = grad_weight = None
     input, weight = _cj(input), _cj(weight)
     if needs_input_grad[0]:
-        grad_input = grad @ weight
+        # torch.matmul, not ``grad @ weight``: the weight is a graphgrad.Tensor, so ``@`` would
+        # go through its reflected __rmatmul__ and torch's Python wrapper of it
+        grad_input = torch.matmul(grad, weight)
     if needs_input_grad[1]:
         if input.dim() == 1:
             grad_weight = grad.unsqueeze(-1) * input
