@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._compat import bound_function, tensor_dtype, tensor_ndim, tensor_shape
+from .._compat import bound_function, protocol_on, tensor_dtype, tensor_ndim, tensor_shape
 from .._compat import nn_functions as _nn
 from ..dispatch import redispatch
 from ..rules import decomposition, derivative
@@ -337,10 +337,9 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     """log_softmax over the class dimension, then nll_loss (class indices) or the weighted sum
     against the probabilities; label smoothing mixes in the uniform distribution, as torch does."""
     reduction = _reduction(size_average, reduce, reduction)
-    device_type = input.device.type
     if tensor_dtype(input) in (torch.float16, torch.bfloat16) and \
-            torch.is_autocast_enabled(device_type) and \
-            autocast_has_kernel("aten::cross_entropy_loss", device_type):
+            torch.is_autocast_enabled(input.device.type) and \
+            autocast_has_kernel("aten::cross_entropy_loss", input.device.type):
         input = input.float()  # autocast runs cross_entropy in float32 here: so must its pieces
     ndim = tensor_ndim(input)
     class_dim = 1 if ndim >= 2 else 0
@@ -361,7 +360,14 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         if reduction == "sum":
             return -prod.sum()
         return -prod.sum() / (input.numel() / n_classes)
-    nll = redispatch(F.nll_loss, logp, target, weight, None, ignore_index, None, reduction)
+    if protocol_on() and type(target) is torch.Tensor and (weight is None or
+                                                            type(weight) is torch.Tensor):
+        # what redispatch(F.nll_loss, ...) would run (logp is a graphgrad tensor that requires
+        # grad, no other subclass is among the arguments): the decomposition itself, one
+        # dispatch round fewer
+        nll = nll_loss(logp, target, weight, None, ignore_index, None, reduction)
+    else:
+        nll = redispatch(F.nll_loss, logp, target, weight, None, ignore_index, None, reduction)
     if label_smoothing == 0.0:
         return nll
     ignored = target == ignore_index

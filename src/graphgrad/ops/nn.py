@@ -13,6 +13,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from .._compat import autocast_enabled as _autocast_anywhere
 from ..rules import Meta, decomposition, derivative, nondifferentiable
 
 T = torch.Tensor
@@ -64,7 +65,8 @@ def autocast_float32(op: str, device_type: str, *tensors) -> tuple:
     """``tensors`` as torch's autocast hands them to ``op``, an op it runs in float32 where it
     has a kernel for it (CUDA's layer_norm, group_norm; nll_loss on both devices): half-precision
     ones as recorded float32 copies. Where it has none they are passed as they are."""
-    if not torch.is_autocast_enabled(device_type) or not autocast_has_kernel(op, device_type):
+    if not _autocast_anywhere() or not torch.is_autocast_enabled(device_type) or \
+            not autocast_has_kernel(op, device_type):
         return tensors
     return tuple(t.float() if t is not None and t.dtype in _LOW else t for t in tensors)
 
@@ -73,7 +75,8 @@ def autocast_lower_precision(op: str, device_type: str, *tensors) -> tuple:
     """``tensors`` as torch's autocast hands them to ``op``, an op it runs in its lower precision
     where it has a kernel for it (scaled_dot_product_attention): floating tensors other than
     float64 as recorded copies in autocast's dtype."""
-    if not torch.is_autocast_enabled(device_type) or not autocast_has_kernel(op, device_type):
+    if not _autocast_anywhere() or not torch.is_autocast_enabled(device_type) or \
+            not autocast_has_kernel(op, device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() and
@@ -84,8 +87,9 @@ def autocast_off(device_type: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` with autocast off on ``device_type``. For a private primitive
     called in place of the public op that autocast sees: its inputs are already what autocast
     would have made them (``autocast_float32``...), so nothing may be cast again, nor its saved
-    inputs."""
-    if not torch.is_autocast_enabled(device_type):
+    inputs. (These helpers first ask the thread-local state whether autocast is on anywhere:
+    one C read, where ``torch.is_autocast_enabled(device_type)`` parses its argument.)"""
+    if not _autocast_anywhere() or not torch.is_autocast_enabled(device_type):
         return fn(*args, **kwargs)
     torch.set_autocast_enabled(device_type, False)
     try:
