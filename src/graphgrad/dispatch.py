@@ -230,7 +230,8 @@ def call(func, args, kwargs):
             return no_grad_op(func, rule, args, kwargs)
         needs = _needs_grad(args, kwargs)
         if not needs:
-            if (rule is not None and rule.may_view) or (
+            # (not elementwise: the output may still be a view of the kernel's temporary)
+            if (rule is not None and (rule.may_view or not rule.elementwise)) or (
                     args and type(args[0]) is _TENSOR_CLS and args[0]._gg_view_tag):
                 return unrecorded_view_op(func, rule, args, kwargs)
             return wrap_plain(func(*args, **kwargs), args, kwargs)

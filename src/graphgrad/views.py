@@ -655,7 +655,10 @@ def _tag_views(out, args, kwargs, tag):
 
 def unrecorded_view_op(func, rule, args, kwargs):
     """An op that may make a view, or that reads a marked one, with grad mode on and no input
-    requiring grad: nothing is recorded, but views are marked as torch marks them."""
+    requiring grad: nothing is recorded, but views are marked as torch marks them. An op that
+    makes no view of its inputs may return a view of its kernel's own temporary (avg_pool1d's
+    squeeze, einsum's permute): a plain view too, which requires grad once that temporary
+    does (through another view of it changed in place)."""
     tag = getattr(args[0], "_gg_view_tag", NO_VIEW_TAG) if args else NO_VIEW_TAG
     if tag != NO_VIEW_TAG and tag != PLAIN_VIEW and is_inplace(func) and base_requires_grad(args[0]):
         raise RuntimeError(view_tag_message(qualified_name(func), tag))
@@ -664,6 +667,8 @@ def unrecorded_view_op(func, rule, args, kwargs):
         if tag == NO_VIEW_TAG or tag == PLAIN_VIEW:  # (torch: outputs of an unrecorded split count as
             tag = NO_GRAD_VIEW if rule.multi_output else PLAIN_VIEW  # made under no_grad)
         _tag_views(out, args, kwargs, tag)
+    elif rule is not None and not rule.elementwise and rule.inplace_of is None:
+        _tag_views(out, args, kwargs, PLAIN_VIEW)
     return wrap_plain(out, args, kwargs)
 
 
