@@ -153,6 +153,31 @@ def test_threshold_backward_spellings():
         torch.testing.assert_close(plain(dg), (x > 0).double().as_subclass(torch.Tensor))
 
 
+MASK_KERNELS = {  # packet: its scalar arguments
+    "threshold_backward": (0.25,),
+    "hardtanh_backward": (-0.5, 0.5),
+    "hardshrink_backward": (0.5,),
+    "softshrink_backward": (0.5,),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASK_KERNELS))
+def test_mask_kernels_differentiate_as_torchs(name):
+    """The mask kernels' rules (double backward), under both spellings users write: the same
+    mask for the incoming gradient, zeros for the input (torch's ``zeros_like``, not None)."""
+    scalars = MASK_KERNELS[name]
+    packet = getattr(aten, name)
+    x0 = torch.linspace(-1, 1, 7, dtype=torch.float64)
+    g0 = torch.randn(7, dtype=torch.float64)
+    for kernel in (packet, packet.default):
+        xt, gt = x0.clone().requires_grad_(), g0.clone().requires_grad_()
+        xg, gg_ = gg.as_tensor(x0.clone(), requires_grad=True), gg.as_tensor(g0.clone(), requires_grad=True)
+        want = torch.autograd.grad(kernel(gt, xt, *scalars).sum(), [gt, xt])
+        have = gg.grad(kernel(gg_, xg, *scalars).sum(), [gg_, xg])
+        for h, w in zip(have, want):
+            assert torch.equal(plain(h), w)
+
+
 class _Mixed(nn.Module):
     def __init__(self):
         super().__init__()

@@ -56,9 +56,17 @@ def relu(grad, input, *, result):
 
 
 @derivative(_aten.threshold_backward, _aten.threshold_backward.default, elementwise=True)
-def threshold_backward(grad, grad_output, input, threshold):
-    """torch's fused ``grad_output * (input > threshold)``: linear in ``grad_output``."""
-    return _threshold_backward_kernel(grad, input, threshold), None
+def threshold_backward(grad, grad_output, input, threshold, *, needs_input_grad):
+    """torch's fused ``grad_output * (input > threshold)``: linear in ``grad_output``;
+    constant in the input, whose gradient is zeros (as torch's)."""
+    return _mask_grads(_threshold_backward_kernel, grad, input, (threshold,), needs_input_grad)
+
+
+def _mask_grads(kernel, grad, input, scalars, needs_input_grad):
+    """The double backward of a mask kernel ``kernel(grad_output, input, *scalars)``: the same
+    mask for ``grad_output``, zeros for the input (torch's ``zeros_like(grad)``)."""
+    return (kernel(grad, input, *scalars) if needs_input_grad[0] else None,
+            torch.zeros_like(grad) if needs_input_grad[1] else None)
 
 
 @decomposition(F.relu, view=False)
@@ -75,9 +83,9 @@ def _hardtanh_grad(grad, input, min_val, max_val):
 
 
 @derivative(_aten.hardtanh_backward, _aten.hardtanh_backward.default, elementwise=True)
-def hardtanh_backward(grad, grad_output, input, min_val, max_val):
-    """Linear in ``grad_output`` (the same mask); constant in the input (torch: zeros)."""
-    return _hardtanh_backward_kernel(grad, input, min_val, max_val), None
+def hardtanh_backward(grad, grad_output, input, min_val, max_val, *, needs_input_grad):
+    """Linear in ``grad_output`` (the same mask); constant in the input (zeros)."""
+    return _mask_grads(_hardtanh_backward_kernel, grad, input, (min_val, max_val), needs_input_grad)
 
 
 @derivative(_nn.hardtanh, inplace=(_nn.hardtanh_,), elementwise=True)
@@ -331,15 +339,15 @@ def softshrink(grad, input, lambd=0.5):
 
 
 @derivative(_aten.hardshrink_backward, _aten.hardshrink_backward.default, elementwise=True)
-def hardshrink_backward(grad, grad_out, input, lambd):
-    """Linear in ``grad_out``; constant in the input (torch: zeros)."""
-    return _hardshrink_backward_kernel(grad, input, lambd), None
+def hardshrink_backward(grad, grad_out, input, lambd, *, needs_input_grad):
+    """Linear in ``grad_out``; constant in the input (zeros)."""
+    return _mask_grads(_hardshrink_backward_kernel, grad, input, (lambd,), needs_input_grad)
 
 
 @derivative(_aten.softshrink_backward, _aten.softshrink_backward.default, elementwise=True)
-def softshrink_backward(grad, grad_output, input, lambd):
-    """Linear in ``grad_output``; constant in the input (torch: zeros)."""
-    return _softshrink_backward_kernel(grad, input, lambd), None
+def softshrink_backward(grad, grad_output, input, lambd, *, needs_input_grad):
+    """Linear in ``grad_output``; constant in the input (zeros)."""
+    return _mask_grads(_softshrink_backward_kernel, grad, input, (lambd,), needs_input_grad)
 
 
 @derivative(torch.prelu, T.prelu, saved_for={"weight": "input"}, elementwise=True)
