@@ -158,12 +158,13 @@ MASK_KERNELS = {  # packet: its scalar arguments
     "hardtanh_backward": (-0.5, 0.5),
     "hardshrink_backward": (0.5,),
     "softshrink_backward": (0.5,),
+    "leaky_relu_backward": (0.1, False),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MASK_KERNELS))
 def test_mask_kernels_differentiate_as_torchs(name):
-    """The mask kernels' rules (double backward), under both spellings users write: the same
+    """The mask kernels' rules (double backward), under the spellings users write: the same
     mask for the incoming gradient, zeros for the input (torch's ``zeros_like``, not None)."""
     scalars = MASK_KERNELS[name]
     packet = getattr(aten, name)

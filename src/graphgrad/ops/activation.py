@@ -122,10 +122,13 @@ def leaky_relu_inplace(grad, input, negative_slope=0.01, *, result):
     return _leaky_relu_backward_kernel(grad, result, negative_slope, True)
 
 
-@derivative(_aten.leaky_relu_backward.default, elementwise=True)
-def leaky_relu_backward(grad, grad_output, input, negative_slope, self_is_result):
-    """``grad_output * (input > 0 ? 1 : slope)``: linear in ``grad_output``."""
-    return _leaky_relu_backward_kernel(grad, input, negative_slope, False), None
+@derivative(_aten.leaky_relu_backward, _aten.leaky_relu_backward.default, elementwise=True)
+def leaky_relu_backward(grad, grad_output, input, negative_slope, self_is_result, *,
+                        needs_input_grad):
+    """``grad_output * (input > 0 ? 1 : slope)``: linear in ``grad_output``; zeros for the
+    input, as torch's."""
+    return _mask_grads(_leaky_relu_backward_kernel, grad, input, (negative_slope, False),
+                       needs_input_grad)
 
 
 @decomposition(F.leaky_relu, view=False)
