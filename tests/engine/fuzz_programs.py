@@ -513,6 +513,8 @@ class Interpreter:
             for side, o in zip(sides, (go, to)):
                 try:
                     fn(side, o)
+                except IndexError:  # a bad index as well (x[0] = v on a 0-d view): either
+                    STATS["errors_checked_in_another_order"] += 1  # may be named (documented)
                 except RuntimeError as e:
                     assert "no_grad mode" in str(e) or (
                         k in self.function_views and "custom Function" in str(e)), e
