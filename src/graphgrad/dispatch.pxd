@@ -23,6 +23,7 @@ cdef frozenset _DIFFERENTIABLE_DTYPES
 cdef int KEEP_VALUE, NO_GRAD, NEEDS_GRAD, PLAIN_VIEW, TORCH_TRACKED, CUSTOM_FUNCTION_VIEW
 
 cdef int _needs_grad(tuple args, dict kwargs) except -1
+cdef bint _view_needs_grad(object t, int tag) except -1
 cdef bint _only_ours(tuple args, dict kwargs) except -1
 cdef int _list_kind(object items) except? -2
 cdef int _kind(object x)

@@ -90,15 +90,8 @@ def _needs_grad(args, kwargs):
     for a in args:
         tp = type(a)
         if tp is cls:
-            if a._gg_node is not None:
+            if a._gg_node is not None or (a._gg_view_tag and _view_needs_grad(a, a._gg_view_tag)):
                 found = NEEDS_GRAD
-            else:
-                tag = a._gg_view_tag
-                if tag == PLAIN_VIEW:
-                    if revived(a):
-                        found = NEEDS_GRAD
-                elif tag >= CUSTOM_FUNCTION_VIEW and function_view_changed(a):
-                    found = NEEDS_GRAD  # (then refused by any op that records, as in torch)
         elif tp is _PlainTensor:
             if _torch_requires_grad(a):
                 return TORCH_TRACKED
@@ -107,15 +100,8 @@ def _needs_grad(args, kwargs):
                 if isinstance(b, TensorBase):
                     if _torch_requires_grad(b):
                         return TORCH_TRACKED
-                    if node_of(b) is not None:
+                    if node_of(b) is not None or _view_needs_grad(b, getattr(b, "_gg_view_tag", 0)):
                         found = NEEDS_GRAD
-                    else:
-                        tag = getattr(b, "_gg_view_tag", 0)
-                        if tag == PLAIN_VIEW:
-                            if revived(b):
-                                found = NEEDS_GRAD
-                        elif tag >= CUSTOM_FUNCTION_VIEW and function_view_changed(b):
-                            found = NEEDS_GRAD
         elif isinstance(a, TensorBase):
             if _torch_requires_grad(a):
                 return TORCH_TRACKED
@@ -136,6 +122,15 @@ def _needs_grad(args, kwargs):
                 if node_of(a) is not None:
                     found = NEEDS_GRAD
     return found
+
+
+def _view_needs_grad(t, tag):
+    """A tensor without a node that is a marked view: does it need grad now? A plain view
+    once its base does (``revived``); a custom Function's view once its base changed in place
+    and requires grad (then refused by any op that records, as in torch)."""
+    if tag == PLAIN_VIEW:
+        return revived(t)
+    return tag >= CUSTOM_FUNCTION_VIEW and function_view_changed(t)
 
 
 def torch_function(cls, func, types, args=(), kwargs=None):

@@ -35,6 +35,7 @@ cpdef object record_inplace(object func, Rule rule, tuple args, dict kwargs, bin
 cpdef object no_grad_view_op(object func, Rule rule, tuple args, dict kwargs)
 cpdef object no_grad_op(object func, Rule rule, tuple args, dict kwargs)
 cpdef object unrecorded_view_op(object func, Rule rule, tuple args, dict kwargs)
+cdef bint _may_view_a_temporary(Rule rule) except -1
 cpdef object note_view_outputs(Node node, object out, Rule rule, tuple args, dict kwargs)
 cpdef object stamp_view(Node node, object out)
 cpdef bint revived(object t) except -1

@@ -180,9 +180,15 @@ def no_grad_op(func, rule, args, kwargs):
     the kernel's own temporary (avg_pool1d's squeeze, einsum's permute): torch marks it as made
     in no-grad mode, so it may not be changed in place with grad mode on; so do we."""
     out = func(*args, **kwargs)
-    if rule is not None and not rule.elementwise and rule.inplace_of is None:
+    if _may_view_a_temporary(rule):
         _tag_views(out, args, kwargs, NO_GRAD_VIEW)
     return wrap_plain(out, args, kwargs)
+
+
+def _may_view_a_temporary(rule):
+    """Can an op that makes no view of its inputs return a view of its kernel's own temporary
+    (not an elementwise op, not an in-place one)?"""
+    return rule is not None and not rule.elementwise and rule.inplace_of is None
 
 
 def note_reshaped(node, nr, shape) -> None:
@@ -667,7 +673,7 @@ def unrecorded_view_op(func, rule, args, kwargs):
         if tag == NO_VIEW_TAG or tag == PLAIN_VIEW:  # (torch: outputs of an unrecorded split count as
             tag = NO_GRAD_VIEW if rule.multi_output else PLAIN_VIEW  # made under no_grad)
         _tag_views(out, args, kwargs, tag)
-    elif rule is not None and not rule.elementwise and rule.inplace_of is None:
+    elif _may_view_a_temporary(rule):
         _tag_views(out, args, kwargs, PLAIN_VIEW)
     return wrap_plain(out, args, kwargs)
 

@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._compat import bound_function, protocol_on, tensor_dtype, tensor_ndim, tensor_shape
+from .._compat import bound_function, tensor_dtype, tensor_ndim, tensor_shape
 from .._compat import nn_functions as _nn
 from ..dispatch import redispatch
 from ..rules import decomposition, derivative
@@ -360,14 +360,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         if reduction == "sum":
             return -prod.sum()
         return -prod.sum() / (input.numel() / n_classes)
-    if protocol_on() and type(target) is torch.Tensor and (weight is None or
-                                                            type(weight) is torch.Tensor):
-        # what redispatch(F.nll_loss, ...) would run (logp is a graphgrad tensor that requires
-        # grad, no other subclass is among the arguments): the decomposition itself, one
-        # dispatch round fewer
-        nll = nll_loss(logp, target, weight, None, ignore_index, None, reduction)
-    else:
-        nll = redispatch(F.nll_loss, logp, target, weight, None, ignore_index, None, reduction)
+    nll = redispatch(F.nll_loss, logp, target, weight, None, ignore_index, None, reduction)
     if label_smoothing == 0.0:
         return nll
     ignored = target == ignore_index
