@@ -7,16 +7,24 @@ from graphgrad.graph cimport AutogradGraph, current_graph
 from graphgrad.node cimport Node, new_node
 from graphgrad.rules cimport Rule
 from graphgrad.references cimport save_arguments, saved_output, weak_ref
-from graphgrad.views cimport (bind, function_view_changed, keep_for, kernel, needs_of, no_grad_op,
-                              no_grad_view_op, node_of, note_view_outputs, record_inplace, revived,
-                              slots, unrecorded_view_op)
+from graphgrad.views cimport (bind, function_view_changed, is_inplace, keep_for, kernel, needs_of,
+                              no_grad_op, no_grad_view_op, node_of, note_view_outputs,
+                              record_inplace, revived, slots, unrecorded_view_op)
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython
 
-cdef object _protocol_off, _protocol_restore
-cdef object _grad_enabled, _dtype, _ndim, _is_view
-cdef object _torch_requires_grad, _autocast_enabled, _protocol_on, _PlainTensor
+from graphgrad.fastcalls cimport autocast_enabled as _autocast_enabled
+from graphgrad.fastcalls cimport grad_enabled as _grad_enabled
+from graphgrad.fastcalls cimport protocol_off as _protocol_off
+from graphgrad.fastcalls cimport protocol_on as _protocol_on
+from graphgrad.fastcalls cimport protocol_restore as _protocol_restore
+from graphgrad.fastcalls cimport tensor_dtype as _dtype
+from graphgrad.fastcalls cimport tensor_is_view as _is_view
+from graphgrad.fastcalls cimport tensor_ndim as _ndim
+from graphgrad.fastcalls cimport torch_requires_grad as _torch_requires_grad
+
+cdef object _PlainTensor
 cdef object _TENSOR_CLS, _observer
 cdef dict _NO_KWARGS, _ROUTES, _SPECIAL, _RULES
 cdef frozenset _DIFFERENTIABLE_DTYPES

@@ -17,10 +17,18 @@ from __future__ import annotations
 import torch
 from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
 
-from . import _compat
 from .codes import CUSTOM_FUNCTION_VIEW, KEEP_VALUE, NEEDS_GRAD, NO_GRAD, PLAIN_VIEW, TORCH_TRACKED
 from .decompose import find as find_decomposition
 from .decompose import no_rule_error
+from .fastcalls import autocast_enabled as _autocast_enabled
+from .fastcalls import grad_enabled as _grad_enabled
+from .fastcalls import protocol_off as _protocol_off  # (no context-manager objects per op)
+from .fastcalls import protocol_on as _protocol_on  # on, and no torch-function mode
+from .fastcalls import protocol_restore as _protocol_restore
+from .fastcalls import tensor_dtype as _dtype
+from .fastcalls import tensor_is_view as _is_view
+from .fastcalls import tensor_ndim as _ndim
+from .fastcalls import torch_requires_grad as _torch_requires_grad
 from .graph import current_graph
 from .node import new_node
 from .references import save_arguments, saved_output, weak_ref
@@ -45,15 +53,6 @@ from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 
 __all__ = ["torch_function", "call", "observe_calls", "note_call", "redispatch", "route"]
 
-_protocol_off = _compat.protocol_off  # a C++ pair where built (no context-manager objects per op)
-_protocol_restore = _compat.protocol_restore
-_grad_enabled = _compat.is_grad_enabled
-_dtype = _compat.tensor_dtype
-_ndim = _compat.tensor_ndim
-_is_view = _compat.tensor_is_view
-_torch_requires_grad = _compat.torch_requires_grad
-_autocast_enabled = _compat.autocast_enabled
-_protocol_on = _compat.protocol_on  # the protocol on and no torch-function mode: one C call
 _PlainTensor = torch.Tensor
 _TENSOR_CLS = None  # graphgrad.Tensor (see wrap.on_tensor_class), read on the hot path
 _NO_KWARGS: dict = {}  # never mutated: the kwargs of calls that passed none

@@ -19,6 +19,10 @@ from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when
 
 from . import _compat
 from .dispatch import call, note_call, route
+from .fastcalls import protocol_off as _protocol_off  # (no context-manager objects)
+from .fastcalls import protocol_on as _protocol_on  # on, and no torch-function mode: one C call
+from .fastcalls import protocol_restore as _protocol_restore
+from .fastcalls import tensor_shape as _shape
 from .node import AccumulateGrad
 from .rules import RULES
 from .views import current_node, node_of, note_reshaped
@@ -26,10 +30,6 @@ from .wrap import on_tensor_class
 
 __all__ = ["install_fast_paths"]
 
-_protocol_off = _compat.protocol_off  # a C++ pair where built (no context-manager objects)
-_protocol_restore = _compat.protocol_restore
-_protocol_on = _compat.protocol_on  # the protocol on and no torch-function mode: one C call
-_shape = _compat.tensor_shape
 _PlainTensor = torch.Tensor
 _TENSOR_CLS = None  # graphgrad.Tensor (see wrap.on_tensor_class)
 

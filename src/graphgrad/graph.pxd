@@ -11,4 +11,21 @@ cdef class AutogradGraph:
 cdef Py_ssize_t _COMPACT_AT
 cdef Py_ssize_t _graphs_made
 
+cimport cython
+
+
+cdef object _STACK_KEY
+
+cdef extern from "Python.h":
+    ctypedef struct PyObject
+    PyObject* PyThreadState_GetDict()
+
+
+cdef inline dict thread_dict():
+    """This thread's state dict (borrowed; never NULL while the GIL is held)."""
+    return <dict>PyThreadState_GetDict()
+
+@cython.locals(stack=list)
 cpdef AutogradGraph current_graph()
+@cython.locals(stack=list, state=dict)
+cpdef list _stack()

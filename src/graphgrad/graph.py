@@ -21,6 +21,11 @@ from collections.abc import Iterator
 
 import rustworkx as rx
 
+try:
+    import cython
+except ImportError:  # Cython is needed only to build the compiled engine
+    from . import _no_cython as cython
+
 from . import _compat
 from .codes import RELEASED_WITH_GRAPH
 from .node import Node
@@ -33,10 +38,19 @@ __all__ = ["AutogradGraph", "current_graph", "default_graph", "reachable", "topo
 # generation-0 threshold (700 net allocations), which would trigger collections.
 _COMPACT_AT = 64
 _local = threading.local()
+#: compiled, each thread's stack is kept in its thread state's dict (where threading.local keeps
+#: its data too), read with one C call per recorded op instead of a threading.local lookup
+_STACK_KEY = "graphgrad.graph_stack"
 _graphs_made = 0  # numbers the graphs (their ``id``)
 
 
 def _stack() -> list:
+    if cython.compiled:
+        state = thread_dict()  # noqa: F821 (graph.pxd)
+        stack = state.get(_STACK_KEY)
+        if stack is None:
+            stack = state[_STACK_KEY] = [AutogradGraph(_default=True)]
+        return stack
     try:
         return _local.stack
     except AttributeError:
@@ -46,6 +60,11 @@ def _stack() -> list:
 
 def current_graph() -> AutogradGraph:
     """The graph new ops record into on this thread (innermost ``with`` or the default)."""
+    if cython.compiled:
+        stack = thread_dict().get(_STACK_KEY)  # noqa: F821 (graph.pxd)
+        if stack is not None:
+            return stack[-1]
+        return _stack()[-1]
     try:
         return _local.stack[-1]
     except AttributeError:

@@ -10,7 +10,13 @@ cdef extern from "Python.h":
     void PyObject_GC_UnTrack(object o)
     object PyWeakref_NewRef(object ob, object callback)
 
-cdef object _PlainTensor, _version, _hooks, _shape, _dtype, _device, _save_alias, _SavedAlias
+from graphgrad.fastcalls cimport save_alias as _save_alias
+from graphgrad.fastcalls cimport tensor_device as _device
+from graphgrad.fastcalls cimport tensor_dtype as _dtype
+from graphgrad.fastcalls cimport tensor_shape as _shape
+from graphgrad.fastcalls cimport tensor_version as _version
+
+cdef object _PlainTensor, _hooks, _SavedAlias
 cdef object _Disable, _EnableTorchFunction
 cdef list _NONES
 cdef int KEEP_NOTHING, KEEP_META

@@ -26,19 +26,18 @@ except ImportError:  # Cython is needed only to build the compiled engine
 
 from . import _compat
 from .codes import KEEP_META, KEEP_NOTHING
+from .fastcalls import save_alias as _save_alias  # the C++ alias of a saved output, or None
+from .fastcalls import tensor_device as _device
+from .fastcalls import tensor_dtype as _dtype
+from .fastcalls import tensor_shape as _shape
+from .fastcalls import tensor_version as _version
 from .rules import Meta
 from .wrap import wrap_output
 
 _PlainTensor = torch.Tensor
-_version = _compat.tensor_version
-_shape = _compat.tensor_shape
-_dtype = _compat.tensor_dtype
-_device = _compat.tensor_device
 _Disable = _compat.DisableTorchFunctionSubclass
 _EnableTorchFunction = _compat.EnableTorchFunction
 _NONES: list = []  # _NONES[n] is (None,) * n
-#: the C++ alias of a saved output (tensor_meta.cpp), when the native module loaded
-_save_alias = _compat.native_meta.save_alias if _compat.native_meta is not None else None
 _SavedAlias = _compat.native_meta.SavedAlias if _compat.native_meta is not None else None
 
 __all__ = ["SavedResult", "saved_output", "untracked", "PackedTensor", "save_arguments",
@@ -232,7 +231,7 @@ def saved_output(out):
 
 def _alias(t):
     """The C++ alias of ``t`` where the native module reads it, else ``t.detach()``."""
-    alias = None if _save_alias is None else _save_alias(t)
+    alias = _save_alias(t)
     return t.detach() if alias is None else alias
 
 

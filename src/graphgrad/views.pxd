@@ -9,8 +9,17 @@ from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython
 
-cdef object _Disable, _grad_enabled, _set_grad_enabled, _OpOverload, _shape, _dtype, _device, _ndim
-cdef object _same_meta, _version, _is_view, _torch_requires_grad
+from graphgrad.fastcalls cimport grad_enabled as _grad_enabled
+from graphgrad.fastcalls cimport tensor_device as _device
+from graphgrad.fastcalls cimport tensor_dtype as _dtype
+from graphgrad.fastcalls cimport tensor_is_view as _is_view
+from graphgrad.fastcalls cimport tensor_ndim as _ndim
+from graphgrad.fastcalls cimport tensor_same_meta as _same_meta
+from graphgrad.fastcalls cimport tensor_shape as _shape
+from graphgrad.fastcalls cimport tensor_version as _version
+from graphgrad.fastcalls cimport torch_requires_grad as _torch_requires_grad
+
+cdef object _Disable, _set_grad_enabled, _OpOverload
 cdef object _torch_grad_fn, _has_internal_overlap, _get_base, _PlainTensor, _TENSOR_CLS
 cdef dict _inplace_cache
 cdef list _RANGES
@@ -21,11 +30,20 @@ cdef long long NOT_A_VIEW, CUSTOM_OUTPUTS
 
 cdef long long _stamp(object t) except? -2
 cpdef object node_of(object t)
+cpdef bint is_inplace(object func) except -1
 cpdef object kernel(object func, tuple args, dict kwargs, bint silent)
 cpdef object bind(object func, Rule rule, tuple args, dict kwargs)
 @cython.locals(simple=bint, n=Py_ssize_t, m=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t)
 cpdef object slots(Rule rule, tuple values, object graph, object ref)
+cdef object _MORE
+@cython.locals(m=Py_ssize_t, i=Py_ssize_t, n_required=Py_ssize_t, is_tensor=bint, uniform=bint,
+               kept=bint, n0=Node, n1=Node)
+cdef object _two_slots(Rule rule, tuple values, object graph, object ref)
+cdef bint _breaks_uniform(object t, tuple ref) except -1
+cdef tuple _meta(object t)
 @cython.locals(node=Node)
+cdef object _slot_node(object t, object graph)
+cdef object _nr_of(object t)
 cdef bint _add_slot(object t, object graph, list nexts, list nrs, list metas) except -1
 @cython.locals(cache=dict)
 cpdef object keep_for(Rule rule, tuple nexts, tuple slot_pos)

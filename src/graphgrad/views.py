@@ -39,6 +39,15 @@ from .codes import (
     TORCH_BRIDGE,
     TORCH_LEAF,
 )
+from .fastcalls import grad_enabled as _grad_enabled
+from .fastcalls import tensor_device as _device
+from .fastcalls import tensor_dtype as _dtype
+from .fastcalls import tensor_is_view as _is_view
+from .fastcalls import tensor_ndim as _ndim
+from .fastcalls import tensor_same_meta as _same_meta
+from .fastcalls import tensor_shape as _shape
+from .fastcalls import tensor_version as _version
+from .fastcalls import torch_requires_grad as _torch_requires_grad
 from .graph import current_graph
 from .node import AccumulateGrad, interned, new_node, output_numbers
 from .references import nones, save_arguments, saved_output
@@ -53,17 +62,8 @@ __all__ = ["node_of", "torch_node", "current_node", "function_view_changed", "is
            "revived"]
 
 _Disable = _compat.DisableTorchFunctionSubclass
-_grad_enabled = _compat.is_grad_enabled
 _set_grad_enabled = _compat.set_grad_enabled
 _OpOverload = _compat.OpOverload
-_shape = _compat.tensor_shape
-_dtype = _compat.tensor_dtype
-_device = _compat.tensor_device
-_ndim = _compat.tensor_ndim
-_same_meta = _compat.tensor_same_meta
-_version = _compat.tensor_version
-_is_view = _compat.tensor_is_view
-_torch_requires_grad = _compat.torch_requires_grad
 _torch_grad_fn = _compat.torch_grad_fn
 _has_internal_overlap = _compat.has_internal_overlap
 _get_base = torch.Tensor._base.__get__
@@ -231,6 +231,9 @@ def slots(rule, values, graph, ref):
     return a promoted or broadcast gradient (prelu's weight, a float32 weight under
     autocast), so all are kept.
     """
+    edges = _two_slots(rule, values, graph, ref)
+    if edges is not _MORE:
+        return edges
     nexts = []
     nrs = []
     slot_pos = []
@@ -250,7 +253,7 @@ def slots(rule, values, graph, ref):
             slot_pos.append(i)
             if _add_slot(v, graph, nexts, nrs, metas):
                 any_grad = True
-            elif uniform and (_dtype(v) is not ref[1] or _ndim(v) > ref[2]):
+            elif uniform and _breaks_uniform(v, ref):
                 uniform = False
         elif tp is list or tp is tuple:
             simple = False
@@ -260,7 +263,7 @@ def slots(rule, values, graph, ref):
                     slot_pos.append((i, j))
                     if _add_slot(item, graph, nexts, nrs, metas):
                         any_grad = True
-                    elif uniform and (_dtype(item) is not ref[1] or _ndim(item) > ref[2]):
+                    elif uniform and _breaks_uniform(item, ref):
                         uniform = False
         elif i < n_required:
             if simple and len(slot_pos) != i:
@@ -279,21 +282,92 @@ def slots(rule, values, graph, ref):
         if uniform and _same_meta(t, ref[0]):
             metas[j] = None
         else:
-            metas[j] = (_shape(t), _dtype(t), _device(t))
+            metas[j] = _meta(t)
             kept = True
-            if uniform and (_dtype(t) is not ref[1] or _ndim(t) > ref[2]):
+            if uniform and _breaks_uniform(t, ref):
                 uniform = False
     if ref is not None and kept and not uniform:  # a later input broke uniformity: redo
-        out = ref[0]
+        out = _meta(ref[0])
         for j in range(len(metas)):
             if metas[j] is None and nexts[j] is not None:
-                metas[j] = (_shape(out), _dtype(out), _device(out))
+                metas[j] = out
     m = len(slot_pos)  # shared tuples: the common positions without a hash lookup
     positions = _RANGES[m] if simple and m < 9 else interned(tuple(slot_pos))
     return (tuple(nexts), output_numbers(nrs), positions, tuple(metas) if kept else nones(m))
 
 
-def _add_slot(t, graph, nexts, nrs, metas):
+_MORE = object()  # _two_slots' answer for a call it leaves to the general loop
+
+
+def _two_slots(rule, values, graph, ref):
+    """``slots`` for a call whose slots are its first one or two parameters and that has no
+    list argument (most ops: unary, binary, ``add``'s alpha), in locals instead of four
+    lists; ``_MORE`` for any other call. Answers exactly as the general loop would."""
+    m = 0
+    t0 = t1 = None  # each slot's tensor (None for a required non-tensor)
+    n_required = rule.n_required
+    for i in range(len(values)):
+        v = values[i]
+        tp = type(v)
+        if tp is list or tp is tuple:
+            return _MORE
+        is_tensor = tp is _TENSOR_CLS or isinstance(v, TensorBase)
+        if is_tensor or i < n_required:
+            if m == 2 or i != m:
+                return _MORE
+            if m == 0:
+                t0 = v if is_tensor else None
+            else:
+                t1 = v if is_tensor else None
+            m += 1
+    if m == 0:
+        return _MORE
+    n0 = None if t0 is None else _slot_node(t0, graph)
+    n1 = None if t1 is None else _slot_node(t1, graph)
+    if n0 is None and n1 is None:
+        return None
+    uniform = ref is not None
+    if uniform and ((n0 is None and t0 is not None and _breaks_uniform(t0, ref)) or
+                    (n1 is None and t1 is not None and _breaks_uniform(t1, ref))):
+        uniform = False
+    m0 = m1 = None  # the metadata kept for each slot with a node, in slot order
+    kept = False
+    if n0 is not None and not (uniform and _same_meta(t0, ref[0])):
+        m0 = _meta(t0)
+        kept = True
+        if uniform and _breaks_uniform(t0, ref):
+            uniform = False
+    if n1 is not None and not (uniform and _same_meta(t1, ref[0])):
+        m1 = _meta(t1)
+        kept = True
+        if uniform and _breaks_uniform(t1, ref):
+            uniform = False
+    if ref is not None and kept and not uniform:  # a later input broke uniformity: redo
+        if n0 is not None and m0 is None:
+            m0 = _meta(ref[0])
+        if n1 is not None and m1 is None:
+            m1 = _meta(ref[0])
+    nr0 = 0 if n0 is None or n0.num_outputs == 1 else _nr_of(t0)
+    nr1 = 0 if n1 is None or n1.num_outputs == 1 else _nr_of(t1)
+    if m == 1:
+        return ((n0,), output_numbers((nr0,)), _RANGES[1], (m0,) if kept else nones(1))
+    return ((n0, n1), output_numbers((nr0, nr1)), _RANGES[2], (m0, m1) if kept else nones(2))
+
+
+def _breaks_uniform(t, ref):
+    """Has ``t`` another dtype than the output, or more dimensions (``ref``: see ``slots``)?"""
+    return _dtype(t) is not ref[1] or _ndim(t) > ref[2]
+
+
+def _meta(t):
+    """What a node keeps of an input to shape its gradient: size, dtype, device."""
+    return (_shape(t), _dtype(t), _device(t))
+
+
+def _slot_node(t, graph):
+    """The node a tensor argument's gradient goes to (None when it needs none): its view's
+    grad_fn rebuilt if its base changed since, refused if it is a changed custom Function
+    view or was recorded in another graph."""
     node = node_of(t)
     if node is not None and node.view_version != NOT_A_VIEW and _stamp(t) != node.view_version:
         node = _rebuild_view_node(t, graph)
@@ -301,14 +375,26 @@ def _add_slot(t, graph, nexts, nrs, metas):
         if type(t) is _TENSOR_CLS and t._gg_view_tag >= CUSTOM_FUNCTION_VIEW and \
                 function_view_changed(t):
             raise _custom_view_changed(t._gg_view_tag)
+        return None
+    if node.graph is not graph and node.graph is not None:
+        _check_same_graph(node, graph)
+    return node
+
+
+def _nr_of(t):
+    """Which output of its node a tensor argument is (0 where the node has one output)."""
+    return t._gg_nr if type(t) is _TENSOR_CLS else getattr(t, "_gg_nr", 0)
+
+
+def _add_slot(t, graph, nexts, nrs, metas):
+    node = _slot_node(t, graph)
+    if node is None:
         nexts.append(None)
         nrs.append(0)
         metas.append(None)
         return False
-    if node.graph is not graph and node.graph is not None:
-        _check_same_graph(node, graph)
     nexts.append(node)
-    nrs.append(t._gg_nr if type(t) is _TENSOR_CLS else getattr(t, "_gg_nr", 0))
+    nrs.append(_nr_of(t))
     metas.append(t)
     return True
 
