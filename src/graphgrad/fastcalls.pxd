@@ -65,7 +65,7 @@ cdef inline object call_fast2(CFunction c, object a, object b):
 
 
 cdef CFunction _DTYPE, _NDIM, _SHAPE, _DEVICE, _VERSION, _IS_VIEW, _SAME_META, _REQUIRES_GRAD
-cdef CFunction _GRAD_ENABLED, _AUTOCAST, _PROTOCOL_ON, _PROTOCOL_OFF, _PROTOCOL_RESTORE
+cdef CFunction _GRAD_ENABLED, _AUTOCAST, _ANOMALY, _PROTOCOL_ON, _PROTOCOL_OFF, _PROTOCOL_RESTORE
 cdef CFunction _SAVE_ALIAS
 cdef object _native, _save_alias
 
@@ -79,6 +79,7 @@ cpdef object tensor_same_meta(object t, object ref)
 cpdef object torch_requires_grad(object t)
 cpdef object grad_enabled()
 cpdef object autocast_enabled()
+cpdef object anomaly_enabled()
 cpdef object protocol_on()
 cpdef object protocol_off()
 cpdef object protocol_restore(object state)

@@ -1,13 +1,15 @@
-"""The per-op reads of the C++ metadata reader, called as C functions by the compiled engine.
+"""The per-op reads of the C++ metadata reader (and torch's anomaly mode), called as C
+functions by the compiled engine.
 
 Recording an op reads about a dozen things through graphgrad._tensor_meta (tensor_meta.cpp):
-dtype, ndim and version of tensors, grad mode, autocast, the torch-function protocol's switch.
-Each is a C function of ~20 instructions; called as a Python function object it costs the call
-protocol around it too (~70 instructions: the global's lookup, the flags test, the recursion
-check). Compiled, the functions here call the C function behind each of those objects directly
-(the pointer a ``PyCFunction`` holds); whatever is not such a function (torch's own getters,
-without the C++ module) is called as the object it is. Uncompiled (the pure-Python engine),
-each name here is ``_compat``'s own function: no layer added.
+dtype, ndim and version of tensors, grad mode, autocast, the torch-function protocol's switch;
+and whether anomaly mode is on (torch.is_anomaly_enabled). Each is a C function of ~20
+instructions; called as a Python function object it costs the call protocol around it too
+(~70 instructions: the global's lookup, the flags test, the recursion check). Compiled, the
+functions here call the C function behind each of those objects directly (the pointer a
+``PyCFunction`` holds); whatever is not such a function (torch's own getters, without the C++
+module) is called as the object it is. Uncompiled (the pure-Python engine), each name here is
+the function itself: no layer added.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ try:
 except ImportError:  # Cython is needed only to build the compiled engine
     from . import _no_cython as cython
 
+import torch
+
 from . import _compat
 
 __all__ = ["tensor_dtype", "tensor_ndim", "tensor_shape", "tensor_device", "tensor_version",
            "tensor_is_view", "tensor_same_meta", "torch_requires_grad", "grad_enabled",
-           "autocast_enabled", "protocol_on", "protocol_off", "protocol_restore", "save_alias"]
+           "autocast_enabled", "anomaly_enabled", "protocol_on", "protocol_off",
+           "protocol_restore", "save_alias"]
 
 _native = _compat.native_meta
 #: the C++ reader's alias of an output kept for backward, or None without the C++ module
@@ -38,6 +43,7 @@ if cython.compiled:  # the C function behind each object, or NULL (then the obje
     _REQUIRES_GRAD = c_function(_compat.torch_requires_grad, METH_O)  # noqa: F821
     _GRAD_ENABLED = c_function(_compat.is_grad_enabled, METH_NOARGS)  # noqa: F821
     _AUTOCAST = c_function(_compat.autocast_enabled, METH_NOARGS)  # noqa: F821
+    _ANOMALY = c_function(torch.is_anomaly_enabled, METH_NOARGS)  # noqa: F821
     _PROTOCOL_ON = c_function(_compat.protocol_on, METH_NOARGS)  # noqa: F821
     _PROTOCOL_OFF = c_function(_compat.protocol_off, METH_NOARGS)  # noqa: F821
     _PROTOCOL_RESTORE = c_function(_compat.protocol_restore, METH_O)  # noqa: F821
@@ -84,6 +90,10 @@ def autocast_enabled():
     return call_noargs(_AUTOCAST)  # noqa: F821
 
 
+def anomaly_enabled():
+    return call_noargs(_ANOMALY)  # noqa: F821
+
+
 def protocol_on():
     return call_noargs(_PROTOCOL_ON)  # noqa: F821
 
@@ -112,6 +122,7 @@ if not cython.compiled:  # the pure-Python engine calls _compat's functions them
     torch_requires_grad = _compat.torch_requires_grad
     grad_enabled = _compat.is_grad_enabled
     autocast_enabled = _compat.autocast_enabled
+    anomaly_enabled = torch.is_anomaly_enabled
     protocol_on = _compat.protocol_on
     protocol_off = _compat.protocol_off
     protocol_restore = _compat.protocol_restore

@@ -55,7 +55,9 @@ cdef Py_ssize_t _sequence_nr
 cdef int NOT_RELEASED, RELEASED_AFTER_BACKWARD, RELEASED_WITH_GRAPH, KEEP_NOTHING, GG_LEAF
 cdef int TORCH_BRIDGE
 cdef long long NOT_A_VIEW
-cdef object _anomaly_enabled, _PlainTensor
+from graphgrad.fastcalls cimport anomaly_enabled as _anomaly_enabled
+
+cdef object _PlainTensor
 cdef dict _NO_EXTRA
 cdef Py_ssize_t _next_sequence_nr()
 cdef object _setup(Node node, object rule, tuple next_nodes, tuple next_nrs, tuple slot_pos,

@@ -29,6 +29,7 @@ from .codes import (
     RELEASED_WITH_GRAPH,
     TORCH_BRIDGE,
 )
+from .fastcalls import anomaly_enabled as _anomaly_enabled
 from .references import (
     PackedSaved,
     PackedTensor,
@@ -43,7 +44,6 @@ __all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "split_edges
            "output_numbers", "interned", "current_sequence_nr"]
 
 _sequence_nr = 0  # Nodes are numbered in recording order
-_anomaly_enabled = torch.is_anomaly_enabled
 _PlainTensor = torch.Tensor
 _NO_EXTRA: dict = {}  # never mutated: the keyword arguments of rules that take none
 

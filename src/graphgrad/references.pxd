@@ -21,8 +21,10 @@ cdef object _Disable, _EnableTorchFunction
 cdef list _NONES
 cdef int KEEP_NOTHING, KEEP_META
 
-@cython.locals(k=int)
+@cython.locals(k=int, n=Py_ssize_t)
 cpdef tuple save_arguments(object keep, tuple values)
+@cython.locals(c0=int, c1=int)
+cdef tuple _save_two(object keep, tuple values, Py_ssize_t n)
 cpdef object unpack_saved(object saved, object create_graph)
 cpdef object check_saved_versions(object name, object params, object saved, object versions,
                                   object sequence_nr=*)

@@ -269,6 +269,10 @@ def save_arguments(keep, values):
     at its first look; a node that keeps nothing shares one all-None tuple per length.
     """
     n = len(values)
+    if n <= 2 and not _active[0]:
+        answer = _save_two(keep, values, n)
+        if answer is not None:
+            return answer
     saved = None
     versions = []
     hooks = None
@@ -311,6 +315,39 @@ def save_arguments(keep, values):
     if saved is None:
         return nones(n), ()
     return (PackedSaved(saved) if packed else tuple(saved)), tuple(versions)
+
+
+def _save_two(keep, values, n):
+    """``save_arguments`` for a call of one or two parameters, with no saved-tensor hooks
+    active and no list argument kept whole: in locals instead of lists (most ops); None for
+    any other call. Answers exactly as the general loop would."""
+    k0 = keep[0] if n > 0 else KEEP_NOTHING
+    k1 = keep[1] if n > 1 else KEEP_NOTHING
+    if type(k0) is tuple or type(k1) is tuple:
+        return None
+    c0 = k0
+    c1 = k1
+    if c0 == KEEP_NOTHING and c1 == KEEP_NOTHING:
+        return nones(n), ()
+    s0 = s1 = None
+    versions = ()
+    if c0 != KEEP_NOTHING:
+        s0 = values[0]
+        if c0 == KEEP_META:
+            s0 = _meta_of(s0)
+        elif isinstance(s0, TensorBase):
+            versions = (0, _version(s0))
+        elif type(s0) is list or type(s0) is tuple:
+            return None
+    if c1 != KEEP_NOTHING:
+        s1 = values[1]
+        if c1 == KEEP_META:
+            s1 = _meta_of(s1)
+        elif isinstance(s1, TensorBase):
+            versions = versions + (1, _version(s1))
+        elif type(s1) is list or type(s1) is tuple:
+            return None
+    return ((s0,) if n == 1 else (s0, s1)), versions
 
 
 def _save_items(i, keep, items, hooks, versions):
