@@ -34,9 +34,26 @@ def engine_extensions():
         compiler_directives={"language_level": 3, "binding": True, "embedsignature": True},
         quiet=True,
     )
+    pgo = profile_guided_flags()
     for ext in extensions:
         ext.optional = True  # a failed compile falls back to the .py source
+        ext.extra_compile_args += pgo
+        ext.extra_link_args += pgo
     return extensions
+
+
+def profile_guided_flags():
+    """gcc's flags for a profile-guided build of the engine, when scripts/setup_env.sh asks:
+    ``GRAPHGRAD_PGO=generate`` compiles it instrumented (it writes its profile into
+    ``GRAPHGRAD_PGO_DIR`` when a process using it exits), ``GRAPHGRAD_PGO=use`` compiles it
+    with that profile (a function whose profile does not match is compiled without one)."""
+    mode, where = os.environ.get("GRAPHGRAD_PGO", ""), os.environ.get("GRAPHGRAD_PGO_DIR", "")
+    if mode == "generate" and where:
+        return [f"-fprofile-generate={where}"]
+    if mode == "use" and where:
+        return [f"-fprofile-use={where}", "-fprofile-correction", "-Wno-missing-profile",
+                "-Wno-error=coverage-mismatch"]
+    return []
 
 
 def native_extensions():

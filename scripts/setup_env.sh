@@ -118,9 +118,39 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$digest $(python -c 'import graphgr
   say "graphgrad already installed from these sources"
 else
   n_modules="$(python -c 'ns = {}; exec(open("src/graphgrad/_config.py").read(), ns); print(len(ns["ENGINE_MODULES"]))' 2>/dev/null || echo "its")"
-  say "installing graphgrad and compiling its Cython engine ($n_modules modules; a few minutes on a small machine)"
-  with_heartbeat "compiling the engine" \
+  # profile-guided where the compiler is gcc: compile the engine instrumented, run
+  # scripts/pgo_workload.py (ordinary training, seconds), compile again with the profile it wrote
+  # (about 5 % less time per op, docs/performance.md); any step failing leaves a plain build
+  install_engine() {
     python -m pip install -q --no-build-isolation --no-deps --force-reinstall .
+  }
+  pgo_done=0
+  if [ "${GRAPHGRAD_NO_PGO:-0}" = "0" ] && [ "${GRAPHGRAD_NO_CYTHON:-0}" = "0" ] && \
+      "$(python -c 'import sysconfig; print((sysconfig.get_config_var("CC") or "cc").split()[0])')" \
+        --version 2>/dev/null | grep -q "Free Software Foundation"; then
+    say "installing graphgrad and compiling its Cython engine ($n_modules modules) twice, for a" \
+        "profile-guided build (GRAPHGRAD_NO_PGO=1 compiles once); several minutes on a small machine"
+    export GRAPHGRAD_PGO_DIR="$root/.venv/pgo-profile"
+    rm -rf "$GRAPHGRAD_PGO_DIR" build  # (setuptools would reuse the other build's objects)
+    if GRAPHGRAD_PGO=generate with_heartbeat "compiling the instrumented engine" install_engine &&
+        python scripts/pgo_workload.py && compgen -G "$GRAPHGRAD_PGO_DIR/*.gcda" >/dev/null &&
+        rm -rf build &&
+        GRAPHGRAD_PGO=use with_heartbeat "compiling the engine with the profile" install_engine &&
+        python -c 'import graphgrad, sys; sys.exit(not graphgrad.compiled)'; then
+      pgo_done=1
+      say "profile-guided build done"
+    else
+      say "the profile-guided build failed: compiling the engine once, without a profile"
+    fi
+    rm -rf "$GRAPHGRAD_PGO_DIR" build
+    unset GRAPHGRAD_PGO_DIR
+  else
+    say "installing graphgrad and compiling its Cython engine ($n_modules modules; a few minutes" \
+        "on a small machine)"
+  fi
+  if [ "$pgo_done" = 0 ]; then
+    with_heartbeat "compiling the engine" install_engine
+  fi
   engine="$(python -c 'import graphgrad; print(graphgrad.engine)')"
   echo "$digest $engine" > "$stamp"
   say "graphgrad installed; engine: $engine (compiled+native: Cython and the C++ metadata reader)"
