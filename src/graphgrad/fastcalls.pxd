@@ -26,7 +26,7 @@ ctypedef object (*_meth_fast)(PyObject* self, PyObject** args, Py_ssize_t nargs)
 cdef struct CFunction:
     void* fn  # the C function, or NULL: then obj is called as a Python object
     PyObject* self  # its first argument (the module, for a module's function)
-    PyObject* obj  # the function object (kept alive by _compat)
+    PyObject* obj  # the function object (held by fastcalls._HELD)
 
 
 cdef inline CFunction c_function(object f, int convention):
@@ -68,6 +68,7 @@ cdef CFunction _DTYPE, _NDIM, _SHAPE, _DEVICE, _VERSION, _IS_VIEW, _SAME_META, _
 cdef CFunction _GRAD_ENABLED, _AUTOCAST, _ANOMALY, _PROTOCOL_ON, _PROTOCOL_OFF, _PROTOCOL_RESTORE
 cdef CFunction _SAVE_ALIAS
 cdef object _native, _save_alias
+cdef tuple _HELD
 
 cpdef object tensor_dtype(object t)
 cpdef object tensor_ndim(object t)

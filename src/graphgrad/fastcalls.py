@@ -32,6 +32,14 @@ _native = _compat.native_meta
 #: the C++ reader's alias of an output kept for backward, or None without the C++ module
 _save_alias = _native.save_alias if _native is not None else None
 
+#: the function objects whose C functions are called: held here, so that a pointer taken from
+#: one never outlives it (were _compat's attribute replaced, say)
+_HELD = (_compat.tensor_dtype, _compat.tensor_ndim, _compat.tensor_shape, _compat.tensor_device,
+         _compat.tensor_version, _compat.tensor_is_view, _compat.tensor_same_meta,
+         _compat.torch_requires_grad, _compat.is_grad_enabled, _compat.autocast_enabled,
+         torch.is_anomaly_enabled, _compat.protocol_on, _compat.protocol_off,
+         _compat.protocol_restore, _save_alias)
+
 if cython.compiled:  # the C function behind each object, or NULL (then the object is called)
     _DTYPE = c_function(_compat.tensor_dtype, METH_O)  # noqa: F821 (fastcalls.pxd)
     _NDIM = c_function(_compat.tensor_ndim, METH_O)  # noqa: F821
