@@ -14,15 +14,12 @@ from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython
 
-from graphgrad.fastcalls cimport autocast_enabled as _autocast_enabled
-from graphgrad.fastcalls cimport grad_enabled as _grad_enabled
-from graphgrad.fastcalls cimport protocol_off as _protocol_off
-from graphgrad.fastcalls cimport protocol_on as _protocol_on
-from graphgrad.fastcalls cimport protocol_restore as _protocol_restore
-from graphgrad.fastcalls cimport tensor_dtype as _dtype
-from graphgrad.fastcalls cimport tensor_is_view as _is_view
-from graphgrad.fastcalls cimport tensor_ndim as _ndim
-from graphgrad.fastcalls cimport torch_requires_grad as _torch_requires_grad
+from graphgrad.fastcalls cimport (autocast_enabled as _autocast_enabled,
+                                  grad_enabled as _grad_enabled, protocol_off as _protocol_off,
+                                  protocol_on as _protocol_on,
+                                  protocol_restore as _protocol_restore, tensor_dtype as _dtype,
+                                  tensor_is_view as _is_view, tensor_ndim as _ndim,
+                                  torch_requires_grad as _torch_requires_grad)
 
 cdef object _PlainTensor
 cdef object _TENSOR_CLS, _observer

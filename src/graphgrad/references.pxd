@@ -10,11 +10,9 @@ cdef extern from "Python.h":
     void PyObject_GC_UnTrack(object o)
     object PyWeakref_NewRef(object ob, object callback)
 
-from graphgrad.fastcalls cimport save_alias as _save_alias
-from graphgrad.fastcalls cimport tensor_device as _device
-from graphgrad.fastcalls cimport tensor_dtype as _dtype
-from graphgrad.fastcalls cimport tensor_shape as _shape
-from graphgrad.fastcalls cimport tensor_version as _version
+from graphgrad.fastcalls cimport (save_alias as _save_alias, tensor_device as _device,
+                                  tensor_dtype as _dtype, tensor_shape as _shape,
+                                  tensor_version as _version)
 
 cdef object _PlainTensor, _hooks, _SavedAlias
 cdef object _Disable, _EnableTorchFunction

@@ -9,15 +9,11 @@ from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython
 
-from graphgrad.fastcalls cimport grad_enabled as _grad_enabled
-from graphgrad.fastcalls cimport tensor_device as _device
-from graphgrad.fastcalls cimport tensor_dtype as _dtype
-from graphgrad.fastcalls cimport tensor_is_view as _is_view
-from graphgrad.fastcalls cimport tensor_ndim as _ndim
-from graphgrad.fastcalls cimport tensor_same_meta as _same_meta
-from graphgrad.fastcalls cimport tensor_shape as _shape
-from graphgrad.fastcalls cimport tensor_version as _version
-from graphgrad.fastcalls cimport torch_requires_grad as _torch_requires_grad
+from graphgrad.fastcalls cimport (grad_enabled as _grad_enabled, tensor_device as _device,
+                                  tensor_dtype as _dtype, tensor_is_view as _is_view,
+                                  tensor_ndim as _ndim, tensor_same_meta as _same_meta,
+                                  tensor_shape as _shape, tensor_version as _version,
+                                  torch_requires_grad as _torch_requires_grad)
 
 cdef object _Disable, _set_grad_enabled, _OpOverload
 cdef object _torch_grad_fn, _has_internal_overlap, _get_base, _PlainTensor, _TENSOR_CLS
