@@ -756,8 +756,13 @@ def unrecorded_view_op(func, rule, args, kwargs):
         raise RuntimeError(view_tag_message(qualified_name(func), tag))
     out = func(*args, **kwargs)
     if rule is not None and rule.may_view:
-        if tag == NO_VIEW_TAG or tag == PLAIN_VIEW:  # (torch: outputs of an unrecorded split count as
-            tag = NO_GRAD_VIEW if rule.multi_output else PLAIN_VIEW  # made under no_grad)
+        # torch: outputs of an unrecorded split count as made under no_grad, whatever marked
+        # their base (the newest mark wins, as in its propagate_creation_meta); a single view
+        # inherits its base's mark
+        if rule.multi_output:
+            tag = NO_GRAD_VIEW
+        elif tag == NO_VIEW_TAG or tag == PLAIN_VIEW:
+            tag = PLAIN_VIEW
         _tag_views(out, args, kwargs, tag)
     elif _may_view_a_temporary(rule):
         _tag_views(out, args, kwargs, PLAIN_VIEW)

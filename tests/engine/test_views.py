@@ -241,6 +241,33 @@ def test_split_of_a_tensor_without_grad_counts_as_made_under_no_grad():
         parts[0].add_(y[:3])
 
 
+@pytest.mark.parametrize("engine", ["gg", "torch"])
+def test_an_unrecorded_split_marks_its_outputs_whatever_marked_its_base(engine):
+    """torch's newest view mark wins (propagate_creation_meta): a split of a custom Function's
+    view, made with nothing requiring grad, gives outputs marked as made under no_grad, and an
+    in-place change of one after the base came to require grad names that, not the Function
+    (found by the GC-stress fuzzer, seed 59)."""
+    function = gg.Function if engine == "gg" else torch.autograd.Function
+
+    class View(function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    x = constant(engine, 6)
+    a, _ = View.apply(x).split(3)
+    x.mul_(leaves(engine, 1)[0])
+    before = a.detach().clone()
+    with pytest.raises(RuntimeError, match="no_grad mode") as raised:
+        a.mul_(2)
+    assert "custom Function" not in str(raised.value)
+    assert torch.equal(a.detach().as_subclass(torch.Tensor), before.as_subclass(torch.Tensor))
+
+
 def test_views_of_a_no_grad_view_are_tagged_too():
     x = leaves("gg", 1)[0]
     with gg.no_grad():
