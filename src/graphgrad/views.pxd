@@ -39,7 +39,7 @@ cdef bint _breaks_uniform(object t, tuple ref) except -1
 cdef tuple _meta(object t)
 @cython.locals(node=Node)
 cdef object _slot_node(object t, object graph)
-cdef object _nr_of(object t)
+cdef object _nr_of(object t, Node node)
 cdef bint _add_slot(object t, object graph, list nexts, list nrs, list metas) except -1
 @cython.locals(cache=dict)
 cpdef object keep_for(Rule rule, tuple nexts, tuple slot_pos)

@@ -347,8 +347,8 @@ def _two_slots(rule, values, graph, ref):
             m0 = _meta(ref[0])
         if n1 is not None and m1 is None:
             m1 = _meta(ref[0])
-    nr0 = 0 if n0 is None or n0.num_outputs == 1 else _nr_of(t0)
-    nr1 = 0 if n1 is None or n1.num_outputs == 1 else _nr_of(t1)
+    nr0 = 0 if n0 is None else _nr_of(t0, n0)
+    nr1 = 0 if n1 is None else _nr_of(t1, n1)
     if m == 1:
         return ((n0,), output_numbers((nr0,)), _RANGES[1], (m0,) if kept else nones(1))
     return ((n0, n1), output_numbers((nr0, nr1)), _RANGES[2], (m0, m1) if kept else nones(2))
@@ -381,8 +381,10 @@ def _slot_node(t, graph):
     return node
 
 
-def _nr_of(t):
-    """Which output of its node a tensor argument is (0 where the node has one output)."""
+def _nr_of(t, node):
+    """Which output of ``node`` (its node) a tensor argument is: 0 where the node has one."""
+    if node.num_outputs == 1:
+        return 0
     return t._gg_nr if type(t) is _TENSOR_CLS else getattr(t, "_gg_nr", 0)
 
 
@@ -394,7 +396,7 @@ def _add_slot(t, graph, nexts, nrs, metas):
         metas.append(None)
         return False
     nexts.append(node)
-    nrs.append(_nr_of(t))
+    nrs.append(_nr_of(t, node))
     metas.append(t)
     return True
 
