@@ -23,7 +23,7 @@ __all__ = [
     "is_grad_enabled", "set_grad_enabled",
     "torch_function_enabled", "torch_function_mode_enabled", "autocast_enabled", "protocol_on",
     "tensor_shape", "tensor_dtype", "tensor_device", "tensor_ndim", "tensor_same_size",
-    "tensor_same_meta", "native_meta", "register_tensor_class",
+    "tensor_same_meta", "tensor_adopt", "native_meta", "register_tensor_class",
     "tensor_version", "tensor_is_view", "torch_requires_grad",
     "torch_grad_fn", "get_grad", "set_grad", "has_internal_overlap", "VariableFunctions",
     "nn_functions", "special_functions", "flatten_dense_tensors", "unflatten_dense_tensors",
@@ -110,7 +110,19 @@ if not (env_flag("GRAPHGRAD_PURE_PYTHON") or env_flag("GRAPHGRAD_NO_NATIVE")):
         from . import _tensor_meta as native_meta
     except ImportError:
         native_meta = None
+
+
+def _setattr_adopt(t, cls, node) -> None:
+    """``t.__class__ = cls``, then ``t._gg_node = node`` unless ``node`` is None (Python's
+    setattr; the C++ module's ``adopt`` does the same stores directly)."""
+    t.__class__ = cls
+    if node is not None:
+        t._gg_node = node
+
+
+tensor_adopt = _setattr_adopt
 if native_meta is not None:
+    tensor_adopt = native_meta.adopt
     tensor_shape = native_meta.shape
     tensor_dtype = native_meta.dtype
     tensor_ndim = native_meta.ndim

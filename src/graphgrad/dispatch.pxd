@@ -17,7 +17,8 @@ cimport cython
 from graphgrad.fastcalls cimport (autocast_enabled as _autocast_enabled,
                                   grad_enabled as _grad_enabled, protocol_off as _protocol_off,
                                   protocol_on as _protocol_on,
-                                  protocol_restore as _protocol_restore, tensor_dtype as _dtype,
+                                  protocol_restore as _protocol_restore, tensor_adopt as _adopt,
+                                  tensor_dtype as _dtype,
                                   tensor_is_view as _is_view, tensor_ndim as _ndim,
                                   torch_requires_grad as _torch_requires_grad)
 

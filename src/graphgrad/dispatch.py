@@ -25,6 +25,7 @@ from .fastcalls import grad_enabled as _grad_enabled
 from .fastcalls import protocol_off as _protocol_off  # (no context-manager objects per op)
 from .fastcalls import protocol_on as _protocol_on  # on, and no torch-function mode
 from .fastcalls import protocol_restore as _protocol_restore
+from .fastcalls import tensor_adopt as _adopt  # (the class switch and the node, one C call)
 from .fastcalls import tensor_dtype as _dtype
 from .fastcalls import tensor_is_view as _is_view
 from .fastcalls import tensor_ndim as _ndim
@@ -243,7 +244,8 @@ def call(func, args, kwargs):
                     f"{qualified_name(func)}(): functions with out=... arguments don't support "
                     "automatic differentiation, but one of the arguments requires grad. Call "
                     "it without out=, or under gg.no_grad().")
-            if rule.inplace_of is not None or is_inplace(func):
+            writes = rule.writes  # (None: its functions differ, ask about this one)
+            if rule.inplace_of is not None or (is_inplace(func) if writes is None else writes):
                 return record_inplace(func, rule, args, kwargs, silent)
             return _record(func, rule, args, kwargs, silent)
     finally:
@@ -340,10 +342,7 @@ def _attach(out, node, rule, parts):
             out = _not_a_view(out)
         if rule.saves_result and parts != ():
             node.result = saved_output(out)
-        dtype = _dtype(out)
-        out.__class__ = _TENSOR_CLS
-        if dtype in _DIFFERENTIABLE_DTYPES:
-            out._gg_node = node
+        _adopt(out, _TENSOR_CLS, node if _dtype(out) in _DIFFERENTIABLE_DTYPES else None)
         return out
     if isinstance(out, tuple):
         return _attach_tuple(out, node, rule, parts)

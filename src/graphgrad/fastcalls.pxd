@@ -64,9 +64,19 @@ cdef inline object call_fast2(CFunction c, object a, object b):
     return (<object>c.obj)(a, b)
 
 
+cdef inline object call_fast3(CFunction c, object a, object b, object d):
+    cdef PyObject* args[3]
+    if c.fn is not NULL:
+        args[0] = <PyObject*>a
+        args[1] = <PyObject*>b
+        args[2] = <PyObject*>d
+        return (<_meth_fast>c.fn)(c.self, args, 3)
+    return (<object>c.obj)(a, b, d)
+
+
 cdef CFunction _DTYPE, _NDIM, _SHAPE, _DEVICE, _VERSION, _IS_VIEW, _SAME_META, _REQUIRES_GRAD
 cdef CFunction _GRAD_ENABLED, _AUTOCAST, _ANOMALY, _PROTOCOL_ON, _PROTOCOL_OFF, _PROTOCOL_RESTORE
-cdef CFunction _SAVE_ALIAS
+cdef CFunction _SAVE_ALIAS, _ADOPT
 cdef object _native, _save_alias
 cdef tuple _HELD
 
@@ -85,3 +95,4 @@ cpdef object protocol_on()
 cpdef object protocol_off()
 cpdef object protocol_restore(object state)
 cpdef object save_alias(object t)
+cpdef object tensor_adopt(object t, object cls, object node)

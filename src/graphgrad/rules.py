@@ -39,7 +39,7 @@ import torch
 
 __all__ = ["Meta", "Rule", "RuleKind", "derivative", "node_name", "decomposition",
            "nondifferentiable", "RULES", "DIFFERENTIABLE", "DECOMPOSITION", "NONDIFFERENTIABLE",
-           "KEEP_NOTHING", "KEEP_VALUE", "KEEP_META", "qualified_name"]
+           "KEEP_NOTHING", "KEEP_VALUE", "KEEP_META", "qualified_name", "writes_first_argument"]
 
 #: torch function (as it reaches ``__torch_function__``) -> Rule
 RULES: dict[Any, Rule] = {}
@@ -201,7 +201,7 @@ class Rule:
     __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
                  "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for",
                  "family", "keep_cache", "elementwise", "defaults", "may_view", "saves",
-                 "differentiable_outputs", "view", "inplace_view")
+                 "differentiable_outputs", "view", "inplace_view", "writes")
 
     def __init__(self, fn: Callable, kind: RuleKind, name: str | None = None,
                  multi_output: bool = False, saved_for: dict | None = None,
@@ -214,6 +214,7 @@ class Rule:
         self.multi_output = multi_output
         self.differentiable_outputs = differentiable_outputs
         self.inplace_of = None
+        self.writes = None  # do its functions write into their first argument? (_register)
         self.keep_cache = {}  # which params need grad (bits) -> keep
         self.saves = saves
         self._set_traits(view, elementwise, inplace_view, family)
@@ -349,7 +350,24 @@ def _make_invoker(fn: Callable, params: list[inspect.Parameter]) -> Callable:
     return _compile(src, f"<graphgrad invoker for rule {_rule_path(fn)}>", {}, name)
 
 
+_INPLACE_DUNDERS = frozenset({
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__",
+    "__idiv__"})
+
+
+def writes_first_argument(func: Any) -> bool:
+    """``add_``, ``__iadd__``, ``__setitem__``: does ``func`` write into its first argument?
+    (torch's naming convention: a trailing underscore, or an in-place operator)"""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+
+
 def _register(funcs: tuple, rule: Rule) -> Rule:
+    # whether the rule's functions write into their first argument, decided once here rather
+    # than looked up per call (None, looked up per call, if they differ)
+    writes = {writes_first_argument(f) for f in funcs}
+    rule.writes = writes.pop() if len(writes) == 1 else None
     for f in funcs:
         if f in RULES and RULES[f] is not rule:
             raise ValueError(f"{qualified_name(f)} already has a rule ({RULES[f].name})")

@@ -51,7 +51,7 @@ from .fastcalls import torch_requires_grad as _torch_requires_grad
 from .graph import current_graph
 from .node import AccumulateGrad, interned, new_node, output_numbers
 from .references import nones, save_arguments, saved_output
-from .rules import qualified_name
+from .rules import qualified_name, writes_first_argument
 from .view_rules import AS_STRIDED_RULE, COPY_SLICES_RULE, ViewGeometry
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 
@@ -86,19 +86,13 @@ def _stamp(t):
     return _version(t) + 1
 
 
-_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
-                    "__irshift__", "__imatmul__", "__setitem__", "__idiv__"}
-
-
 def is_inplace(func) -> bool:
     """``add_``, ``__iadd__``, ``__setitem__``: functions that write into their first argument."""
     try:
         return _inplace_cache[func]
     except (KeyError, TypeError):
         pass
-    name = getattr(func, "__name__", "")
-    result = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+    result = writes_first_argument(func)
     try:
         _inplace_cache[func] = result
     except TypeError:

@@ -1,6 +1,8 @@
 # Cython declarations for wrap.py (pure-Python mode): the wrapping helpers are C functions that
 # the other engine modules cimport.
 
+from graphgrad.fastcalls cimport tensor_adopt
+
 cdef object _PlainTensor, _TENSOR_CLS
 cdef list _listeners
 

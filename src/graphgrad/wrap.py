@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .fastcalls import tensor_adopt
+
 __all__ = ["set_tensor_class", "on_tensor_class", "tensor_class", "wrap_output", "is_input",
            "wrap_plain"]
 
@@ -41,12 +43,11 @@ def tensor_class():
 
 
 def wrap_output(data, node, nr):
-    """Make a fresh plain tensor a graphgrad Tensor produced by output ``nr`` of ``node``."""
-    data.__class__ = _TENSOR_CLS
-    if node is not None:
-        data._gg_node = node
-        if nr:
-            data._gg_nr = nr
+    """Make a fresh plain tensor a graphgrad Tensor produced by output ``nr`` of ``node``
+    (the class switch and the node stored by one C call where the C++ module loaded)."""
+    tensor_adopt(data, _TENSOR_CLS, node)
+    if nr and node is not None:
+        data._gg_nr = nr
     return data
 
 
@@ -71,7 +72,7 @@ def wrap_plain(out, args, kwargs):
     tp = type(out)
     if tp is _PlainTensor:
         if not is_input(out, args, kwargs):
-            out.__class__ = _TENSOR_CLS
+            tensor_adopt(out, _TENSOR_CLS, None)
         return out
     if tp is tuple or tp is list:
         return tp([wrap_plain(o, args, kwargs) for o in out])

@@ -339,6 +339,68 @@ PyObject* protocol_on(PyObject*, PyObject*) {
   Py_RETURN_FALSE;
 }
 
+// -- a fresh output becoming a graphgrad tensor -------------------------------------------------
+// Recording an op turns the kernel's plain torch.Tensor into the tensor class and hangs the node on
+// it: `t.__class__ = cls; t._gg_node = node`. Through Python's setattr that is the class-assignment
+// check (object_set_class walks both types' layouts) and a generic attribute store, about 0.6
+// thousand instructions per op. adopt() does the same two stores directly for a class whose
+// layout was checked once (register_class): the type pointer swapped as object_set_class swaps it,
+// the node stored in the instance dict PyObject_GenericGetDict returns (made if absent, as
+// setattr makes it). Any other object or class takes Python's own setattr path.
+PyTypeObject* g_adopt_class = nullptr;  // a registered class with torch.Tensor's exact layout
+PyObject* g_node_name = nullptr;        // "_gg_node", interned
+
+// Could `obj.__class__ = sub` be done by swapping the type pointer? (object_set_class's test for
+// two heap types: same size, dict, weakref list, GC, dealloc and free; sub adds no slots)
+bool same_layout(PyTypeObject* base, PyTypeObject* sub) {
+  const unsigned long flags = Py_TPFLAGS_HEAPTYPE | Py_TPFLAGS_HAVE_GC;
+  return PyType_IsSubtype(sub, base) && (base->tp_flags & flags) == flags &&
+         (sub->tp_flags & flags) == flags && sub->tp_basicsize == base->tp_basicsize &&
+         sub->tp_itemsize == base->tp_itemsize && sub->tp_dictoffset == base->tp_dictoffset &&
+         sub->tp_weaklistoffset == base->tp_weaklistoffset && sub->tp_dealloc == base->tp_dealloc &&
+         sub->tp_free == base->tp_free &&
+         (sub->tp_flags & Py_TPFLAGS_MANAGED_DICT) == (base->tp_flags & Py_TPFLAGS_MANAGED_DICT);
+}
+
+PyObject* adopt_slow(PyObject* t, PyObject* cls, PyObject* node) {
+  if (PyObject_SetAttrString(t, "__class__", cls) < 0) return nullptr;
+  if (node != Py_None && PyObject_SetAttr(t, g_node_name, node) < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// adopt(t, cls, node): t.__class__ = cls, then t._gg_node = node unless node is None
+PyObject* adopt(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "adopt(t, cls, node) takes three arguments");
+    return nullptr;
+  }
+  PyObject* t = args[0];
+  PyObject* cls = args[1];
+  PyObject* node = args[2];
+  PyTypeObject* old = Py_TYPE(t);
+  if (reinterpret_cast<PyTypeObject*>(cls) != g_adopt_class || old != g_classes[0]) {
+    return adopt_slow(t, cls, node);
+  }
+#if PY_VERSION_HEX >= 0x030C0000
+  // from 3.12 an instance's attributes may live in the object itself, keyed by its class: made
+  // into a dict before the class changes, as object_set_class does
+  PyObject* dict = PyObject_GenericGetDict(t, nullptr);
+  if (!dict) return nullptr;
+#endif
+  Py_INCREF(cls);
+  Py_SET_TYPE(t, reinterpret_cast<PyTypeObject*>(cls));
+  Py_DECREF(reinterpret_cast<PyObject*>(old));
+#if PY_VERSION_HEX < 0x030C0000
+  if (node == Py_None) Py_RETURN_NONE;
+  PyObject* dict = PyObject_GenericGetDict(t, nullptr);  // the new class's shared keys, as setattr
+  if (!dict) return nullptr;
+#endif
+  int err = node == Py_None ? 0 : PyDict_SetItem(dict, g_node_name, node);
+  Py_DECREF(dict);
+  if (err < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
 PyObject* register_class(PyObject*, PyObject* cls) {
   if (!PyType_Check(cls) || !PyObject_IsSubclass(cls, THPVariableClass)) {
     PyErr_SetString(PyExc_TypeError, "register_class takes a subclass of torch.Tensor");
@@ -354,6 +416,7 @@ PyObject* register_class(PyObject*, PyObject* cls) {
   }
   Py_INCREF(cls);
   g_classes[g_n_classes++] = tp;
+  if (!g_adopt_class && same_layout(g_classes[0], tp)) g_adopt_class = tp;
   Py_RETURN_NONE;
 }
 
@@ -384,7 +447,10 @@ PyMethodDef methods[] = {
     {"protocol_on", protocol_on, METH_NOARGS,
      "The torch-function protocol is on and no torch-function mode is active."},
     {"register_class", register_class, METH_O,
-     "Read instances of this torch.Tensor subclass directly too (graphgrad.Tensor)."},
+     "Read instances of this torch.Tensor subclass directly too (graphgrad.Tensor); adopt() "
+     "switches plain tensors to the first one registered with torch.Tensor's layout."},
+    {"adopt", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(adopt)),
+     METH_FASTCALL, "adopt(t, cls, node): t.__class__ = cls; t._gg_node = node (unless None)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "graphgrad._tensor_meta",
@@ -448,6 +514,8 @@ PyMODINIT_FUNC PyInit__tensor_meta() {
   }
   Py_INCREF(THPVariableClass);
   g_classes[g_n_classes++] = reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  g_node_name = PyUnicode_InternFromString("_gg_node");
+  if (!g_node_name) return nullptr;
   SavedAliasType.tp_name = "graphgrad._tensor_meta.SavedAlias";
   SavedAliasType.tp_basicsize = sizeof(SavedAlias);
   SavedAliasType.tp_dealloc = alias_dealloc;
