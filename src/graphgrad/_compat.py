@@ -10,6 +10,8 @@ older torch versions (>= the minimum in pyproject.toml) working where an API is 
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch._decomp  # noqa: F401 - already imported by torch; named for decompose.py
 import torch.utils._pytree as pytree  # flattens a captured step's arguments (what torch.compile uses)
@@ -23,7 +25,8 @@ __all__ = [
     "is_grad_enabled", "set_grad_enabled",
     "torch_function_enabled", "torch_function_mode_enabled", "autocast_enabled", "protocol_on",
     "tensor_shape", "tensor_dtype", "tensor_device", "tensor_ndim", "tensor_same_size",
-    "tensor_same_meta", "tensor_adopt", "native_meta", "register_tensor_class",
+    "tensor_same_meta", "tensor_adopt", "kernel_below_autograd",
+    "kernel_mode", "native_meta", "register_tensor_class",
     "tensor_version", "tensor_is_view", "torch_requires_grad",
     "torch_grad_fn", "get_grad", "set_grad", "has_internal_overlap", "VariableFunctions",
     "nn_functions", "special_functions", "flatten_dense_tensors", "unflatten_dense_tensors",
@@ -120,9 +123,76 @@ def _setattr_adopt(t, cls, node) -> None:
         t._gg_node = node
 
 
+#: kernel_mode's answers: call as is; below torch's autograd kernels; below them and below
+#: ADInplaceOrView as well
+KERNEL_AS_IS, KERNEL_BELOW_AUTOGRAD, KERNEL_BELOW_INPLACE_OR_VIEW = 0, 1, 2
+
+#: ATen ops whose autograd kernel does more than record (written by hand in torch's
+#: VariableTypeManual.cpp): always called through it
+_MANUAL_AUTOGRAD = frozenset({
+    "detach", "detach_", "requires_grad_", "retain_grad", "retains_grad", "_backward", "set_data", "data",
+    "_fw_primal", "_make_dual", "_version", "output_nr", "is_leaf", "resize_", "resize_as_",
+    "_unpack_dual", "_new_zeros_with_same_feature_meta", "_has_same_storage_numel"})
+
+
+_C_FUNCTIONS = (types.BuiltinFunctionType, types.MethodDescriptorType)
+
+
+def kernel_mode(func) -> int:
+    """How the kernel of a torch function may be called when torch's autograd has nothing to
+    record (the C++ module's ``kernel_below_autograd`` asks once per function).
+
+    Below its autograd kernel a call must dispatch as that kernel would have: an ATen op whose
+    overloads (all but ``out=`` ones) have a generated autograd kernel and no composite one
+    (which runs at the autograd key, its inner ops each through theirs). One whose schema writes
+    into an argument or returns a view of one goes on from ADInplaceOrView (which makes the views
+    and bumps version counters, and excludes itself for the kernel's inner calls); any other op
+    below ADInplaceOrView too, as its autograd kernel redispatches. Anything else (a Python
+    function, an operator, an op written by hand in torch's VariableTypeManual.cpp, overloads
+    that disagree) is called as is.
+    """
+    if not isinstance(func, _C_FUNCTIONS):  # a Python function may do more than the op
+        return KERNEL_AS_IS
+    name = getattr(func, "__name__", "")
+    if not name or name.startswith("__") or name in _MANUAL_AUTOGRAD:
+        return KERNEL_AS_IS
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return KERNEL_AS_IS
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    modes = set()
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        args = op._schema.arguments
+        if not any("Tensor" in str(a.type) for a in args):
+            continue  # TorchScript's list, string and number overloads
+        if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in args):
+            continue  # out= (such calls are called as they are)
+        try:
+            full = op.name()
+            if has(full, "CompositeImplicitAutograd") or not has(full, "Autograd"):
+                return KERNEL_AS_IS
+        except RuntimeError:  # an overload only TorchScript knows: no binding calls it
+            continue
+        aliases = any(a.alias_info is not None for a in args) or any(
+            r.alias_info is not None for r in op._schema.returns)
+        modes.add(KERNEL_BELOW_AUTOGRAD if aliases else KERNEL_BELOW_INPLACE_OR_VIEW)
+    return modes.pop() if len(modes) == 1 else KERNEL_AS_IS
+
+
+def _plain_kernel(func, args, kwargs):
+    """``func(*args, **kwargs)`` (the C++ module's ``kernel_below_autograd`` skips torch's
+    autograd kernels, which have nothing to record in the calls graphgrad records)."""
+    return func(*args, **(kwargs or {}))
+
+
 tensor_adopt = _setattr_adopt
+kernel_below_autograd = _plain_kernel
 if native_meta is not None:
     tensor_adopt = native_meta.adopt
+    kernel_below_autograd = native_meta.kernel_below_autograd
+    native_meta.set_kernel_mode(kernel_mode)
     tensor_shape = native_meta.shape
     tensor_dtype = native_meta.dtype
     tensor_ndim = native_meta.ndim

@@ -15,7 +15,9 @@ from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 cimport cython
 
 from graphgrad.fastcalls cimport (autocast_enabled as _autocast_enabled,
-                                  grad_enabled as _grad_enabled, protocol_off as _protocol_off,
+                                  grad_enabled as _grad_enabled,
+                                  kernel_below_autograd as _kernel_below_autograd,
+                                  protocol_off as _protocol_off,
                                   protocol_on as _protocol_on,
                                   protocol_restore as _protocol_restore, tensor_adopt as _adopt,
                                   tensor_dtype as _dtype,

@@ -22,6 +22,7 @@ from .decompose import find as find_decomposition
 from .decompose import no_rule_error
 from .fastcalls import autocast_enabled as _autocast_enabled
 from .fastcalls import grad_enabled as _grad_enabled
+from .fastcalls import kernel_below_autograd as _kernel_below_autograd
 from .fastcalls import protocol_off as _protocol_off  # (no context-manager objects per op)
 from .fastcalls import protocol_on as _protocol_on  # on, and no torch-function mode
 from .fastcalls import protocol_restore as _protocol_restore
@@ -229,7 +230,7 @@ def call(func, args, kwargs):
             if (rule is not None and (rule.may_view or not rule.elementwise)) or (
                     args and type(args[0]) is _TENSOR_CLS and args[0]._gg_view_tag):
                 return unrecorded_view_op(func, rule, args, kwargs)
-            return wrap_plain(func(*args, **kwargs), args, kwargs)
+            return wrap_plain(_kernel_below_autograd(func, args, kwargs), args, kwargs)
         silent = needs == TORCH_TRACKED
         if rule is None and not silent:  # torch's own decomposition, if it has one
             rule = find_decomposition(func, args, kwargs)

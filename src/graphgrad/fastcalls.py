@@ -3,7 +3,7 @@ functions by the compiled engine.
 
 Recording an op reads about a dozen things through graphgrad._tensor_meta (tensor_meta.cpp):
 dtype, ndim and version of tensors, grad mode, autocast, the torch-function protocol's switch,
-the output's class switch;
+the output's class switch, the kernel's call below torch's autograd;
 and whether anomaly mode is on (torch.is_anomaly_enabled). Each is a C function of ~20
 instructions; called as a Python function object it costs the call protocol around it too
 (~70 instructions: the global's lookup, the flags test, the recursion check). Compiled, the
@@ -27,7 +27,7 @@ from . import _compat
 __all__ = ["tensor_dtype", "tensor_ndim", "tensor_shape", "tensor_device", "tensor_version",
            "tensor_is_view", "tensor_same_meta", "torch_requires_grad", "grad_enabled",
            "autocast_enabled", "anomaly_enabled", "protocol_on", "protocol_off",
-           "protocol_restore", "save_alias", "tensor_adopt"]
+           "protocol_restore", "save_alias", "tensor_adopt", "kernel_below_autograd"]
 
 _native = _compat.native_meta
 #: the C++ reader's alias of an output kept for backward, or None without the C++ module
@@ -39,7 +39,8 @@ _HELD = (_compat.tensor_dtype, _compat.tensor_ndim, _compat.tensor_shape, _compa
          _compat.tensor_version, _compat.tensor_is_view, _compat.tensor_same_meta,
          _compat.torch_requires_grad, _compat.is_grad_enabled, _compat.autocast_enabled,
          torch.is_anomaly_enabled, _compat.protocol_on, _compat.protocol_off,
-         _compat.protocol_restore, _save_alias, _compat.tensor_adopt)
+         _compat.protocol_restore, _save_alias, _compat.tensor_adopt,
+         _compat.kernel_below_autograd)
 
 if cython.compiled:  # the C function behind each object, or NULL (then the object is called)
     _DTYPE = c_function(_compat.tensor_dtype, METH_O)  # noqa: F821 (fastcalls.pxd)
@@ -58,6 +59,7 @@ if cython.compiled:  # the C function behind each object, or NULL (then the obje
     _PROTOCOL_RESTORE = c_function(_compat.protocol_restore, METH_O)  # noqa: F821
     _SAVE_ALIAS = c_function(_save_alias, METH_O)  # noqa: F821
     _ADOPT = c_function(_compat.tensor_adopt, METH_FASTCALL)  # noqa: F821
+    _BELOW = c_function(_compat.kernel_below_autograd, METH_FASTCALL)  # noqa: F821
 
 
 def tensor_dtype(t):
@@ -126,6 +128,11 @@ def tensor_adopt(t, cls, node):
     return call_fast3(_ADOPT, t, cls, node)  # noqa: F821
 
 
+def kernel_below_autograd(func, args, kwargs):
+    """``func(*args, **kwargs)``, below torch's autograd kernels where the C++ module can."""
+    return call_fast3(_BELOW, func, args, kwargs)  # noqa: F821
+
+
 if not cython.compiled:  # the pure-Python engine calls _compat's functions themselves
     tensor_dtype = _compat.tensor_dtype
     tensor_ndim = _compat.tensor_ndim
@@ -142,5 +149,6 @@ if not cython.compiled:  # the pure-Python engine calls _compat's functions them
     protocol_off = _compat.protocol_off
     protocol_restore = _compat.protocol_restore
     tensor_adopt = _compat.tensor_adopt
+    kernel_below_autograd = _compat.kernel_below_autograd
     if _save_alias is not None:
         save_alias = _save_alias

@@ -9,7 +9,9 @@ from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython
 
-from graphgrad.fastcalls cimport (grad_enabled as _grad_enabled, tensor_device as _device,
+from graphgrad.fastcalls cimport (grad_enabled as _grad_enabled,
+                                  kernel_below_autograd as _kernel_below_autograd,
+                                  tensor_device as _device,
                                   tensor_dtype as _dtype, tensor_is_view as _is_view,
                                   tensor_ndim as _ndim, tensor_same_meta as _same_meta,
                                   tensor_shape as _shape, tensor_version as _version,

@@ -40,6 +40,7 @@ from .codes import (
     TORCH_LEAF,
 )
 from .fastcalls import grad_enabled as _grad_enabled
+from .fastcalls import kernel_below_autograd as _kernel_below_autograd
 from .fastcalls import tensor_device as _device
 from .fastcalls import tensor_dtype as _dtype
 from .fastcalls import tensor_is_view as _is_view
@@ -143,8 +144,8 @@ def kernel(func, args, kwargs, silent):
     is tracked by torch's own autograd, which must not record what graphgrad records."""
     if type(func) is _OpOverload:  # an ATen overload: its __call__ is a Python frame around _op
         func = func._op
-    if not silent:
-        return func(*args, **kwargs)
+    if not silent:  # nothing for torch's autograd to record: below its kernels, as a C call
+        return _kernel_below_autograd(func, args, kwargs)
     _set_grad_enabled(False)
     try:
         return func(*args, **kwargs)
@@ -159,11 +160,11 @@ def no_grad_view_op(func, rule, args, kwargs):
     self = args[0] if args else None
     node = node_of(self) if rule.inplace_of is not None and isinstance(self, TensorBase) else None
     if node is None or type(node) is AccumulateGrad:
-        out = func(*args, **kwargs)
+        out = _kernel_below_autograd(func, args, kwargs)
         _tag_views(out, args, kwargs, NO_GRAD_VIEW)
         return wrap_plain(out, args, kwargs)
     shape = _shape(self)
-    out = func(*args, **kwargs)
+    out = _kernel_below_autograd(func, args, kwargs)
     if _shape(self) != shape:
         note_reshaped(node, self._gg_nr, shape)
     return out
@@ -173,7 +174,7 @@ def no_grad_op(func, rule, args, kwargs):
     """An op under no_grad that makes no view of its inputs. Its output may still be a view of
     the kernel's own temporary (avg_pool1d's squeeze, einsum's permute): torch marks it as made
     in no-grad mode, so it may not be changed in place with grad mode on; so do we."""
-    out = func(*args, **kwargs)
+    out = _kernel_below_autograd(func, args, kwargs)
     if _may_view_a_temporary(rule):
         _tag_views(out, args, kwargs, NO_GRAD_VIEW)
     return wrap_plain(out, args, kwargs)
@@ -750,7 +751,7 @@ def unrecorded_view_op(func, rule, args, kwargs):
     tag = getattr(args[0], "_gg_view_tag", NO_VIEW_TAG) if args else NO_VIEW_TAG
     if tag != NO_VIEW_TAG and tag != PLAIN_VIEW and is_inplace(func) and base_requires_grad(args[0]):
         raise RuntimeError(view_tag_message(qualified_name(func), tag))
-    out = func(*args, **kwargs)
+    out = _kernel_below_autograd(func, args, kwargs)
     if rule is not None and rule.may_view:
         # torch: outputs of an unrecorded split count as made under no_grad, whatever marked
         # their base (the newest mark wins, as in its propagate_creation_meta); a single view

@@ -21,9 +21,11 @@
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Size.h>
+#include <torch/csrc/autograd/forward_grad.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <string>
+#include <unordered_map>
 
 namespace {
 
@@ -401,6 +403,122 @@ PyObject* adopt(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// -- the kernel of an op graphgrad records --------------------------------------------------------
+// graphgrad records the op itself, and torch's autograd has nothing to record: no argument of such
+// a call requires grad in torch's sense (dispatch sends those through with torch's grad mode off).
+// Still every call passes torch's autograd kernel (VariableType), which finds that out again per
+// op: ~0.15 us of a ~0.9 us small op. kernel_below_autograd() skips it, and must then dispatch
+// exactly as that kernel would have: it redispatches a view or in-place op below the autograd
+// keys (ADInplaceOrView then makes views and bumps version counters, and excludes itself for the
+// kernel's inner calls) and any other op below ADInplaceOrView too (so a kernel's inner views and
+// writes, stack's view of its cat, are not marked). Which of the two, or neither (a composite op,
+// which runs at the autograd key and whose inner ops pass autograd each), is asked once per
+// function of a Python classifier (_compat.kernel_mode) and remembered. Not below at all: a call
+// with out=, while a forward-AD level is open (VariableType computes tangents), or with a key in
+// play that sees calls before the backend (kInterposing).
+bool forward_ad_open() {
+  return torch::autograd::ForwardADLevel::try_get_by_idx(0) != nullptr;
+}
+
+// Keys that see a call before or instead of the backend kernel: Python subclasses and modes,
+// functorch's transforms, functionalization, tracing. With any of them in play, on a tensor
+// argument or switched on for the thread, the call goes through autograd as before.
+constexpr c10::DispatchKeySet kInterposing = c10::python_ks | c10::DispatchKeySet({
+    c10::DispatchKey::PythonDispatcher, c10::DispatchKey::PreDispatch,
+    c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchDynamicLayerBackMode,
+    c10::DispatchKey::FuncTorchDynamicLayerFrontMode, c10::DispatchKey::FuncTorchBatched,
+    c10::DispatchKey::FuncTorchVmapMode, c10::DispatchKey::FuncTorchGradWrapper,
+    c10::DispatchKey::BatchedNestedTensor});
+
+// Is obj (a call's argument; lists and tuples one level deep) free of such keys? Only
+// torch.Tensor and the registered classes are looked into; any other tensor subclass answers no.
+bool plain_argument(PyObject* obj, bool outer) {
+  if (readable(obj)) {
+    return !THPVariable_Unpack(obj).key_set().has_any(kInterposing);
+  }
+  if (outer && (PyTuple_Check(obj) || PyList_Check(obj))) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+    PyObject** items = PySequence_Fast_ITEMS(obj);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!plain_argument(items[i], false)) return false;
+    }
+    return true;
+  }
+  // (a C subtype test: THPVariable_Check's isinstance would ask torch.Tensor's metaclass)
+  return !PyType_IsSubtype(Py_TYPE(obj), reinterpret_cast<PyTypeObject*>(THPVariableClass));
+}
+
+PyObject* g_out_name = nullptr;  // "out", interned
+
+// May this call skip autograd and dispatch as it would have from there?
+bool may_go_below(PyObject* args, PyObject* kwargs) {
+  if (c10::impl::tls_local_dispatch_key_set().included_ != c10::default_included_set ||
+      forward_ad_open()) {
+    return false;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!plain_argument(PyTuple_GET_ITEM(args, i), true)) return false;
+  }
+  if (kwargs) {
+    if (PyDict_GetItemWithError(kwargs, g_out_name)) return false;
+    if (PyErr_Occurred()) PyErr_Clear();
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(kwargs, &pos, &key, &value)) {
+      if (!plain_argument(value, true)) return false;
+    }
+  }
+  return true;
+}
+
+constexpr int kAsIs = 0, kBelowAutograd = 1, kBelowInplaceOrView = 2;  // _compat.KERNEL_*
+PyObject* g_kernel_mode = nullptr;         // _compat.kernel_mode (set_kernel_mode)
+std::unordered_map<PyObject*, int> g_modes;  // function -> its mode (the function held)
+
+int mode_of(PyObject* func) {
+  auto it = g_modes.find(func);
+  if (it != g_modes.end()) return it->second;
+  if (!g_kernel_mode) return kAsIs;
+  PyObject* r = PyObject_CallOneArg(g_kernel_mode, func);
+  long mode = r ? PyLong_AsLong(r) : -1;
+  Py_XDECREF(r);
+  if (mode < kAsIs || mode > kBelowInplaceOrView) {
+    PyErr_Clear();  // a function the classifier cannot read is called as it is
+    mode = kAsIs;
+  }
+  if (g_modes.emplace(func, static_cast<int>(mode)).second) Py_INCREF(func);
+  return static_cast<int>(mode);
+}
+
+// kernel_below_autograd(func, args, kwargs): func(*args, **kwargs), below torch's autograd kernel
+// where that dispatches as the kernel would have
+PyObject* kernel_below_autograd(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_Check(a[1]) || (a[2] != Py_None && !PyDict_Check(a[2]))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "kernel_below_autograd(func, args: tuple, kwargs: dict | None)");
+    return nullptr;
+  }
+  PyObject* func = a[0];
+  PyObject* kwargs = a[2] != Py_None && PyDict_GET_SIZE(a[2]) ? a[2] : nullptr;
+  const int mode = mode_of(func);
+  if (mode == kAsIs || !may_go_below(a[1], kwargs)) return PyObject_Call(func, a[1], kwargs);
+  c10::impl::ExcludeDispatchKeyGuard below(mode == kBelowAutograd
+                                               ? c10::autograd_dispatch_keyset
+                                               : c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+  return PyObject_Call(func, a[1], kwargs);
+}
+
+PyObject* set_kernel_mode(PyObject*, PyObject* fn) {
+  if (!PyCallable_Check(fn)) {
+    PyErr_SetString(PyExc_TypeError, "set_kernel_mode takes a function");
+    return nullptr;
+  }
+  Py_INCREF(fn);
+  Py_XSETREF(g_kernel_mode, fn);
+  Py_RETURN_NONE;
+}
+
 PyObject* register_class(PyObject*, PyObject* cls) {
   if (!PyType_Check(cls) || !PyObject_IsSubclass(cls, THPVariableClass)) {
     PyErr_SetString(PyExc_TypeError, "register_class takes a subclass of torch.Tensor");
@@ -449,6 +567,13 @@ PyMethodDef methods[] = {
     {"register_class", register_class, METH_O,
      "Read instances of this torch.Tensor subclass directly too (graphgrad.Tensor); adopt() "
      "switches plain tensors to the first one registered with torch.Tensor's layout."},
+    {"kernel_below_autograd",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(kernel_below_autograd)),
+     METH_FASTCALL,
+     "func(*args, **kwargs) below torch's autograd kernel where it dispatches as that would."},
+    {"set_kernel_mode", set_kernel_mode, METH_O,
+     "The function kernel_below_autograd asks, once per function: 0 as is, 1 below autograd, 2 "
+     "below ADInplaceOrView too."},
     {"adopt", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(adopt)),
      METH_FASTCALL, "adopt(t, cls, node): t.__class__ = cls; t._gg_node = node (unless None)."},
     {nullptr, nullptr, 0, nullptr}};
@@ -515,7 +640,8 @@ PyMODINIT_FUNC PyInit__tensor_meta() {
   Py_INCREF(THPVariableClass);
   g_classes[g_n_classes++] = reinterpret_cast<PyTypeObject*>(THPVariableClass);
   g_node_name = PyUnicode_InternFromString("_gg_node");
-  if (!g_node_name) return nullptr;
+  g_out_name = PyUnicode_InternFromString("out");
+  if (!g_node_name || !g_out_name) return nullptr;
   SavedAliasType.tp_name = "graphgrad._tensor_meta.SavedAlias";
   SavedAliasType.tp_basicsize = sizeof(SavedAlias);
   SavedAliasType.tp_dealloc = alias_dealloc;
