@@ -7,6 +7,7 @@ cdef class AutogradGraph:
     cdef public list pending
     cdef public Py_ssize_t _prune_at, _compact_at
     cdef object __weakref__
+    cpdef _compact(self)
 
 cdef Py_ssize_t _COMPACT_AT
 cdef Py_ssize_t _graphs_made
@@ -21,11 +22,21 @@ cdef extern from "Python.h":
     PyObject* PyThreadState_GetDict()
 
 
+cdef extern from *:
+    """
+    static inline int gg_weakref_alive(PyObject* ref) {
+        return PyWeakref_GET_OBJECT(ref) != Py_None;
+    }
+    """
+    bint gg_weakref_alive(object ref)
+
+
 cdef inline dict thread_dict():
     """This thread's state dict (borrowed; never NULL while the GIL is held)."""
     return <dict>PyThreadState_GetDict()
 
 @cython.locals(stack=list)
 cpdef AutogradGraph current_graph()
+cdef bint _alive(object ref)
 @cython.locals(stack=list, state=dict)
 cpdef list _stack()

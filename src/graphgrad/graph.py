@@ -76,6 +76,14 @@ def default_graph() -> AutogradGraph:
     return _stack()[0]
 
 
+def _alive(ref) -> bool:
+    """Does a pending weak reference's node still live? (compiled: a read of the reference,
+    not a call of it; the compaction asks it of every pending entry)"""
+    if cython.compiled:
+        return gg_weakref_alive(ref)  # noqa: F821 (graph.pxd)
+    return ref() is not None
+
+
 class AutogradGraph:
     """A scope that records ops into a rustworkx graph and releases them on exit.
 
@@ -139,7 +147,7 @@ class AutogradGraph:
 
     def _compact(self) -> None:
         """Drop pending entries whose Node has died, so recording without queries stays flat."""
-        live = [ref for ref in self.pending if ref() is not None]
+        live = [ref for ref in self.pending if _alive(ref)]
         self.pending = live
         self._compact_at = max(_COMPACT_AT, 2 * len(live))
 
