@@ -34,6 +34,7 @@ cdef class SavedResult:
     cpdef object value(self)
     cpdef object kept(self)
     cpdef object check(self, object name)
+@cython.locals(result=SavedResult, multi=bint)
 cpdef object saved_output(object out)
 cdef object _alias(object t)
 cdef object _alias_version(object t)
