@@ -138,7 +138,7 @@ _MANUAL_AUTOGRAD = frozenset({
 _C_FUNCTIONS = (types.BuiltinFunctionType, types.MethodDescriptorType)
 
 
-def kernel_mode(func) -> int:
+def kernel_mode(func) -> int:  # (checked on torch 2.13)
     """How the kernel of a torch function may be called when torch's autograd has nothing to
     record (the C++ module's ``kernel_below_autograd`` asks once per function).
 
