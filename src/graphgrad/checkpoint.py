@@ -113,7 +113,9 @@ class _Frame:
                 if version != a.version:
                     raise RuntimeError(modified_message(
                         name, f"checkpointed input {i}", a.value, a.version))
-                if a.non_leaf and a.value._gg_node is None:  # detach_()ed since (torch refuses)
+                # detach_()ed since: no grad_fn now, none or a leaf's after requires_grad_()
+                # (torch refuses both)
+                if a.non_leaf and a.value.grad_fn is None:
                     raise RuntimeError(detached_message(name, f"checkpointed input {i}"))
 
     def recompute(self):

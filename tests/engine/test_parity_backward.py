@@ -418,6 +418,17 @@ def test_a_saved_tensor_detached_in_place_after_it_was_saved_is_refused():
 
     same_as_torch(leaf_again, RuntimeError, "detached in-place", "use the out-of-place .detach()")
 
+    def checkpointed_leaf_again(lib):  # found by a fuzz run (seed 73): the same for checkpoint
+        x = lib.leaf([0.5, -1.0])
+        y = x.abs()
+        z = lib.checkpoint(lambda a: a.sin() * a, y)
+        y.detach_()
+        y.requires_grad_(True)
+        z.sum().backward()
+
+    same_as_torch(checkpointed_leaf_again, RuntimeError, "detached in-place",
+                  "use the out-of-place .detach()")
+
     def given_a_grad_fn_again(lib):  # an in-place op gives it one: the version check speaks
         x = lib.leaf([0.5, -1.0])
         y = x.abs()
