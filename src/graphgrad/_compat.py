@@ -25,7 +25,7 @@ __all__ = [
     "is_grad_enabled", "set_grad_enabled",
     "torch_function_enabled", "torch_function_mode_enabled", "autocast_enabled", "protocol_on",
     "tensor_shape", "tensor_dtype", "tensor_device", "tensor_ndim", "tensor_same_size",
-    "tensor_same_meta", "tensor_adopt", "kernel_below_autograd",
+    "tensor_same_meta", "tensor_adopt", "kernel_below_autograd", "accumulate_in_place",
     "kernel_mode", "native_meta", "register_tensor_class",
     "tensor_version", "tensor_is_view", "torch_requires_grad",
     "torch_grad_fn", "get_grad", "set_grad", "has_internal_overlap", "VariableFunctions",
@@ -34,7 +34,7 @@ __all__ = [
     "script_function", "executor_optimize", "set_executor_optimize", "parse_schema", "pytree",
     "MEMORY_FORMAT_CODES", "LAYOUT_CODES", "inplace_view_tag", "is_write_argument",
     "bound_function", "NoTorchFunction", "linalg_functions", "fft_functions", "OpOverload",
-    "OpOverloadPacket", "aten_ops", "decomposition_table", "resolve_overload",
+    "OpOverloadPacket", "aten_ops", "decomposition_table", "resolve_overload", "has_aten_op",
 ]
 
 # -- the torch-function protocol and grad mode -------------------------------------------
@@ -115,6 +115,12 @@ if not (env_flag("GRAPHGRAD_PURE_PYTHON") or env_flag("GRAPHGRAD_NO_NATIVE")):
         native_meta = None
 
 
+def _never_in_place(buf, nr, g) -> bool:
+    """Without the C++ module backward's buffers always sum out of place: whether anything else
+    holds a gradient's tensor or storage is not known in Python."""
+    return False
+
+
 def _setattr_adopt(t, cls, node) -> None:
     """``t.__class__ = cls``, then ``t._gg_node = node`` unless ``node`` is None (Python's
     setattr; the C++ module's ``adopt`` does the same stores directly)."""
@@ -189,8 +195,10 @@ def _plain_kernel(func, args, kwargs):
 
 tensor_adopt = _setattr_adopt
 kernel_below_autograd = _plain_kernel
+accumulate_in_place = _never_in_place
 if native_meta is not None:
     tensor_adopt = native_meta.adopt
+    accumulate_in_place = native_meta.accumulate_in_place
     kernel_below_autograd = native_meta.kernel_below_autograd
     native_meta.set_kernel_mode(kernel_mode)
     tensor_shape = native_meta.shape
@@ -233,6 +241,12 @@ aten_ops = torch.ops.aten
 decomposition_table = torch._decomp.decomposition_table
 #: ("aten::sum", *args, **kwargs) -> the overload name torch's schema matching picks
 resolve_overload = torch._C._jit_resolve_packet
+
+
+def has_aten_op(name: str) -> bool:
+    """Is there any ATen op called ``name`` ("aten::sum")? (resolve_overload answers a name
+    with none by raising, which costs about 20 microseconds a call)"""
+    return bool(torch._C._jit_get_schemas_for_operator(name))
 
 # -- DataParallel's gradient buckets: torch DDP's own flatten helpers (checked on torch 2.13) --
 flatten_dense_tensors = _flatten_dense_tensors

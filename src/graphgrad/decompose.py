@@ -36,6 +36,7 @@ _OpOverload = _compat.OpOverload
 _OpOverloadPacket = _compat.OpOverloadPacket
 _TABLE = _compat.decomposition_table
 _resolve = _compat.resolve_overload
+_op_names: dict[str, bool] = {}  # "aten::name" -> is there such an op at all
 _aten = _compat.aten_ops
 _FunctionType = types.FunctionType
 
@@ -128,6 +129,11 @@ def _overload_name(func, args, kwargs):
         name = func._qualified_op_name
     else:
         name = "aten::" + (getattr(func, "__name__", "") or "")
+    exists = _op_names.get(name)
+    if exists is None:  # (a property's __get__, a Python method: asked once per name)
+        exists = _op_names[name] = _compat.has_aten_op(name)
+    if not exists:
+        return None
     try:
         return _resolve(name, *args, **kwargs)
     except Exception:  # noqa: BLE001 - no such op, or no overload takes these arguments

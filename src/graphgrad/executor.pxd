@@ -4,6 +4,7 @@
 from graphgrad._torch_types cimport TensorBase
 cimport cython
 from graphgrad.node cimport AccumulateGrad, Node
+from graphgrad.fastcalls cimport accumulate_in_place as _accumulate_in_place
 
 cdef object _Disable, _set_grad_enabled, _PlainTensor, _heappush, _heappop
 cdef object _shape, _dtype, _device, _ndim

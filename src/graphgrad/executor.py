@@ -28,6 +28,7 @@ from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when
 
 from . import _compat
 from .codes import GG_LEAF, RELEASED_AFTER_BACKWARD, RELEASED_WITH_GRAPH, TORCH_BRIDGE, TORCH_LEAF
+from .fastcalls import accumulate_in_place as _accumulate_in_place
 from .node import AccumulateGrad, Node
 from .view_rules import COPY_SLICES_RULE
 from .views import current_node
@@ -529,8 +530,10 @@ def _add_to_buffer(buffers, node, nr, g):
     if buf is None:
         buf = [None] * node.num_outputs
         buffers[node] = buf
-    old = buf[nr]
-    buf[nr] = g if old is None else old + g
+    if buf[nr] is None:
+        buf[nr] = g
+    elif not _accumulate_in_place(buf, nr, g):  # (holds no reference of its own to buf[nr])
+        buf[nr] = buf[nr] + g
 
 
 def _not_a_tensor(g, node, j):

@@ -76,7 +76,7 @@ cdef inline object call_fast3(CFunction c, object a, object b, object d):
 
 cdef CFunction _DTYPE, _NDIM, _SHAPE, _DEVICE, _VERSION, _IS_VIEW, _SAME_META, _REQUIRES_GRAD
 cdef CFunction _GRAD_ENABLED, _AUTOCAST, _ANOMALY, _PROTOCOL_ON, _PROTOCOL_OFF, _PROTOCOL_RESTORE
-cdef CFunction _SAVE_ALIAS, _ADOPT, _BELOW
+cdef CFunction _SAVE_ALIAS, _ADOPT, _BELOW, _ACCUMULATE
 cdef object _native, _save_alias
 cdef tuple _HELD
 
@@ -97,3 +97,4 @@ cpdef object protocol_restore(object state)
 cpdef object save_alias(object t)
 cpdef object tensor_adopt(object t, object cls, object node)
 cpdef object kernel_below_autograd(object func, object args, object kwargs)
+cpdef object accumulate_in_place(object buf, object nr, object g)

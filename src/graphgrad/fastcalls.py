@@ -27,7 +27,8 @@ from . import _compat
 __all__ = ["tensor_dtype", "tensor_ndim", "tensor_shape", "tensor_device", "tensor_version",
            "tensor_is_view", "tensor_same_meta", "torch_requires_grad", "grad_enabled",
            "autocast_enabled", "anomaly_enabled", "protocol_on", "protocol_off",
-           "protocol_restore", "save_alias", "tensor_adopt", "kernel_below_autograd"]
+           "protocol_restore", "save_alias", "tensor_adopt", "kernel_below_autograd",
+           "accumulate_in_place"]
 
 _native = _compat.native_meta
 #: the C++ reader's alias of an output kept for backward, or None without the C++ module
@@ -40,7 +41,7 @@ _HELD = (_compat.tensor_dtype, _compat.tensor_ndim, _compat.tensor_shape, _compa
          _compat.torch_requires_grad, _compat.is_grad_enabled, _compat.autocast_enabled,
          torch.is_anomaly_enabled, _compat.protocol_on, _compat.protocol_off,
          _compat.protocol_restore, _save_alias, _compat.tensor_adopt,
-         _compat.kernel_below_autograd)
+         _compat.kernel_below_autograd, _compat.accumulate_in_place)
 
 if cython.compiled:  # the C function behind each object, or NULL (then the object is called)
     _DTYPE = c_function(_compat.tensor_dtype, METH_O)  # noqa: F821 (fastcalls.pxd)
@@ -60,6 +61,7 @@ if cython.compiled:  # the C function behind each object, or NULL (then the obje
     _SAVE_ALIAS = c_function(_save_alias, METH_O)  # noqa: F821
     _ADOPT = c_function(_compat.tensor_adopt, METH_FASTCALL)  # noqa: F821
     _BELOW = c_function(_compat.kernel_below_autograd, METH_FASTCALL)  # noqa: F821
+    _ACCUMULATE = c_function(_compat.accumulate_in_place, METH_FASTCALL)  # noqa: F821
 
 
 def tensor_dtype(t):
@@ -133,6 +135,11 @@ def kernel_below_autograd(func, args, kwargs):
     return call_fast3(_BELOW, func, args, kwargs)  # noqa: F821
 
 
+def accumulate_in_place(buf, nr, g):
+    """``buf[nr].add_(g)`` where torch's engine would add in place; True if done."""
+    return call_fast3(_ACCUMULATE, buf, nr, g)  # noqa: F821
+
+
 if not cython.compiled:  # the pure-Python engine calls _compat's functions themselves
     tensor_dtype = _compat.tensor_dtype
     tensor_ndim = _compat.tensor_ndim
@@ -150,5 +157,6 @@ if not cython.compiled:  # the pure-Python engine calls _compat's functions them
     protocol_restore = _compat.protocol_restore
     tensor_adopt = _compat.tensor_adopt
     kernel_below_autograd = _compat.kernel_below_autograd
+    accumulate_in_place = _compat.accumulate_in_place
     if _save_alias is not None:
         save_alias = _save_alias

@@ -201,7 +201,7 @@ class Rule:
     __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
                  "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for",
                  "family", "keep_cache", "elementwise", "defaults", "may_view", "saves",
-                 "differentiable_outputs", "view", "inplace_view", "writes")
+                 "differentiable_outputs", "view", "inplace_view", "writes", "kernel")
 
     def __init__(self, fn: Callable, kind: RuleKind, name: str | None = None,
                  multi_output: bool = False, saved_for: dict | None = None,
@@ -215,6 +215,7 @@ class Rule:
         self.differentiable_outputs = differentiable_outputs
         self.inplace_of = None
         self.writes = None  # do its functions write into their first argument? (_register)
+        self.kernel = None  # what computes the output in place of the torch function (derivative)
         self.keep_cache = {}  # which params need grad (bits) -> keep
         self.saves = saves
         self._set_traits(view, elementwise, inplace_view, family)
@@ -381,7 +382,8 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
                saved_for: dict[str, str | tuple[str, ...]] | None = None,
                saves: Callable | None = None, reads: tuple[str, ...] | None = None,
                differentiable_outputs: int | None = None,
-               family: str | None = None) -> Callable[[Callable], Callable]:
+               family: str | None = None,
+               kernel: Callable | None = None) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the derivative rule of the torch functions ``funcs``.
 
     Its nodes are named ``node_name(fn.__name__)`` (``nll_loss`` -> ``NllLossBackward``)
@@ -428,13 +430,20 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     mean and rstd) require none, as torch's ``output_differentiability`` says.
 
     ``family`` groups the functions in docs/ops.md (default: the ops module of ``fn``).
+
+    ``kernel``: a function called with the op's arguments in place of the torch function
+    when the op is recorded or run under no_grad, for ops whose ATen kernel chooses its
+    computation by torch's ``requires_grad`` flag, which graphgrad's tensors leave False
+    (matmul folds a batch into one matrix product for an operand that requires grad).
     """
 
     def register(fn: Callable) -> Callable:
         def make() -> Rule:
-            return Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for, saves,
+            rule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for, saves,
                         differentiable_outputs, view=view, elementwise=elementwise,
                         inplace_view=inplace_view, family=family, reads=reads)
+            rule.kernel = kernel
+            return rule
 
         rule = _register(funcs, make())
         if inplace:

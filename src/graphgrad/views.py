@@ -174,6 +174,8 @@ def no_grad_op(func, rule, args, kwargs):
     """An op under no_grad that makes no view of its inputs. Its output may still be a view of
     the kernel's own temporary (avg_pool1d's squeeze, einsum's permute): torch marks it as made
     in no-grad mode, so it may not be changed in place with grad mode on; so do we."""
+    if rule is not None and rule.kernel is not None:
+        func = rule.kernel  # torch's kernel would read requires_grad flags (Rule.kernel)
     out = _kernel_below_autograd(func, args, kwargs)
     if _may_view_a_temporary(rule):
         _tag_views(out, args, kwargs, NO_GRAD_VIEW)

@@ -403,6 +403,47 @@ PyObject* adopt(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// -- summing gradients in backward's buffers ------------------------------------------------------
+// accumulate_in_place(buf, nr, g): buf[nr].add_(g), where torch's engine would add in place
+// (InputBuffer::accumulate): grad mode off; buf[nr] a plain torch.Tensor that nothing else holds
+// (the list's reference its only Python one, its TensorImpl and storage referenced once: no view,
+// no saved alias, no .grad field shares it), dense and strided, not a ZeroTensor, of g's dtype,
+// device and sizes; g a plain torch.Tensor. True if it did, False if the caller must add out of place.
+PyObject* accumulate_in_place(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyList_Check(args[0]) || !PyLong_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "accumulate_in_place(buf: list, nr: int, g: Tensor)");
+    return nullptr;
+  }
+  const Py_ssize_t nr = PyLong_AsSsize_t(args[1]);
+  if (nr < 0 || nr >= PyList_GET_SIZE(args[0])) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "accumulate_in_place: nr out of range");
+    return nullptr;
+  }
+  PyObject* o = PyList_GET_ITEM(args[0], nr);
+  PyObject* g = args[2];
+  PyObject* plain = reinterpret_cast<PyObject*>(THPVariableClass);
+  if (Py_REFCNT(o) != 1 || reinterpret_cast<PyObject*>(Py_TYPE(o)) != plain ||
+      reinterpret_cast<PyObject*>(Py_TYPE(g)) != plain || at::GradMode::is_enabled()) {
+    Py_RETURN_FALSE;
+  }
+  try {
+    const at::Tensor& old = THPVariable_Unpack(o);
+    const at::Tensor& grad = THPVariable_Unpack(g);
+    if (old.use_count() != 1 || old.layout() != at::kStrided || !old.has_storage() ||
+        old.storage().use_count() != 1 || !old.is_non_overlapping_and_dense() ||
+        old._is_zerotensor() || old.is_conj() || old.is_neg() || old.requires_grad() ||
+        grad.layout() != at::kStrided || grad.scalar_type() != old.scalar_type() ||
+        grad.device() != old.device() || !grad.sizes().equals(old.sizes())) {
+      Py_RETURN_FALSE;
+    }
+    const_cast<at::Tensor&>(old).add_(grad);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_TRUE;
+}
+
 // -- the kernel of an op graphgrad records --------------------------------------------------------
 // graphgrad records the op itself, and torch's autograd has nothing to record: no argument of such
 // a call requires grad in torch's sense (dispatch sends those through with torch's grad mode off).
@@ -576,6 +617,9 @@ PyMethodDef methods[] = {
      "below ADInplaceOrView too."},
     {"adopt", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(adopt)),
      METH_FASTCALL, "adopt(t, cls, node): t.__class__ = cls; t._gg_node = node (unless None)."},
+    {"accumulate_in_place",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(accumulate_in_place)),
+     METH_FASTCALL, "buf[nr].add_(g) where torch's engine would add in place; True if done."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "graphgrad._tensor_meta",

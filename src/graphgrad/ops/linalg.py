@@ -38,8 +38,61 @@ def _cj(x):
 
 
 # -- products ------------------------------------------------------------------------------
+_unsafe_view = torch.ops.aten._unsafe_view.default._op
+
+
+def _folds_for_grad(a, b, small_requires_grad=None) -> bool:
+    """Does torch's ``matmul(a, b)`` fold its batch into one matrix product only because the
+    smaller operand requires grad (``at::native::should_fold``)? graphgrad's tensors leave
+    torch's flag False, so torch's own kernel would run the batched product instead, the
+    operand expanded over the batch: slower than torch.autograd's one mm, and rounded
+    differently. (``small_requires_grad``: the smaller operand's flag, where it is a plain
+    view of a graphgrad tensor, ``weight.t()``.)"""
+    d1, d2 = a.dim(), b.dim()
+    big, small = (a, b) if d1 >= d2 else (b.mT, a)
+    if big.dim() < 3 or small.dim() > 2:
+        return False
+    if not (small.requires_grad if small_requires_grad is None else small_requires_grad):
+        return False
+    if d1 == 2:  # (m, k) @ (..., k, n): folded only for the gradient's sake
+        return True
+    if big.numel() == 0:
+        return False
+    shape, strides = big.shape, big.stride()  # batch dims that merge fold anyway
+    return any(strides[i] != strides[i + 1] * shape[i + 1] for i in range(big.dim() - 2))
+
+
+def _folded(a, b):
+    """``matmul(a, b)`` as torch computes it when it folds (``at::native::_matmul_impl``): the
+    larger operand reshaped to a matrix (a copy where its batch dims do not merge), one mm or
+    mv, the result viewed back (and transposed back for ``(m, k) @ (..., k, n)``)."""
+    transpose = b.dim() > a.dim()
+    t1 = b.mT if transpose else a
+    t2 = (a.t() if a.dim() == 2 else a) if transpose else b
+    lead = tuple(t1.shape[:-1])
+    folded = t1.reshape(math.prod(lead), t1.shape[-1])
+    if t2.dim() == 1:
+        return _unsafe_view(folded.mv(t2), lead)
+    out = _unsafe_view(folded.mm(t2), lead + (t2.shape[1],))
+    return out.mT.contiguous() if transpose else out
+
+
+def _matmul_kernel(input, other, *, out=None):
+    """torch.matmul as torch.autograd runs it (see ``_folds_for_grad``)."""
+    if out is None and _folds_for_grad(input, other):
+        return _folded(input, other)
+    return torch.matmul(input, other) if out is None else torch.matmul(input, other, out=out)
+
+
+def _rmatmul_kernel(input, other):
+    """``other @ input`` as torch.autograd runs it."""
+    if isinstance(other, torch.Tensor) and _folds_for_grad(other, input):
+        return _folded(other, input)
+    return T.__rmatmul__(input, other)
+
+
 @derivative(torch.matmul, T.matmul, torch.linalg.matmul,
-            saved_for={"input": "other", "other": "input"}, view=False)
+            saved_for={"input": "other", "other": "input"}, view=False, kernel=_matmul_kernel)
 def matmul(grad, input, other, *, needs_input_grad):
     a, b = _cj(input), _cj(other)
     if a.dim() == 1 and b.dim() == 1:
@@ -61,7 +114,9 @@ def matmul(grad, input, other, *, needs_input_grad):
             gb = (a.mT @ g).squeeze(-1)
         return ga, gb
     if needs_input_grad[0]:
-        ga = grad @ b.mT
+        # a contiguous gradient folds into one mm with a matrix, as torch's backward of its
+        # folded product does (a strided one would take the batched product)
+        ga = (grad.contiguous() if b.dim() == 2 and grad.dim() > 2 else grad) @ b.mT
     if needs_input_grad[1]:
         if b.dim() == 2 and a.dim() > 2:  # a weight shared over a batch: one big mm
             gb = a.flatten(0, -2).mT @ grad.flatten(0, -2)
@@ -70,7 +125,8 @@ def matmul(grad, input, other, *, needs_input_grad):
     return ga, gb
 
 
-@derivative(T.__rmatmul__, saved_for={"input": "other", "other": "input"}, view=False)
+@derivative(T.__rmatmul__, saved_for={"input": "other", "other": "input"}, view=False,
+            kernel=_rmatmul_kernel)
 def rmatmul(grad, input, other, *, needs_input_grad):
     """``other @ input``."""
     g_other, g_input = matmul(grad, other, input, needs_input_grad=needs_input_grad[::-1])
@@ -170,11 +226,23 @@ def addbmm(grad, input, batch1, batch2, *, beta=1, alpha=1, needs_input_grad):
             _scaled(_cj(batch1).mT.bmm(g), alpha) if needs_input_grad[2] else None)
 
 
-@derivative(F.linear, saved_for={"input": "weight", "weight": "input"}, view=False)
+def _linear_kernel(input, weight, bias=None):
+    """F.linear as torch.autograd runs it: a strided batch of inputs folds into one mm for a
+    weight that requires grad (``_folds_for_grad``), then the bias is added in place."""
+    if input.dim() >= 3 and _folds_for_grad(input, weight.t(), weight.requires_grad):
+        out = _folded(input, weight.t())
+        return out if bias is None else out.add_(bias)
+    return F.linear(input, weight, bias)
+
+
+@derivative(F.linear, saved_for={"input": "weight", "weight": "input"}, view=False,
+            kernel=_linear_kernel)
 def linear(grad, input, weight, bias=None, *, needs_input_grad):
     """``input @ weight.T + bias``; the bias gradient is the engine's unbroadcast of ``grad``."""
     grad_input = grad_weight = None
     input, weight = _cj(input), _cj(weight)
+    if grad.dim() > 2 and weight.dim() == 2:
+        grad = grad.contiguous()  # one copy, if any, for both products: each folds to one mm
     if needs_input_grad[0]:
         # torch.matmul, not ``grad @ weight``: the weight is a graphgrad.Tensor, so ``@`` would
         # go through its reflected __rmatmul__ and torch's Python wrapper of it
