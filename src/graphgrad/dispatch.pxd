@@ -6,7 +6,7 @@ from graphgrad._torch_types cimport TensorBase
 from graphgrad.graph cimport AutogradGraph, current_graph
 from graphgrad.node cimport Node, new_node
 from graphgrad.rules cimport Rule
-from graphgrad.references cimport save_arguments, saved_output, weak_ref
+from graphgrad.references cimport save_arguments, saved_output
 from graphgrad.views cimport (bind, function_view_changed, is_inplace, keep_for, kernel, needs_of,
                               no_grad_op, no_grad_view_op, node_of, note_view_outputs,
                               record_inplace, revived, slots, unrecorded_view_op)

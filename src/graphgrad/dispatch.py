@@ -33,7 +33,7 @@ from .fastcalls import tensor_ndim as _ndim
 from .fastcalls import torch_requires_grad as _torch_requires_grad
 from .graph import current_graph
 from .node import new_node
-from .references import save_arguments, saved_output, weak_ref
+from .references import save_arguments, saved_output
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 from .views import (
     bind,
@@ -309,10 +309,7 @@ def _record(func, rule, args, kwargs, silent):
     out = _attach(out, node, rule, parts)
     if rule.may_view:
         note_view_outputs(node, out, rule, args, kwargs)
-    pending = graph.pending  # graph.record(node), inlined
-    pending.append(weak_ref(node))
-    if len(pending) >= graph._compact_at:
-        graph._compact()
+    graph.record(node)
     return out
 
 

@@ -2,11 +2,14 @@
 # the recording step (dispatch._record) appends to a graph's pending list and reads its
 # compaction threshold as C struct members, not through attribute lookup, once per op.
 
+from graphgrad.node cimport Node, PendingNodes, note_pending, pending_count, take_pending
+
 cdef class AutogradGraph:
     cdef public object id, is_default, active, _rx, _leaves
-    cdef public list pending
+    cdef public object pending
     cdef public Py_ssize_t _prune_at, _compact_at
     cdef object __weakref__
+    cpdef record(self, node)
     cpdef _compact(self)
 
 cdef Py_ssize_t _COMPACT_AT

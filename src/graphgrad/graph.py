@@ -28,7 +28,7 @@ except ImportError:  # Cython is needed only to build the compiled engine
 
 from . import _compat
 from .codes import RELEASED_WITH_GRAPH
-from .node import Node
+from .node import Node, PendingNodes
 from .references import node_saved_bytes, saved_bytes, saved_tensors, storage_of, weak_ref
 
 __all__ = ["AutogradGraph", "current_graph", "default_graph", "reachable", "topo_order"]
@@ -98,7 +98,9 @@ class AutogradGraph:
         self.id = _graphs_made
         self.is_default = _default
         self.active = _default
-        self.pending: list = []
+        # the nodes recorded since the rustworkx graph last caught up: weak references (the
+        # compiled engine: a PendingNodes, see node.pxd)
+        self.pending = PendingNodes() if cython.compiled else []
         self._rx = rx.PyDiGraph(check_cycle=False, multigraph=True)
         self._leaves: dict[int, int] = {}
         self._prune_at = 1024
@@ -124,7 +126,8 @@ class AutogradGraph:
         """Free everything recorded here: saved values, edges, the rustworkx graph."""
         for node in list(self.nodes()):
             node.release(RELEASED_WITH_GRAPH)
-        self.pending.clear()
+        if not cython.compiled:  # (compiled: nodes() took the pending ones out)
+            self.pending.clear()
         self._rx.clear()
         self._leaves.clear()
 
@@ -134,7 +137,11 @@ class AutogradGraph:
 
     # -- recording ---------------------------------------------------------------------
     def record(self, node) -> None:
-        """Note a new node (a weak reference); the rustworkx graph catches up when queried."""
+        """Note a new node (a weak reference; compiled, its entry in a C array: no object for
+        the cyclic GC to count); the rustworkx graph catches up when queried."""
+        if cython.compiled:
+            note_pending(node, self.pending)  # noqa: F821 (graph.pxd)
+            return
         pending = self.pending
         pending.append(weak_ref(node))
         if len(pending) >= self._compact_at:
@@ -143,20 +150,30 @@ class AutogradGraph:
     def expect_deaths(self) -> None:
         """A backward pass freed what it ran: compact soon, not at a threshold set when the
         graph was larger (dead weak references would otherwise pile up and wake the GC)."""
+        if cython.compiled:  # (a node's death empties its entry itself)
+            return
         self._compact_at = min(self._compact_at, len(self.pending) + _COMPACT_AT)
 
     def _compact(self) -> None:
-        """Drop pending entries whose Node has died, so recording without queries stays flat."""
+        """Drop pending entries whose Node has died, so recording without queries stays flat
+        (compiled, a node's death takes its entry out)."""
+        if cython.compiled:
+            return
         live = [ref for ref in self.pending if _alive(ref)]
         self.pending = live
         self._compact_at = max(_COMPACT_AT, 2 * len(live))
 
     def flush(self) -> None:
         """Bring the rustworkx graph up to date with the pending nodes, in bulk."""
-        if not self.pending:
-            return
-        pending, self.pending = self.pending, []
-        live = [(ref, node) for ref in pending if (node := ref()) is not None]
+        if cython.compiled:
+            if not pending_count(self.pending):  # noqa: F821 (graph.pxd)
+                return
+            live = [(weak_ref(node), node) for node in take_pending(self.pending)]  # noqa: F821
+        else:
+            if not self.pending:
+                return
+            pending, self.pending = self.pending, []
+            live = [(ref, node) for ref in pending if (node := ref()) is not None]
         g = self._rx
         indices = g.add_nodes_from([ref for ref, _ in live])
         for (_, node), index in zip(live, indices):

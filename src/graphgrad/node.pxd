@@ -29,6 +29,8 @@ cdef class Node:
     cdef public Py_ssize_t sequence_nr
     cdef public long long view_version
     cdef public object out_shapes
+    cdef PyObject* _pending  # the graph's PendingNodes it is noted in, held (note_pending)
+    cdef Py_ssize_t _pending_at  # its index there
     cdef object __weakref__
     cpdef check_saved(self)
     @cython.locals(rule=Rule)
@@ -131,3 +133,93 @@ cdef inline void _own_tuples(Node node) noexcept:
 
 cdef inline void _install_traverse() noexcept:
     (<PyTypeObject*>Node).tp_traverse = _traverse_node
+
+
+
+# A graph's pending registry (compiled engine): the nodes recorded since the rustworkx graph
+# last caught up, as an array of borrowed pointers. A weak reference per node would be one more
+# object for the cyclic GC to count per op (and its allocation, its list entry, a compaction);
+# here a node's dealloc empties its own entry. The node holds the registry (a C reference, not a
+# field: Cython's tp_clear cannot drop it before the node dies, when a collected cycle held the
+# node) and its index; compaction moves the live entries down and renumbers their nodes.
+cdef class PendingNodes:
+    cdef PyObject** items
+    cdef Py_ssize_t n, cap, dead
+
+
+from cpython.mem cimport PyMem_Free, PyMem_Realloc
+from cpython.ref cimport Py_INCREF, Py_XDECREF
+
+
+cdef inline void _compact_pending(PendingNodes reg) noexcept:
+    cdef Py_ssize_t i, j = 0
+    cdef PyObject* p
+    for i in range(reg.n):
+        p = reg.items[i]
+        if p is not NULL:
+            reg.items[j] = p
+            (<Node>p)._pending_at = j
+            j += 1
+    reg.n = j
+    reg.dead = 0
+
+
+cdef inline int note_pending(Node node, PendingNodes reg) except -1:
+    """Note ``node`` in ``reg`` (its graph's registry) until it dies or the registry is cleared."""
+    cdef Py_ssize_t cap
+    cdef void* items
+    if node._pending is not NULL:  # (noted once per node; never in two registries)
+        return 0
+    if reg.n == reg.cap:
+        if reg.dead * 2 >= reg.n and reg.n:
+            _compact_pending(reg)
+        else:
+            cap = reg.cap * 2 if reg.cap else 64
+            items = PyMem_Realloc(reg.items, cap * sizeof(PyObject*))
+            if items is NULL:
+                raise MemoryError()
+            reg.items = <PyObject**>items
+            reg.cap = cap
+    reg.items[reg.n] = <PyObject*>node
+    node._pending_at = reg.n
+    reg.n += 1
+    Py_INCREF(reg)
+    node._pending = <PyObject*>reg
+    return 0
+
+
+cdef inline void forget_pending(Node node) noexcept:
+    """(a node's dealloc) Empty its entry in the registry it is noted in."""
+    cdef PyObject* p = node._pending
+    if p is NULL:
+        return
+    node._pending = NULL
+    (<PendingNodes>p).items[node._pending_at] = NULL
+    (<PendingNodes>p).dead += 1
+    Py_XDECREF(p)
+
+
+cdef inline list take_pending(PendingNodes reg):
+    """The nodes noted in ``reg``, in recorded order; the registry is left empty."""
+    cdef Py_ssize_t i
+    cdef PyObject* p
+    cdef list live = []
+    for i in range(reg.n):
+        p = reg.items[i]
+        if p is not NULL:
+            live.append(<object>p)
+            (<Node>p)._pending = NULL
+            Py_XDECREF(<PyObject*>reg)  # (the caller holds reg too)
+    reg.n = 0
+    reg.dead = 0
+    return live
+
+
+cdef inline Py_ssize_t pending_count(PendingNodes reg) noexcept:
+    return reg.n - reg.dead
+
+
+cdef inline void free_pending(PendingNodes reg) noexcept:
+    """(the registry's dealloc: no node holds it any more, so none is noted in it)"""
+    PyMem_Free(reg.items)
+    reg.items = NULL

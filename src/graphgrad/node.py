@@ -59,6 +59,9 @@ class Node:
     object per edge for the cyclic GC to track; ``next_functions`` builds the pairs on demand.
     """
 
+    def __dealloc__(self):  # (compiled only) its entry in its graph's pending registry empties
+        forget_pending(self)  # noqa: F821 (node.pxd)
+
     def __init__(self, rule, next_functions, slot_pos, input_meta, saved, versions, graph):
         nodes, nrs = split_edges(next_functions)
         _setup(self, rule, nodes, nrs, slot_pos, input_meta, saved, versions, graph)
@@ -332,6 +335,15 @@ class _Strong:
 
     def __call__(self):
         return self.obj
+
+
+class PendingNodes:
+    """A graph's registry of the nodes recorded since its rustworkx graph last caught up
+    (compiled engine; node.pxd says how it works). The pure-Python engine's graph keeps weak
+    references in a list instead."""
+
+    def __dealloc__(self):  # (compiled only)
+        free_pending(self)  # noqa: F821 (node.pxd)
 
 
 class AccumulateGrad(Node):

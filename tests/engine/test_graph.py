@@ -287,6 +287,29 @@ def test_dead_entries_are_pruned():
         assert g.num_nodes() <= 1
 
 
+def test_nodes_that_die_between_queries_leave_no_entry_behind():
+    # compiled, a recorded node is noted in a C array that its death empties (node.pxd): also a
+    # node the cyclic collector frees (a hook whose closure holds the node's tensor), and nodes
+    # recorded after a query, noted afresh
+    x = leaf(4)
+    with gg.AutogradGraph() as g:
+        keep = [x * 2 for _ in range(100)]
+        for _ in range(1000):
+            y = x * 3  # each drops the previous one
+        cyc = x * 4
+        cyc.register_hook(lambda grad, t=cyc: grad)
+        del cyc, y
+        gc.collect()
+        assert g.num_nodes() == 101  # keep's MulBackwards and x's AccumulateGrad
+        more = [k * 5 for k in keep[:10]]
+        del keep[50:]
+        gc.collect()
+        assert g.num_nodes() == 50 + 10 + 1
+        assert sum(1 for n in g.nodes() if n.name() == "MulBackward") == 60
+        del more, keep
+        assert g.num_nodes() == 1
+
+
 def test_recording_without_queries_stays_bounded():
     """Pruning happens while recording, not only when the graph is queried.
 
