@@ -48,7 +48,7 @@ def test_a_dispatch_mode_sees_a_recorded_composite_op_as_torch_does():
 
 
 def test_forward_ad_tangents_flow_through_a_recorded_op():
-    # while a dual level is open the kernel goes through torch's autograd, which computes them
+    # a call with a dual tensor goes through torch's autograd, which computes the tangent
     torch.manual_seed(1)
     x, t = torch.randn(4), torch.randn(4)
     w = gg.as_tensor(torch.randn(4), requires_grad=True)
@@ -60,6 +60,34 @@ def test_forward_ad_tangents_flow_through_a_recorded_op():
     torch.testing.assert_close(tangent, t * wd * (x * wd).cos())
     z.sum().backward()
     torch.testing.assert_close(w.grad, x * (x * wd).cos())
+
+
+@pytest.mark.parametrize("where", ["second argument", "in a list", "keyword", "in place", "no_grad"])
+def test_a_dual_tensor_anywhere_in_a_call_gets_its_tangent_computed(where):
+    # below autograd is decided per call from its arguments (one that may carry a tangent keeps
+    # the call in torch's autograd), as torch's kernel decides whether to compute a tangent
+    torch.manual_seed(2)
+    x, t, c = torch.randn(4), torch.randn(4), torch.randn(4)
+    w = gg.as_tensor(torch.randn(4), requires_grad=True)
+    wd = w.detach()
+    with fwAD.dual_level():
+        d = fwAD.make_dual(x, t)
+        if where == "second argument":
+            z, want = torch.mul(w, d), wd * t
+        elif where == "in a list":
+            z, want = torch.stack([w, d]), torch.stack([torch.zeros(4), t])
+        elif where == "keyword":
+            z, want = torch.add(w, other=d, alpha=2.0), 2 * t
+        elif where == "in place":
+            y = w * 1
+            z, want = y.add_(d), t
+        else:
+            with gg.no_grad():
+                z = w * d
+            want = wd * t
+        with gg.no_grad():  # (graphgrad has no rule for _unpack_dual)
+            tangent = fwAD.unpack_dual(z).tangent
+    torch.testing.assert_close(tangent, want)
 
 
 def test_kernel_mode_follows_what_torchs_autograd_kernel_would_dispatch():

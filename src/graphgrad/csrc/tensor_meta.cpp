@@ -455,10 +455,14 @@ PyObject* accumulate_in_place(PyObject*, PyObject* const* args, Py_ssize_t nargs
 // writes, stack's view of its cat, are not marked). Which of the two, or neither (a composite op,
 // which runs at the autograd key and whose inner ops pass autograd each), is asked once per
 // function of a Python classifier (_compat.kernel_mode) and remembered. Not below at all: a call
-// with out=, while a forward-AD level is open (VariableType computes tangents), or with a key in
-// play that sees calls before the backend (kInterposing).
-bool forward_ad_open() {
-  return torch::autograd::ForwardADLevel::try_get_by_idx(0) != nullptr;
+// with out=, with an argument that may carry a forward-AD tangent (VariableType computes the
+// output's), or with a key in play that sees calls before the backend (kInterposing).
+// Might t carry a forward-AD tangent? (torch's autograd kernel computes tangents only for a call
+// with such an argument, isFwGradDefined: a tensor with no AutogradMeta, or one that never had a
+// tangent, has none; read without the ForwardGrad's or the level table's mutex)
+bool may_have_tangent(const at::Tensor& t) {
+  const auto* meta = torch::autograd::impl::get_autograd_meta(t);
+  return meta && meta->fw_grad_;
 }
 
 // Keys that see a call before or instead of the backend kernel: Python subclasses and modes,
@@ -475,7 +479,8 @@ constexpr c10::DispatchKeySet kInterposing = c10::python_ks | c10::DispatchKeySe
 // torch.Tensor and the registered classes are looked into; any other tensor subclass answers no.
 bool plain_argument(PyObject* obj, bool outer) {
   if (readable(obj)) {
-    return !THPVariable_Unpack(obj).key_set().has_any(kInterposing);
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    return !t.key_set().has_any(kInterposing) && !may_have_tangent(t);
   }
   if (outer && (PyTuple_Check(obj) || PyList_Check(obj))) {
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
@@ -493,8 +498,7 @@ PyObject* g_out_name = nullptr;  // "out", interned
 
 // May this call skip autograd and dispatch as it would have from there?
 bool may_go_below(PyObject* args, PyObject* kwargs) {
-  if (c10::impl::tls_local_dispatch_key_set().included_ != c10::default_included_set ||
-      forward_ad_open()) {
+  if (c10::impl::tls_local_dispatch_key_set().included_ != c10::default_included_set) {
     return false;
   }
   const Py_ssize_t n = PyTuple_GET_SIZE(args);
