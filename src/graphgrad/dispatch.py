@@ -362,16 +362,17 @@ def _attach_tuple(out, node, rule, parts):
     if rule.saves_result and parts != ():
         node.result = saved_output(tuple(
             items if parts is None else [o if i in parts else None for i, o in enumerate(items)]))
-    for i, o in enumerate(items):
+    for i in range(len(items)):
+        o = items[i]
         if type(o) is _PlainTensor:
             if not rule.may_view and _is_view(o):
                 o = _not_a_view(o)
             if i < n and _dtype(o) in _DIFFERENTIABLE_DTYPES:
                 items[i] = wrap_output(o, node, i)
-            else:
-                o.__class__ = _TENSOR_CLS
+            else:  # (a graphgrad Tensor that requires no grad: the class switch alone)
+                _adopt(o, _TENSOR_CLS, None)
                 items[i] = o
-    return type(out)(items)
+    return tuple(items) if type(out) is tuple else type(out)(items)
 
 
 def _not_a_view(t):

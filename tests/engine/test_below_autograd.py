@@ -67,7 +67,7 @@ def test_a_dual_tensor_anywhere_in_a_call_gets_its_tangent_computed(where):
     # below autograd is decided per call from its arguments (one that may carry a tangent keeps
     # the call in torch's autograd), as torch's kernel decides whether to compute a tangent
     torch.manual_seed(2)
-    x, t, c = torch.randn(4), torch.randn(4), torch.randn(4)
+    x, t = torch.randn(4), torch.randn(4)
     w = gg.as_tensor(torch.randn(4), requires_grad=True)
     wd = w.detach()
     with fwAD.dual_level():

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function
 
+from ..dispatch import redispatch
 from ..rules import decomposition, derivative
 from .nn import autocast_lower_precision, autocast_off, torch_body
 
@@ -158,9 +159,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                           enable_gqa):
         query, key, value, attn_mask = autocast_lower_precision(
             "aten::scaled_dot_product_attention", "cpu", query, key, value, attn_mask)
-        return autocast_off("cpu", torch._scaled_dot_product_flash_attention_for_cpu, query, key,
-                            value, 0.0, is_causal, attn_mask=_additive_mask(attn_mask, query.dtype),
-                            scale=scale)[0]
+        return autocast_off("cpu", redispatch, torch._scaled_dot_product_flash_attention_for_cpu,
+                            query, key, value, 0.0, is_causal,
+                            attn_mask=_additive_mask(attn_mask, query.dtype), scale=scale)[0]
     if dropout_p == 0.0:
         return _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     if is_causal and attn_mask is not None:

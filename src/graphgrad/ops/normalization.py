@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .._compat import bound_function
+from ..dispatch import redispatch
 from ..rules import decomposition, derivative
 from .nn import autocast_float32, autocast_off, torch_body
 
@@ -89,8 +90,8 @@ def batch_norm(input, weight, bias, running_mean, running_var, training, momentu
             out = out + bias[0]
         return out
     _check_batch_norm(input, weight, bias, running_mean, running_var, training)
-    return autocast_off(input.device.type, torch.native_batch_norm, input, weight, bias,
-                        running_mean, running_var, training, momentum, eps)[0]
+    return autocast_off(input.device.type, redispatch, torch.native_batch_norm, input, weight,
+                        bias, running_mean, running_var, training, momentum, eps)[0]
 
 
 decomposition(F.batch_norm, view=False, family="normalization")(torch_body(F.batch_norm))
@@ -208,8 +209,8 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_
         normalized_shape = (normalized_shape,)
     device = input.device.type
     input, weight, bias = autocast_float32("aten::layer_norm", device, input, weight, bias)
-    return autocast_off(device, torch.native_layer_norm, input, normalized_shape, weight, bias,
-                        eps)[0]
+    return autocast_off(device, redispatch, torch.native_layer_norm, input, normalized_shape,
+                        weight, bias, eps)[0]
 
 
 @derivative(torch.native_layer_norm, name="NativeLayerNormBackward", multi_output=True,
@@ -304,7 +305,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enable
                          torch.contiguous_format)
     weight = weight.contiguous() if weight is not None else None
     bias = bias.contiguous() if bias is not None else None
-    return autocast_off(device, torch.native_group_norm, x, weight, bias, n, c,
+    return autocast_off(device, redispatch, torch.native_group_norm, x, weight, bias, n, c,
                         prod(input.shape[2:]), num_groups, eps)[0]
 
 
