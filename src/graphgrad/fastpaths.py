@@ -139,6 +139,15 @@ _SPECIAL = {
     torch.Tensor._base.__get__: _get_base,
 }
 
+# torch functions that read a tensor's metadata (or one value) and return a Python value, not a
+# tensor: answered by torch with the protocol off. Through dispatch each call looked for a rule
+# and an ATen overload first (torch.is_complex of a parameter 2.4 us against torch's 0.2; Adam
+# asks it of every parameter every step).
+_PREDICATES = (torch.is_complex, torch.is_floating_point, torch.is_conj, torch.is_neg,
+               torch.is_signed, torch.is_inference, torch.is_nonzero, torch.is_same_size,
+               torch.numel, torch.result_type, torch._is_zerotensor)
+_SPECIAL.update({f: f for f in _PREDICATES})
+
 for _func, _answer in _SPECIAL.items():
     route(_func, _answer, torch_function=False)
 

@@ -105,6 +105,24 @@ def test_properties_and_queries():
     assert type(x.data) is gg.Tensor and not x.data.requires_grad
 
 
+def test_metadata_predicates_answer_as_torch_does_without_dispatch():
+    # torch functions that return a Python value about a tensor (torch.is_complex, ...) are
+    # answered with the protocol off: the same answer, nothing recorded, no rule looked for
+    x, one = leaf(2, 3), leaf(1)
+    args = {torch.is_same_size: (x, x), torch.result_type: (x, one), torch.is_nonzero: (one,)}
+    seen = []
+    previous = dispatch.observe_calls(seen.append)
+    try:
+        for func in fastpaths._PREDICATES:
+            a = args.get(func, (x,))
+            plain = [t.detach().as_subclass(T) for t in a]
+            assert func(*a) == func(*plain), func.__name__
+    finally:
+        dispatch.observe_calls(previous)
+    assert seen == []
+    assert x.grad_fn is None and x.requires_grad
+
+
 def test_observer_sees_fast_path_calls():
     seen = []
     previous = dispatch.observe_calls(seen.append)
