@@ -6,6 +6,7 @@ in the file beside a comment.
 """
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphgrad as gg
 
@@ -31,3 +32,15 @@ def pair(values=(0.5, -1.5, 2.0), dtype=F64):
     """The same leaf on graphgrad and on torch.autograd: ``(graphgrad leaf, torch leaf)``."""
     data = torch.as_tensor(values, dtype=dtype)
     return gg.as_tensor(data.clone(), requires_grad=True), data.clone().requires_grad_()
+
+
+class DispatchLog(TorchDispatchMode):
+    """A dispatch mode that notes the ATen ops it sees (``str(func)``) in ``ops``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -8,21 +8,11 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphgrad as gg
+from helpers import DispatchLog as _Log
 
 NATIVE = gg.compiled and gg.native_meta
-
-
-class _Log(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_dispatch_mode_sees_a_recorded_composite_op_as_torch_does():

@@ -380,22 +380,27 @@ def test_a_rule_saves_only_what_wanted_gradients_need():
 # and b constants), by engine. Pure Python: the Node, its next_nodes tuple, the graph's weak
 # reference to it, a quarter each of mul's saved (Meta, c) tuple, its Meta and torch.Size, of
 # sin's saved (y,) tuple, of the tanh output y and its __dict__, of tanh's SavedResult and its
-# alias. The compiled engine does not track what can be in no cycle (the weak reference, Meta,
-# a built-in rule's SavedResult), and a node's own edge and saved tuples are parts of the node
-# (its traverse visits their items); with the native module, shapes are untracked torch.Size
-# and the saved output's alias a C++ tensor. Measured 5.0 / 2.0 / 1.5; 6.0 in every engine
-# when nodes kept (node, nr) pairs.
+# alias. The compiled engine keeps no weak reference (its graph notes nodes in a C array), does
+# not track what can be in no cycle (Meta, a built-in rule's SavedResult), and a node's own
+# edge and saved tuples are parts of the node (its traverse visits their items); with the
+# native module, shapes are untracked torch.Size and the saved output's alias a C++ tensor.
+# Measured 5.0 / 2.0 / 1.5; 6.0 in every engine when nodes kept (node, nr) pairs.
 TRACKED_PER_NODE = {"python": 5.0, "compiled": 2.0, "compiled+native": 1.5}
 
 
-def test_tracked_objects_per_node():
+def _w4_chain():
+    """W4's chain and its inputs: ``chain(x, n, c, b)`` records n nodes on a (4,) tensor."""
     from graphgrad.apps.workloads import chain
 
-    n = 2000
     gen = torch.Generator().manual_seed(0)
     c = 1 + 0.01 * torch.randn(4, generator=gen)
     b = 0.01 * torch.randn(4, generator=gen)
-    x = gg.as_tensor(torch.randn(4, generator=gen), requires_grad=True)
+    return chain, gg.as_tensor(torch.randn(4, generator=gen), requires_grad=True), c, b
+
+
+def test_tracked_objects_per_node():
+    n = 2000
+    chain, x, c, b = _w4_chain()
     chain(x, 8, c, b).sum().backward()  # warm up
     gc.collect()
     nodes_before = count_nodes()
@@ -419,13 +424,8 @@ COUNTED_PER_NODE = {"python": 5.7, "compiled": 4.76, "compiled+native": 4.51}
 
 
 def test_allocations_the_collector_counts_per_node():
-    from graphgrad.apps.workloads import chain
-
     n = 2000
-    gen = torch.Generator().manual_seed(0)
-    c = 1 + 0.01 * torch.randn(4, generator=gen)
-    b = 0.01 * torch.randn(4, generator=gen)
-    x = gg.as_tensor(torch.randn(4, generator=gen), requires_grad=True)
+    chain, x, c, b = _w4_chain()
     for _ in range(20):  # warm up: free lists filled as in a running program
         chain(x, 200, c, b).sum().backward()
     gc.collect()

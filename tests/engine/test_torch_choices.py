@@ -7,22 +7,12 @@ through the torch-function protocol is looked up as an ATen op once, not per rea
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphgrad as gg
 from graphgrad import decompose
+from helpers import DispatchLog as _Log
 
 NATIVE = gg.native_meta
-
-
-class _Log(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _products(ops):
