@@ -166,3 +166,20 @@ def test_summing_in_place_leaves_what_anyone_else_holds_unchanged():
     z = x + x * 2
     z.sum().backward()
     torch.testing.assert_close(x.grad, torch.full((5,), 3.0))
+
+
+def test_a_hooks_inference_tensor_is_summed_out_of_place_in_every_engine():
+    # a node hook's gradient made under inference_mode, first into its input's buffer: torch's
+    # engine adds the second gradient into it in place and raises ("Inplace update to inference
+    # tensor outside InferenceMode"); graphgrad sums out of place there, as its pure engine does
+    x = gg.as_tensor(torch.randn(3), requires_grad=True)
+    y = x * 2
+    a, b = y * 3, y * 4
+
+    def hook(grad_inputs, grad_outputs):
+        with torch.inference_mode():
+            return (grad_inputs[0].clone(), None)
+
+    b.grad_fn.register_hook(hook)
+    (a.sum() + b.sum()).backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 14.0))

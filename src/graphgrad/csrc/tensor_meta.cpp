@@ -407,8 +407,10 @@ PyObject* adopt(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // accumulate_in_place(buf, nr, g): buf[nr].add_(g), where torch's engine would add in place
 // (InputBuffer::accumulate): grad mode off; buf[nr] a plain torch.Tensor that nothing else holds
 // (the list's reference its only Python one, its TensorImpl and storage referenced once: no view,
-// no saved alias, no .grad field shares it), dense and strided, not a ZeroTensor, of g's dtype,
-// device and sizes; g a plain torch.Tensor. True if it did, False if the caller must add out of place.
+// no saved alias, no .grad field shares it), dense and strided, not a ZeroTensor or nested, of
+// g's dtype, device and sizes; g a plain torch.Tensor. True if it did, False if the caller must
+// add out of place. Unlike torch's it declines an inference tensor (a hook's gradient made under
+// inference_mode), whose add_ would raise: summing stays an optimization, as in the pure engine.
 PyObject* accumulate_in_place(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3 || !PyList_Check(args[0]) || !PyLong_Check(args[1])) {
     PyErr_SetString(PyExc_TypeError, "accumulate_in_place(buf: list, nr: int, g: Tensor)");
@@ -432,6 +434,7 @@ PyObject* accumulate_in_place(PyObject*, PyObject* const* args, Py_ssize_t nargs
     if (old.use_count() != 1 || old.layout() != at::kStrided || !old.has_storage() ||
         old.storage().use_count() != 1 || !old.is_non_overlapping_and_dense() ||
         old._is_zerotensor() || old.is_conj() || old.is_neg() || old.requires_grad() ||
+        old.is_nested() || old.is_inference() ||
         grad.layout() != at::kStrided || grad.scalar_type() != old.scalar_type() ||
         grad.device() != old.device() || !grad.sizes().equals(old.sizes())) {
       Py_RETURN_FALSE;
