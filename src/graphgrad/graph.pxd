@@ -1,6 +1,6 @@
 # Cython declarations for graph.py (pure-Python mode): AutogradGraph is an extension type, so
-# the recording step (dispatch._record) appends to a graph's pending list and reads its
-# compaction threshold as C struct members, not through attribute lookup, once per op.
+# the recording step (dispatch._record) notes each node with a C call of record(), which puts
+# it in the graph's PendingNodes (node.pxd) without an object the cyclic GC counts.
 
 from graphgrad.node cimport Node, PendingNodes, note_pending, pending_count, take_pending
 
