@@ -25,21 +25,11 @@ cdef extern from "Python.h":
     PyObject* PyThreadState_GetDict()
 
 
-cdef extern from *:
-    """
-    static inline int gg_weakref_alive(PyObject* ref) {
-        return PyWeakref_GET_OBJECT(ref) != Py_None;
-    }
-    """
-    bint gg_weakref_alive(object ref)
-
-
 cdef inline dict thread_dict():
     """This thread's state dict (borrowed; never NULL while the GIL is held)."""
     return <dict>PyThreadState_GetDict()
 
 @cython.locals(stack=list)
 cpdef AutogradGraph current_graph()
-cdef bint _alive(object ref)
 @cython.locals(stack=list, state=dict)
 cpdef list _stack()

@@ -76,14 +76,6 @@ def default_graph() -> AutogradGraph:
     return _stack()[0]
 
 
-def _alive(ref) -> bool:
-    """Does a pending weak reference's node still live? (compiled: a read of the reference,
-    not a call of it; the compaction asks it of every pending entry)"""
-    if cython.compiled:
-        return gg_weakref_alive(ref)  # noqa: F821 (graph.pxd)
-    return ref() is not None
-
-
 class AutogradGraph:
     """A scope that records ops into a rustworkx graph and releases them on exit.
 
@@ -125,9 +117,7 @@ class AutogradGraph:
     def release(self) -> None:
         """Free everything recorded here: saved values, edges, the rustworkx graph."""
         for node in list(self.nodes()):
-            node.release(RELEASED_WITH_GRAPH)
-        if not cython.compiled:  # (compiled: nodes() took the pending ones out)
-            self.pending.clear()
+            node.release(RELEASED_WITH_GRAPH)  # (nodes() took the pending ones out)
         self._rx.clear()
         self._leaves.clear()
 
@@ -159,7 +149,7 @@ class AutogradGraph:
         (compiled, a node's death takes its entry out)."""
         if cython.compiled:
             return
-        live = [ref for ref in self.pending if _alive(ref)]
+        live = [ref for ref in self.pending if ref() is not None]
         self.pending = live
         self._compact_at = max(_COMPACT_AT, 2 * len(live))
 

@@ -21,7 +21,6 @@
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Size.h>
-#include <torch/csrc/autograd/forward_grad.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <string>
@@ -460,6 +459,7 @@ PyObject* accumulate_in_place(PyObject*, PyObject* const* args, Py_ssize_t nargs
 // function of a Python classifier (_compat.kernel_mode) and remembered. Not below at all: a call
 // with out=, with an argument that may carry a forward-AD tangent (VariableType computes the
 // output's), or with a key in play that sees calls before the backend (kInterposing).
+
 // Might t carry a forward-AD tangent? (torch's autograd kernel computes tangents only for a call
 // with such an argument, isFwGradDefined: a tensor with no AutogradMeta, or one that never had a
 // tangent, has none; read without the ForwardGrad's or the level table's mutex)

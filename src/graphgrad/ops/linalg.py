@@ -86,8 +86,8 @@ def _matmul_kernel(input, other, *, out=None):
 
 def _rmatmul_kernel(input, other):
     """``other @ input`` as torch.autograd runs it."""
-    if isinstance(other, torch.Tensor) and _folds_for_grad(other, input):
-        return _folded(other, input)
+    if isinstance(other, torch.Tensor):
+        return _matmul_kernel(other, input)
     return T.__rmatmul__(input, other)
 
 
@@ -229,9 +229,11 @@ def addbmm(grad, input, batch1, batch2, *, beta=1, alpha=1, needs_input_grad):
 def _linear_kernel(input, weight, bias=None):
     """F.linear as torch.autograd runs it: a strided batch of inputs folds into one mm for a
     weight that requires grad (``_folds_for_grad``), then the bias is added in place."""
-    if input.dim() >= 3 and _folds_for_grad(input, weight.t(), weight.requires_grad):
-        out = _folded(input, weight.t())
-        return out if bias is None else out.add_(bias)
+    if input.dim() >= 3:
+        wt = weight.t()
+        if _folds_for_grad(input, wt, weight.requires_grad):
+            out = _folded(input, wt)
+            return out if bias is None else out.add_(bias)
     return F.linear(input, weight, bias)
 
 
