@@ -2,3 +2,8 @@
 pure-Python install): they run uncompiled."""
 
 compiled = False
+
+
+def binding(flag):
+    """``@cython.binding(...)``: a compile-time directive, nothing to do uncompiled."""
+    return lambda fn: fn

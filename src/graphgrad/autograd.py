@@ -52,7 +52,8 @@ def _make_root_grads(outputs: tuple, grads: tuple, create_graph: bool, is_grads_
         raise RuntimeError(f"got {len(grads)} gradients for {len(outputs)} outputs; pass one "
                            "gradient per output (None for scalar outputs)")
     result = []
-    with _Disable():
+    state = _compat.protocol_off()  # (not a context manager: one object fewer per backward)
+    try:
         for i, out in enumerate(outputs):
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"outputs[{i}] is a {type(out).__name__}, not a tensor")
@@ -85,6 +86,8 @@ def _make_root_grads(outputs: tuple, grads: tuple, create_graph: bool, is_grads_
                         f"Mismatch in device: grad_output[{i}] is on {g.device} but output[{i}] "
                         f"is on {out.device}; move the gradient with .to('{out.device}').")
             result.append(g)
+    finally:
+        _compat.protocol_restore(state)
     return result
 
 

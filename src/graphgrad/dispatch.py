@@ -17,6 +17,11 @@ from __future__ import annotations
 import torch
 from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when compiled
 
+try:
+    import cython
+except ImportError:  # Cython is needed only to build the compiled engine
+    from . import _no_cython as cython
+
 from .codes import CUSTOM_FUNCTION_VIEW, KEEP_VALUE, NEEDS_GRAD, NO_GRAD, PLAIN_VIEW, TORCH_TRACKED
 from .decompose import find as find_decomposition
 from .decompose import no_rule_error
@@ -41,6 +46,7 @@ from .views import (
     is_inplace,
     keep_for,
     kernel,
+    kernel_for,
     needs_of,
     no_grad_op,
     no_grad_view_op,
@@ -134,8 +140,15 @@ def _view_needs_grad(t, tag):
     return tag >= CUSTOM_FUNCTION_VIEW and function_view_changed(t)
 
 
-def torch_function(cls, func, types, args=(), kwargs=None):
-    """``Tensor.__torch_function__``: compute with torch, record with graphgrad."""
+@cython.binding(False)
+def torch_function(func, types, args=(), kwargs=None):
+    """``Tensor.__torch_function__``: compute with torch, record with graphgrad.
+
+    A static method, not torch's usual classmethod (it needs no class: graphgrad.Tensor is the
+    only one): torch fetches the attribute from each tensor argument of every call it hands
+    over, and a classmethod makes a bound method object for every fetch. Compiled, a plain C
+    function (no binding): torch also reads its ``__self__``, which Cython's own function
+    type answers by raising (an exception made and dropped per call)."""
     special = _SPECIAL.get(func)
     if special is not None:
         state = _protocol_off()
@@ -158,7 +171,7 @@ def redispatch(func, *args, **kwargs):
     the protocol would not reach graphgrad alone: it is off, a torch-function mode is active,
     no argument is a graphgrad Tensor, or another Tensor subclass is among them."""
     if _protocol_on() and _only_ours(args, kwargs):
-        return torch_function(_TENSOR_CLS, func, (), args, kwargs)
+        return torch_function(func, (), args, kwargs)
     return func(*args, **kwargs)
 
 
@@ -287,7 +300,8 @@ def note_call(func):
 def _record(func, rule, args, kwargs, silent):
     values = bind(func, rule, args, kwargs)
     graph = current_graph()
-    out = kernel(func if rule.kernel is None else rule.kernel, args, kwargs, silent)
+    out = kernel(func if rule.kernel is None else kernel_for(func, rule, args), args, kwargs,
+                 silent)
     ref = None
     if type(out) is _PlainTensor:
         if is_input(out, args, kwargs):  # the op returned an input unchanged (x.to(x.dtype))

@@ -201,7 +201,8 @@ class Rule:
     __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
                  "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for",
                  "family", "keep_cache", "elementwise", "defaults", "may_view", "saves",
-                 "differentiable_outputs", "view", "inplace_view", "writes", "kernel")
+                 "differentiable_outputs", "view", "inplace_view", "writes", "kernel",
+                 "kernel_ndim")
 
     def __init__(self, fn: Callable, kind: RuleKind, name: str | None = None,
                  multi_output: bool = False, saved_for: dict | None = None,
@@ -216,6 +217,7 @@ class Rule:
         self.inplace_of = None
         self.writes = None  # do its functions write into their first argument? (_register)
         self.kernel = None  # what computes the output in place of the torch function (derivative)
+        self.kernel_ndim = 0  # ... for a first argument of at least this many dimensions
         self.keep_cache = {}  # which params need grad (bits) -> keep
         self.saves = saves
         self._set_traits(view, elementwise, inplace_view, family)
@@ -383,7 +385,8 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
                saves: Callable | None = None, reads: tuple[str, ...] | None = None,
                differentiable_outputs: int | None = None,
                family: str | None = None,
-               kernel: Callable | None = None) -> Callable[[Callable], Callable]:
+               kernel: Callable | None = None,
+               kernel_ndim: int = 0) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the derivative rule of the torch functions ``funcs``.
 
     Its nodes are named ``node_name(fn.__name__)`` (``nll_loss`` -> ``NllLossBackward``)
@@ -435,6 +438,9 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     when the op is recorded or run under no_grad, for ops whose ATen kernel chooses its
     computation by torch's ``requires_grad`` flag, which graphgrad's tensors leave False
     (matmul folds a batch into one matrix product for an operand that requires grad).
+    ``kernel_ndim``: the kernel only for a first argument (a tensor) of at least this many
+    dimensions, the torch function for the others (F.linear folds only a batched input: a
+    2-d one skips a Python call per op).
     """
 
     def register(fn: Callable) -> Callable:
@@ -443,6 +449,7 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
                         differentiable_outputs, view=view, elementwise=elementwise,
                         inplace_view=inplace_view, family=family, reads=reads)
             rule.kernel = kernel
+            rule.kernel_ndim = kernel_ndim
             return rule
 
         rule = _register(funcs, make())

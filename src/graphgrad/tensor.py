@@ -52,7 +52,7 @@ class Tensor(torch.Tensor):
     _gg_acc = None  # a leaf's AccumulateGrad while it does not require grad (see requires_grad_)
     _gg_hooks = None  # the tensor hooks it had as a non-leaf, when detach_() took it out
 
-    __torch_function__ = classmethod(torch_function)
+    __torch_function__ = staticmethod(torch_function)  # (dispatch.torch_function says why)
 
     def __new__(cls, data: Any = (), requires_grad: bool = False) -> Tensor:
         return as_tensor(data, requires_grad=requires_grad)

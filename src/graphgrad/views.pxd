@@ -30,6 +30,7 @@ cdef long long _stamp(object t) except? -2
 cpdef object node_of(object t)
 cpdef bint is_inplace(object func) except -1
 cpdef object kernel(object func, tuple args, dict kwargs, bint silent)
+cpdef object kernel_for(object func, Rule rule, tuple args)
 cpdef object bind(object func, Rule rule, tuple args, dict kwargs)
 @cython.locals(simple=bint, n=Py_ssize_t, m=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t)
 cpdef object slots(Rule rule, tuple values, object graph, object ref)

@@ -57,7 +57,8 @@ from .view_rules import AS_STRIDED_RULE, COPY_SLICES_RULE, ViewGeometry
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 
 __all__ = ["node_of", "torch_node", "current_node", "function_view_changed", "is_inplace", "slots",
-           "bind", "keep_for", "needs_of", "kernel", "record_inplace", "check_inplace", "view_target",
+           "bind", "keep_for", "needs_of", "kernel", "kernel_for", "record_inplace", "check_inplace",
+           "view_target",
            "into_base", "rebase_history", "note_reshaped", "note_view_outputs", "stamp_view",
            "no_grad_op", "no_grad_view_op", "unrecorded_view_op", "view_tag_message", "base_requires_grad",
            "revived"]
@@ -153,6 +154,18 @@ def kernel(func, args, kwargs, silent):
         _set_grad_enabled(True)
 
 
+def kernel_for(func, rule, args):
+    """What computes ``func``'s output: the rule's ``kernel`` where it applies (Rule.kernel,
+    its ``kernel_ndim``), else ``func`` itself."""
+    chosen = rule.kernel
+    if chosen is None:
+        return func
+    if rule.kernel_ndim and args and isinstance(args[0], TensorBase) and \
+            _ndim(args[0]) < rule.kernel_ndim:
+        return func
+    return chosen
+
+
 def no_grad_view_op(func, rule, args, kwargs):
     """A view op under no_grad: its views are marked (``NO_GRAD_VIEW``); an in-place shape
     change (``unsqueeze_``) of a tensor with a grad_fn is remembered on that node, whose
@@ -174,8 +187,8 @@ def no_grad_op(func, rule, args, kwargs):
     """An op under no_grad that makes no view of its inputs. Its output may still be a view of
     the kernel's own temporary (avg_pool1d's squeeze, einsum's permute): torch marks it as made
     in no-grad mode, so it may not be changed in place with grad mode on; so do we."""
-    if rule is not None and rule.kernel is not None:
-        func = rule.kernel  # torch's kernel would read requires_grad flags (Rule.kernel)
+    if rule is not None:
+        func = kernel_for(func, rule, args)  # torch's kernel would read requires_grad flags
     out = _kernel_below_autograd(func, args, kwargs)
     if _may_view_a_temporary(rule):
         _tag_views(out, args, kwargs, NO_GRAD_VIEW)

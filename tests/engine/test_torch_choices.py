@@ -84,6 +84,52 @@ def test_a_product_folds_under_no_grad_too_and_not_without_grad():
     assert _products(have.ops) == _products(want.ops) == ["aten.bmm.default"]
 
 
+def test_linears_kernel_runs_only_for_a_batch_that_torch_would_not_merge(monkeypatch):
+    # a 2-d input (kernel_ndim) or a contiguous batch: torch's own F.linear, no Python kernel
+    from graphgrad.ops import linalg
+    seen = []
+    real = linalg._folds_for_grad
+    monkeypatch.setattr(linalg, "_folds_for_grad", lambda *a: seen.append(a[0].shape) or real(*a))
+    w = gg.as_tensor(torch.randn(3, 5, dtype=torch.float64), requires_grad=True)
+    b = gg.as_tensor(torch.randn(3, dtype=torch.float64), requires_grad=True)
+    strided = torch.randn(6, 4, 5, dtype=torch.float64).transpose(0, 1)
+    for x in (torch.randn(4, 5, dtype=torch.float64), torch.randn(2, 4, 5, dtype=torch.float64),
+              strided):
+        y = F.linear(gg.as_tensor(x), w, b)
+        torch.testing.assert_close(y.detach().as_subclass(torch.Tensor),
+                                   x @ w.detach().T + b.detach())
+        assert y.grad_fn.name() == "LinearBackward"
+    assert seen == [torch.Size([4, 6, 5])]  # only the strided batch asked
+
+
+def test_tensor_torch_function_is_a_static_method():
+    # torch fetches __torch_function__ from every tensor argument of every call: as a static
+    # method, no bound method per fetch; called through the class or a subclass, it still works
+    import warnings
+
+    assert isinstance(gg.Tensor.__dict__["__torch_function__"], staticmethod)
+
+    class Sub(gg.Tensor):
+        seen: list = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.seen.append(func)
+            return super().__torch_function__(func, types, args, kwargs)
+
+    x = gg.as_tensor(torch.randn(3), requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns about a __torch_function__ bound to a tensor
+        y = torch.tanh(x)
+        z = F.softplus(x)  # through torch's Python handle_torch_function
+    assert y.grad_fn.name() == "TanhBackward" and z.grad_fn is not None
+    out = gg.Tensor.__torch_function__(torch.mul, (gg.Tensor,), (x, 2.0))
+    assert out.grad_fn.name() == "MulBackward"
+    s = x.detach().as_subclass(Sub)
+    torch.sin(s)
+    assert Sub.seen and Sub.seen[0] is torch.sin
+
+
 def test_linear_backward_of_a_strided_gradient_takes_one_matrix_product():
     # the gradient of a batch-first attention output arrives transposed: one copy, two mm
     torch.manual_seed(2)

@@ -227,34 +227,37 @@ def addbmm(grad, input, batch1, batch2, *, beta=1, alpha=1, needs_input_grad):
 
 
 def _linear_kernel(input, weight, bias=None):
-    """F.linear as torch.autograd runs it: a strided batch of inputs folds into one mm for a
-    weight that requires grad (``_folds_for_grad``), then the bias is added in place."""
-    if input.dim() >= 3:
-        wt = weight.t()
-        if _folds_for_grad(input, wt, weight.requires_grad):
-            out = _folded(input, wt)
-            return out if bias is None else out.add_(bias)
+    """F.linear as torch.autograd runs it: a strided batch of inputs (3 or more dimensions:
+    ``kernel_ndim``) folds into one mm for a weight that requires grad (``_folds_for_grad``),
+    then the bias is added in place."""
+    if input.is_contiguous():  # its batch merges into one matrix: torch's kernel folds it
+        return F.linear(input, weight, bias)
+    wt = weight.t()
+    if _folds_for_grad(input, wt, weight.requires_grad):
+        out = _folded(input, wt)
+        return out if bias is None else out.add_(bias)
     return F.linear(input, weight, bias)
 
 
 @derivative(F.linear, saved_for={"input": "weight", "weight": "input"}, view=False,
-            kernel=_linear_kernel)
+            kernel=_linear_kernel, kernel_ndim=3)
 def linear(grad, input, weight, bias=None, *, needs_input_grad):
     """``input @ weight.T + bias``; the bias gradient is the engine's unbroadcast of ``grad``."""
     grad_input = grad_weight = None
-    input, weight = _cj(input), _cj(weight)
+    if grad.is_complex():  # (the output's dtype: F.linear takes operands of one dtype)
+        input, weight = _cj(input), _cj(weight)
     if grad.dim() > 2 and weight.dim() == 2:
         grad = grad.contiguous()  # one copy, if any, for both products: each folds to one mm
+    # torch.matmul, not ``@``: the saved input and weight are graphgrad tensors, so ``@`` would
+    # go through their reflected __rmatmul__ and torch's Python wrapper of it
     if needs_input_grad[0]:
-        # torch.matmul, not ``grad @ weight``: the weight is a graphgrad.Tensor, so ``@`` would
-        # go through its reflected __rmatmul__ and torch's Python wrapper of it
         grad_input = torch.matmul(grad, weight)
     if needs_input_grad[1]:
         if input.dim() == 1:
             grad_weight = grad.unsqueeze(-1) * input
         else:
             # flatten, not reshape(-1, n): a layer with no output features has n == 0
-            grad_weight = grad.flatten(0, -2).mT @ input.flatten(0, -2)
+            grad_weight = torch.matmul(grad.flatten(0, -2).mT, input.flatten(0, -2))
     return grad_input, grad_weight, grad
 
 

@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._compat import autocast_enabled as _autocast_anywhere
 from .._compat import bound_function, tensor_dtype, tensor_ndim, tensor_shape
 from .._compat import nn_functions as _nn
 from ..dispatch import redispatch
@@ -32,6 +33,7 @@ from ..rules import decomposition, derivative
 from .nn import autocast_float32, autocast_has_kernel, autocast_off, torch_body
 
 _aten = torch.ops.aten
+_NLL_FORWARD = _aten.nll_loss_forward.default  # (looked up once: an attribute chain)
 #: the kernels backward calls, without OpOverload's Python __call__ frame
 _mse_loss_backward_kernel = bound_function(_aten.mse_loss_backward.default)
 _smooth_l1_loss_backward_kernel = bound_function(_aten.smooth_l1_loss_backward.default)
@@ -257,22 +259,40 @@ def _nll_grads(grad, input, target, weight, reduction, ignore_index, needs):
 @decomposition(F.nll_loss, view=False)
 def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
              reduction="mean"):
+    """torch's ``nll_loss_nd`` (below); autocast runs it in float32."""
+    return _nll_loss_nd(input, target, weight,
+                        _reduction_enum(_reduction(size_average, reduce, reduction)), ignore_index)
+
+
+def _reduction_enum(reduction: str) -> int:
+    """torch's reduction enum (0, 1, 2); an unknown name raises torch's error."""
+    enum = _ENUMS.get(reduction)
+    return torch.nn._reduction.get_enum(reduction) if enum is None else enum
+
+
+_ENUMS = {name: i for i, name in enumerate(_REDUCTIONS)}
+
+
+def _nll_loss_nd(input, target, weight, enum, ignore_index):
     """torch's ``nll_loss_nd``: 1-d and 2-d inputs through ``nll_loss_forward``, 4-d ones
-    through ``nll_loss2d_forward``, the others viewed as 4-d; autocast runs it in float32."""
+    through ``nll_loss2d_forward``, the others viewed as 4-d. Shared by nll_loss and
+    cross_entropy: one Python layer fewer for the loss of nearly every classifier, which runs
+    right after the matrix products, with cold caches (docs/performance.md)."""
     # sizes and dtypes read from the C++ tensors (tensor_ndim...): through graphgrad.Tensor's
     # attributes each read is a call of its own (the device has no such reader)
-    enum = torch.nn._reduction.get_enum(_reduction(size_average, reduce, reduction))
     ndim = tensor_ndim(input)
     if ndim < 1:
         raise ValueError(f"Expected 1 or more dimensions (got {ndim})")
     if ndim != 1 and tensor_shape(input)[0] != tensor_shape(target)[0]:
         raise ValueError(f"Expected input batch_size ({tensor_shape(input)[0]}) to match target "
                          f"batch_size ({tensor_shape(target)[0]}).")
+    if ndim <= 2 and not _autocast_anywhere():  # (the usual case: no autocast to apply)
+        return redispatch(_NLL_FORWARD, input, target, weight, enum, ignore_index)[0]
     device = input.device.type
     op = "aten::nll_loss" if ndim <= 2 else "aten::nll_loss2d"
     input, weight = autocast_float32(op, device, input, weight)
     if ndim <= 2:
-        return autocast_off(device, redispatch, _aten.nll_loss_forward.default, input, target,
+        return autocast_off(device, redispatch, _NLL_FORWARD, input, target,
                             weight, enum, ignore_index)[0]
     if ndim == 4:
         return autocast_off(device, redispatch, _aten.nll_loss2d_forward.default, input, target,
@@ -337,16 +357,18 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     """log_softmax over the class dimension, then nll_loss (class indices) or the weighted sum
     against the probabilities; label smoothing mixes in the uniform distribution, as torch does."""
     reduction = _reduction(size_average, reduce, reduction)
-    if tensor_dtype(input) in (torch.float16, torch.bfloat16) and \
+    autocast = _autocast_anywhere()
+    if autocast and tensor_dtype(input) in (torch.float16, torch.bfloat16) and \
             torch.is_autocast_enabled(input.device.type) and \
             autocast_has_kernel("aten::cross_entropy_loss", input.device.type):
         input = input.float()  # autocast runs cross_entropy in float32 here: so must its pieces
     ndim = tensor_ndim(input)
     class_dim = 1 if ndim >= 2 else 0
     n_classes = tensor_shape(input)[class_dim]
-    # the dtype given, as torch's own cross_entropy gives it: autocast then keeps log_softmax
-    # in the input's precision where it has no cross_entropy kernel of its own (CUDA)
-    logp = redispatch(torch.log_softmax, input, class_dim, dtype=tensor_dtype(input))
+    # under autocast the dtype given, as torch's own cross_entropy gives it: autocast then keeps
+    # log_softmax in the input's precision where it has no cross_entropy kernel of its own (CUDA)
+    logp = redispatch(torch.log_softmax, input, class_dim, dtype=tensor_dtype(input)) \
+        if autocast else redispatch(torch.log_softmax, input, class_dim)
     if weight is not None:
         shape = [1] * ndim
         shape[class_dim] = n_classes
@@ -360,7 +382,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         if reduction == "sum":
             return -prod.sum()
         return -prod.sum() / (input.numel() / n_classes)
-    nll = redispatch(F.nll_loss, logp, target, weight, None, ignore_index, None, reduction)
+    nll = _nll_loss_nd(logp, target, weight, _reduction_enum(reduction), ignore_index)
     if label_smoothing == 0.0:
         return nll
     ignored = target == ignore_index
