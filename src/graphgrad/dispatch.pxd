@@ -28,6 +28,8 @@ from graphgrad.fastcalls cimport (autocast_enabled as _autocast_enabled,
 cdef object _PlainTensor
 cdef object _TENSOR_CLS, _observer
 cdef dict _NO_KWARGS, _ROUTES, _SPECIAL, _RULES
+cdef object _OpOverload
+cdef bint _overloads_routed
 cdef frozenset _DIFFERENTIABLE_DTYPES
 cdef int KEEP_VALUE, NO_GRAD, NEEDS_GRAD, PLAIN_VIEW, TORCH_TRACKED, CUSTOM_FUNCTION_VIEW
 

@@ -75,6 +75,10 @@ _observer = None  # see observe_calls
 #: the torch-function protocol on (_ROUTES) or off (_SPECIAL)
 _ROUTES: dict = {}
 _SPECIAL: dict = {}
+_OpOverload = torch._ops.OpOverload
+# Has route() been given a torch.ops overload? Until then an overload skips both tables above:
+# a lookup hashes it, and OpOverload.__hash__ is a Python method (composites call overloads).
+_overloads_routed = False
 
 
 def _take_tensor_class(cls) -> None:
@@ -149,16 +153,17 @@ def torch_function(func, types, args=(), kwargs=None):
     over, and a classmethod makes a bound method object for every fetch. Compiled, a plain C
     function (no binding): torch also reads its ``__self__``, which Cython's own function
     type answers by raising (an exception made and dropped per call)."""
-    special = _SPECIAL.get(func)
-    if special is not None:
-        state = _protocol_off()
-        try:
-            return special(*args, **(kwargs or {}))
-        finally:
-            _protocol_restore(state)
-    route = _ROUTES.get(func)
-    if route is not None:
-        return route(*args, **(kwargs or {}))
+    if _overloads_routed or type(func) is not _OpOverload:
+        special = _SPECIAL.get(func)
+        if special is not None:
+            state = _protocol_off()
+            try:
+                return special(*args, **(kwargs or {}))
+            finally:
+                _protocol_restore(state)
+        route = _ROUTES.get(func)
+        if route is not None:
+            return route(*args, **(kwargs or {}))
     return call(func, args, kwargs)
 
 
@@ -212,6 +217,9 @@ def _kind(x) -> int:
 def route(func, to, torch_function: bool = True) -> None:
     """Answer calls of torch function ``func`` on graphgrad tensors with ``to(*args, **kwargs)``,
     called with the torch-function protocol on (or off: ``torch_function=False``)."""
+    global _overloads_routed
+    if type(func) is _OpOverload:
+        _overloads_routed = True
     if torch_function:
         _ROUTES[func] = to
     else:

@@ -229,3 +229,23 @@ def test_a_hooks_inference_tensor_is_summed_out_of_place_in_every_engine():
     b.grad_fn.register_hook(hook)
     (a.sum() + b.sum()).backward()
     torch.testing.assert_close(x.grad, torch.full((3,), 14.0))
+
+
+def test_an_overload_given_a_route_takes_it():
+    # overloads skip the route tables until one is routed (OpOverload.__hash__ is Python); in a
+    # process of its own: a route stays for the process
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, graphgrad as gg\n"
+        "from graphgrad import dispatch\n"
+        "op = torch.ops.aten.sinc.default\n"
+        "x = gg.as_tensor(torch.randn(2), requires_grad=True)\n"
+        "assert op(x).grad_fn is not None\n"
+        "dispatch.route(op, lambda *a, **k: 'routed')\n"
+        "assert op(x) == 'routed'\n"
+        "assert torch.sinc(x).grad_fn is not None\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
