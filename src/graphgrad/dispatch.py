@@ -323,7 +323,7 @@ def _record(func, rule, args, kwargs, silent):
     keep = keep_for(rule, nexts, slot_pos)
     if _autocast_enabled() and type(out) is _PlainTensor:
         values = _as_autocast_ran(values, keep, out.dtype)
-    parts = None
+    parts = rule.saved_outputs  # (None: all)
     if rule.saves is not None:
         keep, parts = rule.saves(values, keep, needs_of(rule, values, nexts, slot_pos))
     saved, versions = save_arguments(keep, values)

@@ -202,7 +202,7 @@ class Rule:
                  "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for",
                  "family", "keep_cache", "elementwise", "defaults", "may_view", "saves",
                  "differentiable_outputs", "view", "inplace_view", "writes", "kernel",
-                 "kernel_ndim")
+                 "kernel_ndim", "saved_outputs")
 
     def __init__(self, fn: Callable, kind: RuleKind, name: str | None = None,
                  multi_output: bool = False, saved_for: dict | None = None,
@@ -218,6 +218,7 @@ class Rule:
         self.writes = None  # do its functions write into their first argument? (_register)
         self.kernel = None  # what computes the output in place of the torch function (derivative)
         self.kernel_ndim = 0  # ... for a first argument of at least this many dimensions
+        self.saved_outputs = None  # the outputs the backward reads, when declared (derivative)
         self.keep_cache = {}  # which params need grad (bits) -> keep
         self.saves = saves
         self._set_traits(view, elementwise, inplace_view, family)
@@ -386,7 +387,8 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
                differentiable_outputs: int | None = None,
                family: str | None = None,
                kernel: Callable | None = None,
-               kernel_ndim: int = 0) -> Callable[[Callable], Callable]:
+               kernel_ndim: int = 0,
+               saved_outputs: tuple[int, ...] | None = None) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the derivative rule of the torch functions ``funcs``.
 
     Its nodes are named ``node_name(fn.__name__)`` (``nll_loss`` -> ``NllLossBackward``)
@@ -426,7 +428,9 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     ``result_parts`` lists the outputs of a multi-output op that the rule reads (None: all;
     ``()``: none, for single-output ops too: the rule's ``result`` then defaults to None).
     What is not saved is not version-checked either, so an in-place change of it after the
-    op is allowed, as in torch.
+    op is allowed, as in torch. ``saved_outputs=(1, 2)`` says the same as a ``saves`` that
+    returns ``keep`` unchanged and those parts, for every call (native_layer_norm's backward
+    reads its mean and rstd, never its output), without a Python call per op.
 
     ``differentiable_outputs=k``: of a multi-output op, only the first ``k`` outputs carry
     gradients; the others (statistics a backward kernel reads, such as native_layer_norm's
@@ -443,6 +447,10 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     2-d one skips a Python call per op).
     """
 
+    if saves is not None and saved_outputs is not None:
+        raise ValueError("derivative(): give saves= or saved_outputs=, not both (a saves "
+                         "callback returns the outputs it reads itself)")
+
     def register(fn: Callable) -> Callable:
         def make() -> Rule:
             rule = Rule(fn, DIFFERENTIABLE, name, multi_output, saved_for, saves,
@@ -450,6 +458,7 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
                         inplace_view=inplace_view, family=family, reads=reads)
             rule.kernel = kernel
             rule.kernel_ndim = kernel_ndim
+            rule.saved_outputs = None if saved_outputs is None else tuple(saved_outputs)
             return rule
 
         rule = _register(funcs, make())

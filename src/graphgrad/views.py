@@ -488,7 +488,7 @@ def record_inplace(func, rule, args, kwargs, silent):
         nexts = (into_base(target, graph),) + nexts[1:]
         nrs = output_numbers((0,) + nrs[1:])
     keep = keep_for(base_rule, nexts, slot_pos)
-    parts = None
+    parts = base_rule.saved_outputs  # (None: all)
     if base_rule.saves is not None:
         keep, parts = base_rule.saves(values, keep, needs_of(base_rule, values, nexts, slot_pos))
     if keep and keep[0] == KEEP_VALUE:  # the rule reads the value before the op

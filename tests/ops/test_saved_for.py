@@ -66,3 +66,26 @@ def test_every_subset_of_inputs_requiring_grad(name):
         for i in subset:
             torch.testing.assert_close(ours[i].grad.as_subclass(torch.Tensor), theirs[i].grad, rtol=1e-7,
                                        atol=1e-7, msg=lambda m, i=i, s=subset: f"input {i} of {s}: {m}")
+
+
+@pytest.mark.parametrize("op, args, read", [
+    (F.layer_norm, ((4, 5), (5,)), (1, 2)),  # native_layer_norm: mean and rstd, not y
+    (lambda x: F.max_pool2d(x, 2, return_indices=True)[0], ((1, 1, 4, 4),), (1,)),  # indices
+    (lambda x, y: F.nll_loss(x.log_softmax(1), y), ((3, 4), None), (1,)),  # total weight
+])
+def test_a_node_keeps_only_the_outputs_its_rule_declares(op, args, read):
+    # saved_outputs=...: what the backward reads of a multi-output op, nothing else (each
+    # output not read is neither kept nor version-checked, as in torch)
+    x = gg.as_tensor(torch.randn(args[0], dtype=torch.float64), requires_grad=True)
+    rest = [torch.tensor([0, 3, 1]) if a is None else a for a in args[1:]]
+    out = op(x, *rest)
+    versions = out.grad_fn.result.version
+    assert [i for i, v in enumerate(versions) if v is not None] == list(read)
+    out.sum().backward()
+    assert x.grad is not None
+
+
+def test_a_rule_takes_saves_or_saved_outputs_not_both():
+    with pytest.raises(ValueError, match="not both"):
+        gg.derivative(torch.ops.aten.native_dropout.default, multi_output=True,
+                      saves=lambda values, keep, needs: (keep, (1,)), saved_outputs=(1,))

@@ -308,11 +308,6 @@ def _nll_loss_nd(input, target, weight, enum, ignore_index):
     return out if enum != 0 else out.view(out_size)
 
 
-def _total_weight_only(values, keep, needs):
-    """Of the outputs (loss, total weight), the backward reads the total weight."""
-    return keep, (1,)
-
-
 def _nll_loss_rule(backward_kernel):
     def nll_loss_forward(grads, input, target, weight, reduction, ignore_index, *, result,
                          needs_input_grad):
@@ -328,10 +323,11 @@ def _nll_loss_rule(backward_kernel):
     return nll_loss_forward
 
 
+# of the outputs (loss, total weight) the backward reads the total weight: saved_outputs=(1,)
 for _forward, _backward, _name in [
         (_aten.nll_loss_forward.default, _aten.nll_loss_backward.default, "NllLossBackward"),
         (_aten.nll_loss2d_forward.default, _aten.nll_loss2d_backward.default, "NllLoss2dBackward")]:
-    derivative(_forward, name=_name, multi_output=True, saves=_total_weight_only,
+    derivative(_forward, name=_name, multi_output=True, saved_outputs=(1,),
                differentiable_outputs=1, view=False)(_nll_loss_rule(bound_function(_backward)))
 
 

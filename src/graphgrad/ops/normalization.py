@@ -51,11 +51,6 @@ def _not_differentiable(needs, positions: dict) -> None:
                                       "and torch alike)")
 
 
-def _stats_only(values, keep, needs):
-    """Of the outputs, the backward reads the mean and the inverse standard deviation."""
-    return keep, (1, 2)
-
-
 # -- batch_norm: native_batch_norm and its backward kernel --------------------------------
 def _check_buffers(name, running_mean, running_var):
     for what, t in (("running_mean", running_mean), ("running_var", running_var)):
@@ -97,8 +92,9 @@ def batch_norm(input, weight, bias, running_mean, running_var, training, momentu
 decomposition(F.batch_norm, view=False, family="normalization")(torch_body(F.batch_norm))
 
 
+# of the outputs (y, mean, rstd) the backward reads the statistics: saved_outputs=(1, 2)
 @derivative(torch.native_batch_norm, name="NativeBatchNormBackward", multi_output=True,
-            saves=_stats_only, differentiable_outputs=1, view=False)
+            saved_outputs=(1, 2), differentiable_outputs=1, view=False)
 def native_batch_norm(grads, input, weight, bias, running_mean, running_var, training, momentum,
                       eps, *, result, needs_input_grad):
     """torch's fused kernel, on the batch statistics the forward saved (training) or on the
@@ -214,7 +210,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_
 
 
 @derivative(torch.native_layer_norm, name="NativeLayerNormBackward", multi_output=True,
-            saves=_stats_only, differentiable_outputs=1, view=False)
+            saved_outputs=(1, 2), differentiable_outputs=1, view=False)
 def native_layer_norm(grads, input, normalized_shape, weight, bias, eps, *, result,
                       needs_input_grad):
     """torch's fused kernel on the saved mean and inverse standard deviation."""
@@ -313,7 +309,7 @@ decomposition(F.group_norm, view=False, family="normalization")(torch_body(F.gro
 
 
 @derivative(torch.native_group_norm, name="NativeGroupNormBackward", multi_output=True,
-            saves=_stats_only, view=False)
+            saved_outputs=(1, 2), view=False)
 def native_group_norm(grads, input, weight, bias, N, C, HxW, group, eps, *, result,
                       needs_input_grad):
     """As torch: the fused kernel when no higher derivative is wanted; otherwise torch's
@@ -432,13 +428,9 @@ def weight_norm(v, g, dim=0):
     return v * (g / torch.norm_except_dim(v, 2, dim))
 
 
-def _norms_only(values, keep, needs):
-    """Of the outputs (w, norms), the backward reads the norms."""
-    return keep, (1,)
-
-
+# of the outputs (w, norms) the backward reads the norms
 @derivative(torch._weight_norm_interface, name="WeightNormInterfaceBackward", multi_output=True,
-            saves=_norms_only, differentiable_outputs=1, view=False)
+            saved_outputs=(1,), differentiable_outputs=1, view=False)
 def weight_norm_interface(grads, v, g, dim=0, *, result):
     """torch's fused kernel when no higher derivative is wanted. Under ``create_graph``, torch's
     ``_weight_norm_differentiable_backward`` formula, with the norms recomputed from ``v`` in

@@ -62,16 +62,12 @@ def gather_at(grad, indices, nd):
     return grad.flatten(-nd).gather(-1, indices.flatten(-nd)).view(indices.shape)
 
 
-def _indices_only(values, keep, needs):
-    """Of the outputs (values, indices), the backward reads the indices."""
-    return keep, (1,)
-
-
 def _single(value) -> int:
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
-@derivative(_nn.max_pool2d_with_indices, multi_output=True, saves=_indices_only, view=False)
+# of the outputs (values, indices) these backwards read the indices: saved_outputs=(1,)
+@derivative(_nn.max_pool2d_with_indices, multi_output=True, saved_outputs=(1,), view=False)
 def max_pool2d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
                             ceil_mode=False, *, result):
     """torch's ``max_pool2d_with_indices_backward``: each gradient to where its maximum was
@@ -80,14 +76,14 @@ def max_pool2d_with_indices(grads, input, kernel_size, stride=(), padding=0, dil
         grads[0], input, kernel_size, stride, padding, dilation, ceil_mode, result[1])
 
 
-@derivative(_nn.max_pool3d_with_indices, multi_output=True, saves=_indices_only, view=False)
+@derivative(_nn.max_pool3d_with_indices, multi_output=True, saved_outputs=(1,), view=False)
 def max_pool3d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
                             ceil_mode=False, *, result):
     return _max_pool3d_with_indices_backward_kernel(
         grads[0], input, kernel_size, stride, padding, dilation, ceil_mode, result[1])
 
 
-@derivative(torch.max_pool1d_with_indices, multi_output=True, saves=_indices_only, view=False)
+@derivative(torch.max_pool1d_with_indices, multi_output=True, saved_outputs=(1,), view=False)
 def max_pool1d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
                             ceil_mode=False, *, result):
     """torch pools in 1-d with its 2-d kernel on a height of 1, and so does the backward."""
@@ -99,17 +95,17 @@ def max_pool1d_with_indices(grads, input, kernel_size, stride=(), padding=0, dil
         [1, _single(dilation)], ceil_mode, result[1].unsqueeze(-2)).squeeze(-2)
 
 
-@derivative(_nn.adaptive_max_pool2d, multi_output=True, saves=_indices_only, view=False)
+@derivative(_nn.adaptive_max_pool2d, multi_output=True, saved_outputs=(1,), view=False)
 def adaptive_max_pool2d(grads, input, output_size, *, result):
     return _adaptive_max_pool2d_backward_kernel(grads[0], input, result[1])
 
 
-@derivative(_nn.adaptive_max_pool3d, multi_output=True, saves=_indices_only, view=False)
+@derivative(_nn.adaptive_max_pool3d, multi_output=True, saved_outputs=(1,), view=False)
 def adaptive_max_pool3d(grads, input, output_size, *, result):
     return _adaptive_max_pool3d_backward_kernel(grads[0], input, result[1])
 
 
-@derivative(torch.adaptive_max_pool1d, multi_output=True, saves=_indices_only, view=False)
+@derivative(torch.adaptive_max_pool1d, multi_output=True, saved_outputs=(1,), view=False)
 def adaptive_max_pool1d(grads, input, output_size, *, result):
     """Through the 2-d kernel on a height of 1, as torch's forward."""
     return _adaptive_max_pool2d_backward_kernel(
@@ -330,6 +326,6 @@ for _nd, _f, _f_pair, _kernel, _backward in [
         return fractional_max_pool
 
     derivative(_kernel, name=f"FractionalMaxPool{_nd}dBackward", multi_output=True,
-               saves=_indices_only, differentiable_outputs=1, view=False)(_fractional_rule(_backward))
+               saved_outputs=(1,), differentiable_outputs=1, view=False)(_fractional_rule(_backward))
     derivative(_backward, name=f"FractionalMaxPool{_nd}dBackwardBackward", view=False)(
         _max_pool_backward_rule(_nd, 2))

@@ -264,12 +264,8 @@ def var_mean(grads, input, *args, **kwargs):
     return _var_mean_grad(grads, input, args, kwargs)
 
 
-def _std_only(values, keep, needs):
-    """std_mean's backward reads the std, never the mean."""
-    return keep, (0,)
-
-
-@derivative(torch.std_mean, multi_output=True, saves=_std_only, view=False)
+# std_mean's backward reads the std, never the mean: saved_outputs=(0,)
+@derivative(torch.std_mean, multi_output=True, saved_outputs=(0,), view=False)
 def std_mean(grads, input, *args, result, **kwargs):
     return _var_mean_grad(grads, input, args, kwargs, std=result[0])
 
