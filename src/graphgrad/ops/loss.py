@@ -260,8 +260,9 @@ def _nll_grads(grad, input, target, weight, reduction, ignore_index, needs):
 def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
              reduction="mean"):
     """torch's ``nll_loss_nd`` (below); autocast runs it in float32."""
-    return _nll_loss_nd(input, target, weight,
-                        _reduction_enum(_reduction(size_average, reduce, reduction)), ignore_index)
+    if size_average is not None or reduce is not None:
+        reduction = _reduction(size_average, reduce, reduction)
+    return _nll_loss_nd(input, target, weight, _reduction_enum(reduction), ignore_index)
 
 
 def _reduction_enum(reduction: str) -> int:
@@ -352,7 +353,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
                   reduction="mean", label_smoothing=0.0):
     """log_softmax over the class dimension, then nll_loss (class indices) or the weighted sum
     against the probabilities; label smoothing mixes in the uniform distribution, as torch does."""
-    reduction = _reduction(size_average, reduce, reduction)
+    if size_average is not None or reduce is not None:  # (no call for the usual case)
+        reduction = _reduction(size_average, reduce, reduction)
     autocast = _autocast_anywhere()
     if autocast and tensor_dtype(input) in (torch.float16, torch.bfloat16) and \
             torch.is_autocast_enabled(input.device.type) and \
