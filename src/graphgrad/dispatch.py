@@ -308,8 +308,7 @@ def note_call(func):
 def _record(func, rule, args, kwargs, silent):
     values = bind(func, rule, args, kwargs)
     graph = current_graph()
-    out = kernel(func if rule.kernel is None else kernel_for(func, rule, args), args, kwargs,
-                 silent)
+    out = kernel(kernel_for(func, rule, args), args, kwargs, silent)
     ref = None
     if type(out) is _PlainTensor:
         if is_input(out, args, kwargs):  # the op returned an input unchanged (x.to(x.dtype))

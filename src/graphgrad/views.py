@@ -58,8 +58,7 @@ from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 
 __all__ = ["node_of", "torch_node", "current_node", "function_view_changed", "is_inplace", "slots",
            "bind", "keep_for", "needs_of", "kernel", "kernel_for", "record_inplace", "check_inplace",
-           "view_target",
-           "into_base", "rebase_history", "note_reshaped", "note_view_outputs", "stamp_view",
+           "view_target", "into_base", "rebase_history", "note_reshaped", "note_view_outputs", "stamp_view",
            "no_grad_op", "no_grad_view_op", "unrecorded_view_op", "view_tag_message", "base_requires_grad",
            "revived"]
 

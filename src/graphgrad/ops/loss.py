@@ -262,16 +262,8 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
     """torch's ``nll_loss_nd`` (below); autocast runs it in float32."""
     if size_average is not None or reduce is not None:
         reduction = _reduction(size_average, reduce, reduction)
-    return _nll_loss_nd(input, target, weight, _reduction_enum(reduction), ignore_index)
-
-
-def _reduction_enum(reduction: str) -> int:
-    """torch's reduction enum (0, 1, 2); an unknown name raises torch's error."""
-    enum = _ENUMS.get(reduction)
-    return torch.nn._reduction.get_enum(reduction) if enum is None else enum
-
-
-_ENUMS = {name: i for i, name in enumerate(_REDUCTIONS)}
+    return _nll_loss_nd(input, target, weight, torch.nn._reduction.get_enum(reduction),
+                        ignore_index)
 
 
 def _nll_loss_nd(input, target, weight, enum, ignore_index):
@@ -380,7 +372,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         if reduction == "sum":
             return -prod.sum()
         return -prod.sum() / (input.numel() / n_classes)
-    nll = _nll_loss_nd(logp, target, weight, _reduction_enum(reduction), ignore_index)
+    nll = _nll_loss_nd(logp, target, weight, torch.nn._reduction.get_enum(reduction),
+                       ignore_index)
     if label_smoothing == 0.0:
         return nll
     ignored = target == ignore_index
