@@ -206,9 +206,15 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
     # ready nodes run newest first (torch's order: so hooks are called in torch's order);
     # AccumulateGrad first of all, as soon as its gradient is complete
     ready = []
-    for node in dict.fromkeys(n for n, _ in root_nodes):
-        if deps[node] == 0:
-            _heappush(ready, _Ready(_order(node), node))
+    # each root once, in order (not dict.fromkeys: a dict made by calling the type is a
+    # counted allocation that CPython's free list then keeps, one more per backward for the
+    # cyclic GC until that list is full)
+    roots = set()
+    for node, _ in root_nodes:
+        if node not in roots:
+            roots.add(node)
+            if deps[node] == 0:
+                _heappush(ready, _Ready(_order(node), node))
     # the only ready node waits here instead of in the heap (a chain never fills the heap):
     # one node in a heap is popped next all the same, so the order is the heap's
     alone = None
