@@ -25,7 +25,7 @@ __all__ = [
     "is_grad_enabled", "set_grad_enabled",
     "torch_function_enabled", "torch_function_mode_enabled", "autocast_enabled", "protocol_on",
     "tensor_shape", "tensor_dtype", "tensor_device", "tensor_ndim", "tensor_same_size",
-    "tensor_same_meta", "tensor_adopt", "kernel_below_autograd", "accumulate_in_place",
+    "tensor_same_meta", "tensor_same_kind", "tensor_adopt", "kernel_below_autograd", "accumulate_in_place",
     "kernel_mode", "native_meta", "register_tensor_class",
     "tensor_version", "tensor_is_view", "torch_requires_grad",
     "torch_grad_fn", "get_grad", "set_grad", "has_internal_overlap", "VariableFunctions",
@@ -101,6 +101,14 @@ def _getter_same_meta(t, ref) -> bool:
 
 
 tensor_same_meta = _getter_same_meta
+
+
+def _getter_same_kind(t, ref) -> bool:
+    """Does ``t`` have ``ref``'s dtype and device? (through torch's getters)"""
+    return tensor_dtype(t) is tensor_dtype(ref) and tensor_device(t) == tensor_device(ref)
+
+
+tensor_same_kind = _getter_same_kind
 
 
 #: graphgrad._tensor_meta (src/graphgrad/csrc/tensor_meta.cpp), built against this torch: the same
@@ -206,6 +214,7 @@ if native_meta is not None:
     tensor_ndim = native_meta.ndim
     tensor_same_size = native_meta.same_size
     tensor_same_meta = native_meta.same_meta
+    tensor_same_kind = native_meta.same_kind
     tensor_device = native_meta.device
     protocol_off = native_meta.protocol_off
     protocol_restore = native_meta.protocol_restore

@@ -315,6 +315,11 @@ def _record(func, rule, args, kwargs, silent):
             return out
         if rule.elementwise:
             ref = (out, _dtype(out), _ndim(out))
+        elif rule.shaped is not None:
+            ref = (out,)
+    elif rule.shaped is not None and type(out) is tuple and len(out) and \
+            type(out[0]) is _PlainTensor:  # (native_layer_norm: the first output's dtype)
+        ref = (out[0],)
     edges = slots(rule, values, graph, ref)
     if edges is None:
         return wrap_plain(out, args, kwargs)

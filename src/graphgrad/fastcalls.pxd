@@ -74,7 +74,8 @@ cdef inline object call_fast3(CFunction c, object a, object b, object d):
     return (<object>c.obj)(a, b, d)
 
 
-cdef CFunction _DTYPE, _NDIM, _SHAPE, _DEVICE, _VERSION, _IS_VIEW, _SAME_META, _REQUIRES_GRAD
+cdef CFunction _DTYPE, _NDIM, _SHAPE, _DEVICE, _VERSION, _IS_VIEW, _SAME_META, _SAME_KIND
+cdef CFunction _REQUIRES_GRAD
 cdef CFunction _GRAD_ENABLED, _AUTOCAST, _ANOMALY, _PROTOCOL_ON, _PROTOCOL_OFF, _PROTOCOL_RESTORE
 cdef CFunction _SAVE_ALIAS, _ADOPT, _BELOW, _ACCUMULATE
 cdef object _native, _save_alias
@@ -87,6 +88,7 @@ cpdef object tensor_device(object t)
 cpdef object tensor_version(object t)
 cpdef object tensor_is_view(object t)
 cpdef object tensor_same_meta(object t, object ref)
+cpdef object tensor_same_kind(object t, object ref)
 cpdef object torch_requires_grad(object t)
 cpdef object grad_enabled()
 cpdef object autocast_enabled()

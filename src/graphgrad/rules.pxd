@@ -5,7 +5,7 @@
 cdef class Rule:
     cdef public object fn, name, kind, bind, keep, saves, invoke, saved_for, family, keep_cache
     cdef public object defaults, differentiable_outputs, view, inplace_of, params, writes
-    cdef public object kernel, saved_outputs
+    cdef public object kernel, saved_outputs, shaped
     cdef public Py_ssize_t n_required, kernel_ndim
     cdef public bint saves_result, wants_needs, multi_output, elementwise, may_view, inplace_view
 

@@ -202,7 +202,7 @@ class Rule:
                  "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for",
                  "family", "keep_cache", "elementwise", "defaults", "may_view", "saves",
                  "differentiable_outputs", "view", "inplace_view", "writes", "kernel",
-                 "kernel_ndim", "saved_outputs")
+                 "kernel_ndim", "saved_outputs", "shaped")
 
     def __init__(self, fn: Callable, kind: RuleKind, name: str | None = None,
                  multi_output: bool = False, saved_for: dict | None = None,
@@ -219,6 +219,7 @@ class Rule:
         self.kernel = None  # what computes the output in place of the torch function (derivative)
         self.kernel_ndim = 0  # ... for a first argument of at least this many dimensions
         self.saved_outputs = None  # the outputs the backward reads, when declared (derivative)
+        self.shaped = None  # per parameter: is its gradient shaped like it? (derivative)
         self.keep_cache = {}  # which params need grad (bits) -> keep
         self.saves = saves
         self._set_traits(view, elementwise, inplace_view, family)
@@ -282,6 +283,17 @@ def _keep_codes(fn: Callable, params: list[inspect.Parameter],
     return tuple(
         (KEEP_META if p.annotation in (Meta, "Meta") else KEEP_VALUE) if p.name in read
         else KEEP_NOTHING for p in params)
+
+
+def _shaped_positions(fn: Callable, params: tuple[str, ...], shaped: tuple[str, ...]):
+    """``Rule.shaped``: one bool per parameter (named in ``shaped``), or None for none."""
+    if not shaped:
+        return None
+    shaped = (shaped,) if isinstance(shaped, str) else tuple(shaped)
+    unknown = [n for n in shaped if n not in params]
+    if unknown:
+        raise ValueError(f"rule {_rule_path(fn)}: shaped= names unknown parameters {unknown}")
+    return tuple(p in shaped for p in params)
 
 
 def _saved_for_positions(fn: Callable, params: tuple[str, ...], saved_for: dict | None):
@@ -388,7 +400,8 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
                family: str | None = None,
                kernel: Callable | None = None,
                kernel_ndim: int = 0,
-               saved_outputs: tuple[int, ...] | None = None) -> Callable[[Callable], Callable]:
+               saved_outputs: tuple[int, ...] | None = None,
+               shaped: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the derivative rule of the torch functions ``funcs``.
 
     Its nodes are named ``node_name(fn.__name__)`` (``nll_loss`` -> ``NllLossBackward``)
@@ -402,6 +415,11 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     - ``elementwise=True``: the output is a new tensor shaped like the inputs broadcast
       together, and the rule returns gradients shaped like the output (the engine then keeps
       no shape record for inputs shaped like it, and reduces the others). Implies no views.
+    - ``shaped=("input", "weight")``: the rule returns the gradient of each parameter named
+      shaped like that argument, in the output's dtype and on its device (``linear``'s input
+      and weight; not its bias, whose gradient the engine sums from ``grad``). The engine then
+      keeps no shape record for those arguments when they have the output's dtype and device:
+      nothing to reduce, cast or move in backward, and three objects fewer per argument.
     - ``view``: ``True`` when outputs may be views of an input (``view``, ``select``,
       ``split``): the engine checks each output and tracks the views (rebuilding a view's
       grad_fn after its base changes in place, marking views made under no_grad). ``False``:
@@ -447,6 +465,9 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     2-d one skips a Python call per op).
     """
 
+    if elementwise and shaped:
+        raise ValueError("derivative(): elementwise=True already says how every gradient is "
+                         "shaped; shaped= is for rules that are not elementwise")
     if saves is not None and saved_outputs is not None:
         raise ValueError("derivative(): give saves= or saved_outputs=, not both (a saves "
                          "callback returns the outputs it reads itself)")
@@ -459,6 +480,7 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
             rule.kernel = kernel
             rule.kernel_ndim = kernel_ndim
             rule.saved_outputs = None if saved_outputs is None else tuple(saved_outputs)
+            rule.shaped = _shaped_positions(fn, rule.params, shaped)
             return rule
 
         rule = _register(funcs, make())

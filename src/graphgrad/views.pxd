@@ -13,7 +13,8 @@ from graphgrad.fastcalls cimport (grad_enabled as _grad_enabled,
                                   kernel_below_autograd as _kernel_below_autograd,
                                   tensor_device as _device,
                                   tensor_dtype as _dtype, tensor_is_view as _is_view,
-                                  tensor_ndim as _ndim, tensor_same_meta as _same_meta,
+                                  tensor_ndim as _ndim, tensor_same_kind as _same_kind,
+                                  tensor_same_meta as _same_meta,
                                   tensor_shape as _shape, tensor_version as _version,
                                   torch_requires_grad as _torch_requires_grad)
 
@@ -32,12 +33,14 @@ cpdef bint is_inplace(object func) except -1
 cpdef object kernel(object func, tuple args, dict kwargs, bint silent)
 cpdef object kernel_for(object func, Rule rule, tuple args)
 cpdef object bind(object func, Rule rule, tuple args, dict kwargs)
-@cython.locals(simple=bint, n=Py_ssize_t, m=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t)
+@cython.locals(simple=bint, n=Py_ssize_t, m=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t,
+               elementwise=bint, uniform=bint, any_grad=bint, kept=bint, shaped=tuple)
 cpdef object slots(Rule rule, tuple values, object graph, object ref)
 cdef object _MORE
 @cython.locals(m=Py_ssize_t, i=Py_ssize_t, n_required=Py_ssize_t, is_tensor=bint, uniform=bint,
-               kept=bint, n0=Node, n1=Node)
+               elementwise=bint, kept=bint, shaped=tuple, n0=Node, n1=Node)
 cdef object _two_slots(Rule rule, tuple values, object graph, object ref)
+cdef bint _shaped_slot(tuple shaped, object pos) except -1
 cdef bint _breaks_uniform(object t, tuple ref) except -1
 cdef tuple _meta(object t)
 @cython.locals(node=Node)

@@ -45,6 +45,7 @@ from .fastcalls import tensor_device as _device
 from .fastcalls import tensor_dtype as _dtype
 from .fastcalls import tensor_is_view as _is_view
 from .fastcalls import tensor_ndim as _ndim
+from .fastcalls import tensor_same_kind as _same_kind
 from .fastcalls import tensor_same_meta as _same_meta
 from .fastcalls import tensor_shape as _shape
 from .fastcalls import tensor_version as _version
@@ -232,13 +233,14 @@ def slots(rule, values, graph, ref):
     """The edges (next nodes, their output numbers), the rule parameter of each, and input
     metadata for unbroadcasting.
 
-    ``ref`` is (output, its dtype, its ndim) for elementwise rules (None
-    for the others: they may return gradients the engine must reduce). When every tensor
-    argument has the output's dtype and no more dimensions than it, an input that also has
-    its size and device gets None as metadata: the rule's gradient for it needs no
-    unbroadcasting or cast (nothing kept, nothing done in backward). Otherwise a rule may
-    return a promoted or broadcast gradient (prelu's weight, a float32 weight under
-    autocast), so all are kept.
+    ``ref`` is (output, its dtype, its ndim) for elementwise and ``shaped`` rules (None
+    for the others, or no plain output: they may return gradients the engine must reduce).
+    Elementwise: when every tensor argument has the output's dtype and no more dimensions
+    than it, an input that also has its size and device gets None as metadata: the rule's
+    gradient for it needs no unbroadcasting or cast (nothing kept, nothing done in backward).
+    Otherwise a rule may return a promoted or broadcast gradient (prelu's weight, a float32
+    weight under autocast), so all are kept. ``shaped``: an argument the rule returns a
+    gradient shaped like gets None when it has the output's dtype and device.
     """
     edges = _two_slots(rule, values, graph, ref)
     if edges is not _MORE:
@@ -250,7 +252,8 @@ def slots(rule, values, graph, ref):
     n_required = rule.n_required
     any_grad = False
     cls = _TENSOR_CLS
-    uniform = ref is not None
+    elementwise = ref is not None and rule.elementwise
+    uniform = elementwise
     n = len(values)
     simple = True  # so far slot j is parameter j (no list argument, no gap)
     for i in range(n):
@@ -284,18 +287,21 @@ def slots(rule, values, graph, ref):
     if not any_grad:
         return None
     kept = False
+    shaped = rule.shaped if ref is not None else None
     for j in range(len(metas)):
         t = metas[j]
         if t is None:
             continue
         if uniform and _same_meta(t, ref[0]):
             metas[j] = None
+        elif shaped is not None and _shaped_slot(shaped, slot_pos[j]) and _same_kind(t, ref[0]):
+            metas[j] = None
         else:
             metas[j] = _meta(t)
             kept = True
             if uniform and _breaks_uniform(t, ref):
                 uniform = False
-    if ref is not None and kept and not uniform:  # a later input broke uniformity: redo
+    if elementwise and kept and not uniform:  # a later input broke uniformity: redo
         out = _meta(ref[0])
         for j in range(len(metas)):
             if metas[j] is None and nexts[j] is not None:
@@ -335,23 +341,27 @@ def _two_slots(rule, values, graph, ref):
     n1 = None if t1 is None else _slot_node(t1, graph)
     if n0 is None and n1 is None:
         return None
-    uniform = ref is not None
+    elementwise = ref is not None and rule.elementwise
+    uniform = elementwise
     if uniform and ((n0 is None and t0 is not None and _breaks_uniform(t0, ref)) or
                     (n1 is None and t1 is not None and _breaks_uniform(t1, ref))):
         uniform = False
     m0 = m1 = None  # the metadata kept for each slot with a node, in slot order
     kept = False
-    if n0 is not None and not (uniform and _same_meta(t0, ref[0])):
+    shaped = rule.shaped if ref is not None else None
+    if n0 is not None and not (uniform and _same_meta(t0, ref[0])) and not (
+            shaped is not None and shaped[0] and _same_kind(t0, ref[0])):
         m0 = _meta(t0)
         kept = True
         if uniform and _breaks_uniform(t0, ref):
             uniform = False
-    if n1 is not None and not (uniform and _same_meta(t1, ref[0])):
+    if n1 is not None and not (uniform and _same_meta(t1, ref[0])) and not (
+            shaped is not None and shaped[1] and _same_kind(t1, ref[0])):
         m1 = _meta(t1)
         kept = True
         if uniform and _breaks_uniform(t1, ref):
             uniform = False
-    if ref is not None and kept and not uniform:  # a later input broke uniformity: redo
+    if elementwise and kept and not uniform:  # a later input broke uniformity: redo
         if n0 is not None and m0 is None:
             m0 = _meta(ref[0])
         if n1 is not None and m1 is None:
@@ -361,6 +371,11 @@ def _two_slots(rule, values, graph, ref):
     if m == 1:
         return ((n0,), output_numbers((nr0,)), _RANGES[1], (m0,) if kept else nones(1))
     return ((n0, n1), output_numbers((nr0, nr1)), _RANGES[2], (m0, m1) if kept else nones(2))
+
+
+def _shaped_slot(shaped, pos):
+    """Is the gradient for the slot at ``pos`` (a parameter, or (parameter, item)) shaped?"""
+    return shaped[pos[0]] if type(pos) is tuple else shaped[pos]
 
 
 def _breaks_uniform(t, ref):

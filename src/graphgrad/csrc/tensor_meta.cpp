@@ -237,6 +237,49 @@ PyObject* same_meta(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return call2(g_is_same_size, a, b);
 }
 
+// same_kind(t, ref): does t have ref's dtype and device? (the recording step's test for an input
+// of a rule whose gradients come shaped like their inputs: no cast, no move)
+PyObject* same_kind(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 2) {
+    PyErr_SetString(PyExc_TypeError, "same_kind(t, ref) takes two tensors");
+    return nullptr;
+  }
+  PyObject* a = args[0];
+  PyObject* b = args[1];
+  if (readable(a) && readable(b)) {
+    try {
+      const at::Tensor& x = THPVariable_Unpack(a);
+      const at::Tensor& y = THPVariable_Unpack(b);
+      return PyBool_FromLong(x.scalar_type() == y.scalar_type() && x.device() == y.device());
+    } catch (const std::exception&) {
+    }
+  }
+  // the same test with torch's getters
+  PyObject* da = call1(g_get_dtype, a);
+  if (!da) return nullptr;
+  PyObject* db = call1(g_get_dtype, b);
+  if (!db) {
+    Py_DECREF(da);
+    return nullptr;
+  }
+  bool same = da == db;
+  Py_DECREF(da);
+  Py_DECREF(db);
+  if (!same) Py_RETURN_FALSE;
+  PyObject* ia = call1(g_get_device, a);
+  if (!ia) return nullptr;
+  PyObject* ib = call1(g_get_device, b);
+  if (!ib) {
+    Py_DECREF(ia);
+    return nullptr;
+  }
+  int eq = PyObject_RichCompareBool(ia, ib, Py_EQ);
+  Py_DECREF(ia);
+  Py_DECREF(ib);
+  if (eq < 0) return nullptr;
+  return PyBool_FromLong(eq);
+}
+
 // -- saved outputs ------------------------------------------------------------------------------
 // A node that reads its own output (tanh, sigmoid, exp...) keeps it as a detached alias: the same
 // storage and version counter, no grad_fn, so the node never references the tensor it produced.
@@ -602,6 +645,8 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "a.is_same_size(b)."},
     {"same_meta", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(same_meta)),
      METH_FASTCALL, "t has ref's dtype, sizes and device."},
+    {"same_kind", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(same_kind)),
+     METH_FASTCALL, "t has ref's dtype and device."},
     {"save_alias", save_alias, METH_O,
      "A detached alias of t kept as a C++ tensor (SavedAlias), or None for other objects."},
     {"protocol_off", protocol_off, METH_NOARGS,

@@ -118,7 +118,8 @@ def _same_padding(weight_shape, dilation, nd):
 
 
 @derivative(torch.conv1d, torch.conv2d, torch.conv3d,
-            saved_for={"input": "weight", "weight": "input"}, view=False)
+            saved_for={"input": "weight", "weight": "input"}, view=False,
+            shaped=("input", "weight", "bias"))
 def conv(grad, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
          needs_input_grad):
     nd = weight.ndim - 2

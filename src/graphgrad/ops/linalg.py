@@ -240,7 +240,7 @@ def _linear_kernel(input, weight, bias=None):
 
 
 @derivative(F.linear, saved_for={"input": "weight", "weight": "input"}, view=False,
-            kernel=_linear_kernel, kernel_ndim=3)
+            kernel=_linear_kernel, kernel_ndim=3, shaped=("input", "weight"))
 def linear(grad, input, weight, bias=None, *, needs_input_grad):
     """``input @ weight.T + bias``; the bias gradient is the engine's unbroadcast of ``grad``."""
     grad_input = grad_weight = None

@@ -321,7 +321,8 @@ for _forward, _backward, _name in [
         (_aten.nll_loss_forward.default, _aten.nll_loss_backward.default, "NllLossBackward"),
         (_aten.nll_loss2d_forward.default, _aten.nll_loss2d_backward.default, "NllLoss2dBackward")]:
     derivative(_forward, name=_name, multi_output=True, saved_outputs=(1,),
-               differentiable_outputs=1, view=False)(_nll_loss_rule(bound_function(_backward)))
+               differentiable_outputs=1, view=False, shaped=("input",))(
+        _nll_loss_rule(bound_function(_backward)))
 
 
 def _nll_loss_backward_rule(forward_kernel):

@@ -94,7 +94,7 @@ decomposition(F.batch_norm, view=False, family="normalization")(torch_body(F.bat
 
 # of the outputs (y, mean, rstd) the backward reads the statistics: saved_outputs=(1, 2)
 @derivative(torch.native_batch_norm, name="NativeBatchNormBackward", multi_output=True,
-            saved_outputs=(1, 2), differentiable_outputs=1, view=False)
+            saved_outputs=(1, 2), differentiable_outputs=1, view=False, shaped=("input",))
 def native_batch_norm(grads, input, weight, bias, running_mean, running_var, training, momentum,
                       eps, *, result, needs_input_grad):
     """torch's fused kernel, on the batch statistics the forward saved (training) or on the
@@ -210,7 +210,8 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_
 
 
 @derivative(torch.native_layer_norm, name="NativeLayerNormBackward", multi_output=True,
-            saved_outputs=(1, 2), differentiable_outputs=1, view=False)
+            saved_outputs=(1, 2), differentiable_outputs=1, view=False,
+            shaped=("input", "weight", "bias"))
 def native_layer_norm(grads, input, normalized_shape, weight, bias, eps, *, result,
                       needs_input_grad):
     """torch's fused kernel on the saved mean and inverse standard deviation."""

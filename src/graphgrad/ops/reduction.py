@@ -336,7 +336,8 @@ def cumsum(grad, input: Meta, dim, *, dtype=None):
     return grad.flip(dim).cumsum(dim).flip(dim)
 
 
-@derivative(torch.softmax, T.softmax, torch._softmax, torch.special.softmax, view=False)
+@derivative(torch.softmax, T.softmax, torch._softmax, torch.special.softmax, view=False,
+            shaped=("input",))
 def softmax(grad, input, dim, dtype=None, *, result):
     """torch's fused kernel (one rounding in low precision, as torch's own backward rounds);
     recorded under ``create_graph`` like any op, with its own rule below."""
@@ -354,7 +355,8 @@ def softmax_backward_data(grad, grad_output, output, dim, input_dtype):
     return torch._softmax_backward_data(grad, output, dim, output.dtype), g_output
 
 
-@derivative(torch.log_softmax, T.log_softmax, torch._log_softmax, torch.special.log_softmax, view=False)
+@derivative(torch.log_softmax, T.log_softmax, torch._log_softmax, torch.special.log_softmax, view=False,
+            shaped=("input",))
 def log_softmax(grad, input, dim, dtype=None, *, result):
     """torch's fused kernel, as for softmax."""
     if grad.dtype != result.dtype:
