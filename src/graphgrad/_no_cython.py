@@ -4,6 +4,16 @@ pure-Python install): they run uncompiled."""
 compiled = False
 
 
+def freelist(n):
+    """``@cython.freelist(n)``: compiled, instances are reused; nothing to do uncompiled."""
+    return lambda cls: cls
+
+
+def cclass(cls):
+    """``@cython.cclass``: compiled, an extension type; uncompiled, the class itself."""
+    return cls
+
+
 def binding(flag):
     """``@cython.binding(...)``: a compile-time directive, nothing to do uncompiled."""
     return lambda fn: fn

@@ -48,6 +48,11 @@ _PlainTensor = torch.Tensor
 _NO_EXTRA: dict = {}  # never mutated: the keyword arguments of rules that take none
 
 
+# (compiled) a node comes from a free list of Cython's: reused, not allocated, so an op's node
+# is no allocation the cyclic GC counts towards a collection (CPython's own free lists do the
+# same for the op's tuples and dicts), and no malloc
+@cython.freelist(64)
+@cython.cclass
 class Node:
     """The backward of one recorded op: its rule, saved values and edges towards its inputs.
 

@@ -144,6 +144,8 @@ def unpack_saved(saved, create_graph):
     return tuple(out)
 
 
+@cython.freelist(64)  # (compiled) reused, as Node is (node.py)
+@cython.cclass
 class SavedResult:
     """An op's output kept for its own backward: a plain alias of the data, and its version.
 
