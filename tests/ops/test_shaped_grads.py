@@ -53,6 +53,25 @@ CASES = {
                    [lambda: r(3, 4), lambda: r(4), lambda: r(4)], "NativeLayerNormBackward"),
     "batch_norm": (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
                    [lambda: r(4, 3, 2), lambda: r(3), lambda: r(3)], "NativeBatchNormBackward"),
+    # views: the gradient is the input's shape by construction
+    "reshape": (lambda x: x.reshape(6, 2), [lambda: r(3, 4)], "ReshapeBackward"),
+    "flatten": (lambda x: x.flatten(1), [lambda: r(2, 3, 4)], "ReshapeBackward"),
+    "view": (lambda x: x.view(4, 3), [lambda: r(3, 4)], "ViewBackward"),
+    "unsqueeze": (lambda x: x.unsqueeze(1), [lambda: r(3, 4)], "UnsqueezeBackward"),
+    "transpose": (lambda x: x.transpose(0, 2), [lambda: r(2, 3, 4)], "TransposeBackward"),
+    "t": (lambda x: x.t(), [lambda: r(3, 4)], "TBackward"),
+    "mT": (lambda x: x.mT, [lambda: r(2, 3, 4)], "TBackward"),
+    "T": (lambda x: x.T, [lambda: r(3, 4)], "ReverseDimsBackward"),
+    "permute": (lambda x: x.permute(2, 0, 1), [lambda: r(2, 3, 4)], "PermuteBackward"),
+    "movedim": (lambda x: x.movedim(0, -1), [lambda: r(2, 3, 4)], "MovedimBackward"),
+    "select": (lambda x: x.select(1, 2), [lambda: r(2, 3, 4)], "SelectBackward"),
+    "narrow": (lambda x: x.narrow(2, -3, 2), [lambda: r(2, 3, 4)], "NarrowBackward"),
+    "diagonal": (lambda x: x.diagonal(1), [lambda: r(3, 4)], "DiagonalBackward"),
+    "getitem_basic": (lambda x: x[1:, None, ..., 0], [lambda: r(3, 4, 5)], "GetitemBackward"),
+    "getitem_advanced": (lambda x: x[:, torch.tensor([0, 2, 2])], [lambda: r(3, 4)],
+                         "GetitemBackward"),
+    "getitem_mask": (lambda x: x[torch.tensor([True, False, True])], [lambda: r(3, 4)],
+                     "GetitemBackward"),
 }
 
 

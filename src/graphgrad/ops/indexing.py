@@ -90,7 +90,7 @@ def _getitem_backward(grad, input: Meta, index):
     return _add_at_positions(grad, input, _positions(input)[index])
 
 
-@derivative(T.__getitem__, view=True)
+@derivative(T.__getitem__, view=True, shaped=("input",))
 def getitem(grad, input: Meta, index):
     if _is_advanced(index):
         return _getitem_backward(grad, input, index)

@@ -27,13 +27,13 @@ def _sizes(first, more) -> tuple:
 # -- reshaping ----------------------------------------------------------------------------
 @derivative(torch.reshape, T.reshape, T.flatten, torch.flatten, torch.squeeze, T.squeeze,
             torch.unflatten, T.unflatten, torch.ravel, T.ravel, inplace=(T.squeeze_,), view=True,
-            inplace_view=True)
+            inplace_view=True, shaped=("input",))
 def reshape(grad, input: Meta, *args, **kwargs):
     """Any op that only changes the shape: reshape the gradient back."""
     return grad.reshape(input.shape)
 
 
-@derivative(T.view, view=True)
+@derivative(T.view, view=True, shaped=("input",))
 def view(grad, input: Meta, *shape, **kwargs):
     if shape and isinstance(shape[0], torch.dtype) and shape[0] != input.dtype:
         raise NotImplementedError("view(dtype) reinterprets memory; graphgrad has no gradient for it")
@@ -57,31 +57,33 @@ def expand_as(input, other):
 
 
 @derivative(torch.unsqueeze, T.unsqueeze, inplace=(T.unsqueeze_,), view=True,
-            inplace_view=True)
+            inplace_view=True, shaped=("input",))
 def unsqueeze(grad, input, dim):
     return grad.squeeze(dim)
 
 
 # -- permuting ----------------------------------------------------------------------------
 @derivative(torch.transpose, T.transpose, torch.swapaxes, T.swapaxes, torch.swapdims, T.swapdims,
-            inplace=(T.transpose_, T.swapaxes_, T.swapdims_), view=True, inplace_view=True)
+            inplace=(T.transpose_, T.swapaxes_, T.swapdims_), view=True, inplace_view=True,
+            shaped=("input",))
 def transpose(grad, input, dim0, dim1):
     return grad.transpose(dim0, dim1)
 
 
-@derivative(T.T.__get__, view=True)
+@derivative(T.T.__get__, view=True, shaped=("input",))
 def reverse_dims(grad, input):
     """``.T``: reverses all dimensions (deprecated for ndim != 2 but still allowed)."""
     return grad.permute(*range(grad.dim() - 1, -1, -1))
 
 
-@derivative(torch.t, T.t, T.mT.__get__, inplace=(T.t_,), view=True, inplace_view=True)
+@derivative(torch.t, T.t, T.mT.__get__, inplace=(T.t_,), view=True, inplace_view=True,
+            shaped=("input",))
 def t(grad, input):
     """2-D transpose (``.T`` of a matrix, ``.mT``: the last two dims)."""
     return grad.transpose(-2, -1) if grad.dim() >= 2 else grad
 
 
-@derivative(torch.permute, T.permute, view=True)
+@derivative(torch.permute, T.permute, view=True, shaped=("input",))
 def permute(grad, input, dims, *more):
     dims = _sizes(dims, more)
     n = len(dims)
@@ -91,7 +93,7 @@ def permute(grad, input, dims, *more):
     return grad.permute(inverse)
 
 
-@derivative(torch.movedim, T.movedim, torch.moveaxis, T.moveaxis, view=True)
+@derivative(torch.movedim, T.movedim, torch.moveaxis, T.moveaxis, view=True, shaped=("input",))
 def movedim(grad, input, source, destination):
     return grad.movedim(destination, source)
 
@@ -361,7 +363,8 @@ def unbind(grads, input: Meta, dim=0):
 
 
 # -- slicing views and their scatter inverses ---------------------------------------------
-@derivative(torch.narrow, T.narrow, torch.narrow_copy, T.narrow_copy, view=True)
+@derivative(torch.narrow, T.narrow, torch.narrow_copy, T.narrow_copy, view=True,
+            shaped=("input",))
 def narrow(grad, input: Meta, dim, start, length):
     dim = dim % input.ndim
     start = int(start)
@@ -370,12 +373,12 @@ def narrow(grad, input: Meta, dim, start, length):
     return torch.slice_scatter(grad.new_zeros(input.shape), grad, dim, start, start + length)
 
 
-@derivative(torch.select, T.select, view=True)
+@derivative(torch.select, T.select, view=True, shaped=("input",))
 def select(grad, input: Meta, dim, index):
     return torch.select_scatter(grad.new_zeros(input.shape), grad, dim, index)
 
 
-@derivative(torch.diagonal, T.diagonal, view=True)
+@derivative(torch.diagonal, T.diagonal, view=True, shaped=("input",))
 def diagonal(grad, input: Meta, offset=0, dim1=0, dim2=1):
     return torch.diagonal_scatter(grad.new_zeros(input.shape), grad, offset, dim1, dim2)
 
