@@ -233,8 +233,9 @@ def slots(rule, values, graph, ref):
     """The edges (next nodes, their output numbers), the rule parameter of each, and input
     metadata for unbroadcasting.
 
-    ``ref`` is (output, its dtype, its ndim) for elementwise and ``shaped`` rules (None
-    for the others, or no plain output: they may return gradients the engine must reduce).
+    ``ref`` is (output, its dtype, its ndim) for elementwise rules, (output,) for ``shaped``
+    ones (None for the others, or no plain output: they may return gradients the engine must
+    reduce).
     Elementwise: when every tensor argument has the output's dtype and no more dimensions
     than it, an input that also has its size and device gets None as metadata: the rule's
     gradient for it needs no unbroadcasting or cast (nothing kept, nothing done in backward).

@@ -103,6 +103,10 @@ def _getter_same_meta(x, y):
     return x.dtype is y.dtype and x.device == y.device and _base.is_same_size(x, y)
 
 
+def _getter_same_kind(x, y):
+    return x.dtype is y.dtype and x.device == y.device
+
+
 def _outcome(fn, *args):
     try:
         return ("value", fn(*args))
@@ -129,17 +133,20 @@ def test_reads_match_torch_getters(name, read):
 
 @needs_native
 @pytest.mark.parametrize("a", list(CASES))
-def test_same_size_and_same_meta_match(a):
+def test_same_size_same_meta_and_same_kind_match(a):
     x = CASES[a]
     for b, y in CASES.items():
         with torch._C.DisableTorchFunctionSubclass():
             want_size = _outcome(_base.is_same_size, x, y)
             want_meta = _outcome(_getter_same_meta, x, y)
+            want_kind = _outcome(_getter_same_kind, x, y)
         if "foreign subclass" in (a, b):
             want_size = _outcome(_base.is_same_size, x, y)
         assert _outcome(native.same_size, x, y) == want_size, (a, b)
         if want_meta[0] == "value":
             assert _outcome(native.same_meta, x, y) == want_meta, (a, b)
+        if want_kind[0] == "value":
+            assert _outcome(native.same_kind, x, y) == want_kind, (a, b)
 
 
 @needs_native

@@ -192,11 +192,40 @@ PyObject* same_size(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return call2(g_is_same_size, args[0], args[1]);
 }
 
-// same_meta(t, ref): does t have ref's dtype, sizes and device? (the recording step's test for
-// an input whose gradient needs no unbroadcasting or cast)
-PyObject* same_meta(PyObject*, PyObject* const* args, Py_ssize_t n) {
+// Do a and b have one dtype and one device? Through torch's getters, for objects the C++ reads
+// decline: 1 yes, 0 no, -1 an error is set.
+int same_kind_by_getters(PyObject* a, PyObject* b) {
+  PyObject* da = call1(g_get_dtype, a);
+  if (!da) return -1;
+  PyObject* db = call1(g_get_dtype, b);
+  if (!db) {
+    Py_DECREF(da);
+    return -1;
+  }
+  bool same = da == db;
+  Py_DECREF(da);
+  Py_DECREF(db);
+  if (!same) return 0;
+  // the device objects (get_device() is an index: -1 for the CPU and the meta device alike)
+  PyObject* ia = call1(g_get_device_obj, a);
+  if (!ia) return -1;
+  PyObject* ib = call1(g_get_device_obj, b);
+  if (!ib) {
+    Py_DECREF(ia);
+    return -1;
+  }
+  int eq = PyObject_RichCompareBool(ia, ib, Py_EQ);
+  Py_DECREF(ia);
+  Py_DECREF(ib);
+  return eq;
+}
+
+// same_meta(t, ref) with sizes, same_kind(t, ref) without: does t have ref's dtype, device (and
+// sizes)? The recording step's tests for an input whose gradient needs no unbroadcasting or cast
+// (elementwise rules), or no cast (rules whose gradients come shaped like their inputs).
+PyObject* compare_meta(PyObject* const* args, Py_ssize_t n, bool sizes, const char* usage) {
   if (n != 2) {
-    PyErr_SetString(PyExc_TypeError, "same_meta(t, ref) takes two tensors");
+    PyErr_SetString(PyExc_TypeError, usage);
     return nullptr;
   }
   PyObject* a = args[0];
@@ -206,78 +235,23 @@ PyObject* same_meta(PyObject*, PyObject* const* args, Py_ssize_t n) {
       const at::Tensor& x = THPVariable_Unpack(a);
       const at::Tensor& y = THPVariable_Unpack(b);
       return PyBool_FromLong(x.scalar_type() == y.scalar_type() && x.device() == y.device() &&
-                             x.sizes().equals(y.sizes()));
+                             (!sizes || x.sizes().equals(y.sizes())));
     } catch (const std::exception&) {
     }
   }
-  // the same test with torch's getters
-  PyObject* da = call1(g_get_dtype, a);
-  if (!da) return nullptr;
-  PyObject* db = call1(g_get_dtype, b);
-  if (!db) {
-    Py_DECREF(da);
-    return nullptr;
-  }
-  bool same = da == db;
-  Py_DECREF(da);
-  Py_DECREF(db);
+  int same = same_kind_by_getters(a, b);  // the same test with torch's getters
+  if (same < 0) return nullptr;
   if (!same) Py_RETURN_FALSE;
-  PyObject* ia = call1(g_get_device, a);
-  if (!ia) return nullptr;
-  PyObject* ib = call1(g_get_device, b);
-  if (!ib) {
-    Py_DECREF(ia);
-    return nullptr;
-  }
-  int eq = PyObject_RichCompareBool(ia, ib, Py_EQ);
-  Py_DECREF(ia);
-  Py_DECREF(ib);
-  if (eq < 0) return nullptr;
-  if (!eq) Py_RETURN_FALSE;
+  if (!sizes) Py_RETURN_TRUE;
   return call2(g_is_same_size, a, b);
 }
 
-// same_kind(t, ref): does t have ref's dtype and device? (the recording step's test for an input
-// of a rule whose gradients come shaped like their inputs: no cast, no move)
+PyObject* same_meta(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  return compare_meta(args, n, true, "same_meta(t, ref) takes two tensors");
+}
+
 PyObject* same_kind(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  if (n != 2) {
-    PyErr_SetString(PyExc_TypeError, "same_kind(t, ref) takes two tensors");
-    return nullptr;
-  }
-  PyObject* a = args[0];
-  PyObject* b = args[1];
-  if (readable(a) && readable(b)) {
-    try {
-      const at::Tensor& x = THPVariable_Unpack(a);
-      const at::Tensor& y = THPVariable_Unpack(b);
-      return PyBool_FromLong(x.scalar_type() == y.scalar_type() && x.device() == y.device());
-    } catch (const std::exception&) {
-    }
-  }
-  // the same test with torch's getters
-  PyObject* da = call1(g_get_dtype, a);
-  if (!da) return nullptr;
-  PyObject* db = call1(g_get_dtype, b);
-  if (!db) {
-    Py_DECREF(da);
-    return nullptr;
-  }
-  bool same = da == db;
-  Py_DECREF(da);
-  Py_DECREF(db);
-  if (!same) Py_RETURN_FALSE;
-  PyObject* ia = call1(g_get_device, a);
-  if (!ia) return nullptr;
-  PyObject* ib = call1(g_get_device, b);
-  if (!ib) {
-    Py_DECREF(ia);
-    return nullptr;
-  }
-  int eq = PyObject_RichCompareBool(ia, ib, Py_EQ);
-  Py_DECREF(ia);
-  Py_DECREF(ib);
-  if (eq < 0) return nullptr;
-  return PyBool_FromLong(eq);
+  return compare_meta(args, n, false, "same_kind(t, ref) takes two tensors");
 }
 
 // -- saved outputs ------------------------------------------------------------------------------
