@@ -94,20 +94,17 @@ set_grad = torch._C.TensorBase.grad.__set__
 has_internal_overlap = torch._debug_has_internal_overlap
 
 
-def _getter_same_meta(t, ref) -> bool:
-    """Does ``t`` have ``ref``'s dtype, size and device? (through torch's getters)"""
-    return (tensor_dtype(t) is tensor_dtype(ref) and tensor_same_size(t, ref)
-            and tensor_device(t) == tensor_device(ref))
-
-
-tensor_same_meta = _getter_same_meta
-
-
 def _getter_same_kind(t, ref) -> bool:
     """Does ``t`` have ``ref``'s dtype and device? (through torch's getters)"""
     return tensor_dtype(t) is tensor_dtype(ref) and tensor_device(t) == tensor_device(ref)
 
 
+def _getter_same_meta(t, ref) -> bool:
+    """Does ``t`` have ``ref``'s dtype, size and device? (through torch's getters)"""
+    return _getter_same_kind(t, ref) and tensor_same_size(t, ref)
+
+
+tensor_same_meta = _getter_same_meta
 tensor_same_kind = _getter_same_kind
 
 

@@ -293,9 +293,7 @@ def slots(rule, values, graph, ref):
         t = metas[j]
         if t is None:
             continue
-        if uniform and _same_meta(t, ref[0]):
-            metas[j] = None
-        elif shaped is not None and _shaped_slot(shaped, slot_pos[j]) and _same_kind(t, ref[0]):
+        if _fits_as_is(t, ref, uniform, shaped, slot_pos[j]):
             metas[j] = None
         else:
             metas[j] = _meta(t)
@@ -350,14 +348,12 @@ def _two_slots(rule, values, graph, ref):
     m0 = m1 = None  # the metadata kept for each slot with a node, in slot order
     kept = False
     shaped = rule.shaped if ref is not None else None
-    if n0 is not None and not (uniform and _same_meta(t0, ref[0])) and not (
-            shaped is not None and shaped[0] and _same_kind(t0, ref[0])):
+    if n0 is not None and not _fits_as_is(t0, ref, uniform, shaped, 0):
         m0 = _meta(t0)
         kept = True
         if uniform and _breaks_uniform(t0, ref):
             uniform = False
-    if n1 is not None and not (uniform and _same_meta(t1, ref[0])) and not (
-            shaped is not None and shaped[1] and _same_kind(t1, ref[0])):
+    if n1 is not None and not _fits_as_is(t1, ref, uniform, shaped, 1):
         m1 = _meta(t1)
         kept = True
         if uniform and _breaks_uniform(t1, ref):
@@ -374,9 +370,15 @@ def _two_slots(rule, values, graph, ref):
     return ((n0, n1), output_numbers((nr0, nr1)), _RANGES[2], (m0, m1) if kept else nones(2))
 
 
-def _shaped_slot(shaped, pos):
-    """Is the gradient for the slot at ``pos`` (a parameter, or (parameter, item)) shaped?"""
-    return shaped[pos[0]] if type(pos) is tuple else shaped[pos]
+def _fits_as_is(t, ref, uniform, shaped, pos):
+    """Will the rule's gradient for ``t``, the slot at ``pos`` (a parameter, or (parameter,
+    item)), need no fitting in backward, so no metadata kept? Elementwise (``uniform``): ``t``
+    has the output's dtype, size and device; ``shaped``: the rule shapes the gradient of that
+    parameter and ``t`` has the output's dtype and device."""
+    if uniform and _same_meta(t, ref[0]):
+        return True
+    return shaped is not None and (shaped[pos[0]] if type(pos) is tuple else shaped[pos]) and \
+        _same_kind(t, ref[0])
 
 
 def _breaks_uniform(t, ref):
