@@ -25,7 +25,8 @@ __all__ = [
     "is_grad_enabled", "set_grad_enabled",
     "torch_function_enabled", "torch_function_mode_enabled", "autocast_enabled", "protocol_on",
     "tensor_shape", "tensor_dtype", "tensor_device", "tensor_ndim", "tensor_same_size",
-    "tensor_same_meta", "tensor_same_kind", "tensor_adopt", "kernel_below_autograd", "accumulate_in_place",
+    "tensor_same_meta", "tensor_same_kind", "tensor_has_meta", "tensor_adopt",
+    "kernel_below_autograd", "accumulate_in_place",
     "kernel_mode", "native_meta", "register_tensor_class",
     "tensor_version", "tensor_is_view", "torch_requires_grad",
     "torch_grad_fn", "get_grad", "set_grad", "has_internal_overlap", "VariableFunctions",
@@ -104,8 +105,14 @@ def _getter_same_meta(t, ref) -> bool:
     return _getter_same_kind(t, ref) and tensor_same_size(t, ref)
 
 
+def _getter_has_meta(t, meta) -> bool:
+    """Does ``t`` have the (size, dtype, device) record ``meta``? (through torch's getters)"""
+    return tensor_dtype(t) is meta[1] and tensor_device(t) == meta[2] and tensor_shape(t) == meta[0]
+
+
 tensor_same_meta = _getter_same_meta
 tensor_same_kind = _getter_same_kind
+tensor_has_meta = _getter_has_meta
 
 
 #: graphgrad._tensor_meta (src/graphgrad/csrc/tensor_meta.cpp), built against this torch: the same
@@ -212,6 +219,7 @@ if native_meta is not None:
     tensor_same_size = native_meta.same_size
     tensor_same_meta = native_meta.same_meta
     tensor_same_kind = native_meta.same_kind
+    tensor_has_meta = native_meta.has_meta
     tensor_device = native_meta.device
     protocol_off = native_meta.protocol_off
     protocol_restore = native_meta.protocol_restore

@@ -75,6 +75,7 @@ cdef inline object call_fast3(CFunction c, object a, object b, object d):
 
 
 cdef CFunction _DTYPE, _NDIM, _SHAPE, _DEVICE, _VERSION, _IS_VIEW, _SAME_META, _SAME_KIND
+cdef CFunction _HAS_META
 cdef CFunction _REQUIRES_GRAD
 cdef CFunction _GRAD_ENABLED, _AUTOCAST, _ANOMALY, _PROTOCOL_ON, _PROTOCOL_OFF, _PROTOCOL_RESTORE
 cdef CFunction _SAVE_ALIAS, _ADOPT, _BELOW, _ACCUMULATE
@@ -89,6 +90,7 @@ cpdef object tensor_version(object t)
 cpdef object tensor_is_view(object t)
 cpdef object tensor_same_meta(object t, object ref)
 cpdef object tensor_same_kind(object t, object ref)
+cpdef object tensor_has_meta(object t, object meta)
 cpdef object torch_requires_grad(object t)
 cpdef object grad_enabled()
 cpdef object autocast_enabled()

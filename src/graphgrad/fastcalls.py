@@ -25,7 +25,8 @@ import torch
 from . import _compat
 
 __all__ = ["tensor_dtype", "tensor_ndim", "tensor_shape", "tensor_device", "tensor_version",
-           "tensor_is_view", "tensor_same_meta", "tensor_same_kind", "torch_requires_grad", "grad_enabled",
+           "tensor_is_view", "tensor_same_meta", "tensor_same_kind", "tensor_has_meta",
+           "torch_requires_grad", "grad_enabled",
            "autocast_enabled", "anomaly_enabled", "protocol_on", "protocol_off",
            "protocol_restore", "save_alias", "tensor_adopt", "kernel_below_autograd",
            "accumulate_in_place"]
@@ -38,8 +39,8 @@ _save_alias = _native.save_alias if _native is not None else None
 #: one never outlives it (were _compat's attribute replaced, say)
 _HELD = (_compat.tensor_dtype, _compat.tensor_ndim, _compat.tensor_shape, _compat.tensor_device,
          _compat.tensor_version, _compat.tensor_is_view, _compat.tensor_same_meta,
-         _compat.tensor_same_kind, _compat.torch_requires_grad, _compat.is_grad_enabled,
-         _compat.autocast_enabled,
+         _compat.tensor_same_kind, _compat.tensor_has_meta, _compat.torch_requires_grad,
+         _compat.is_grad_enabled, _compat.autocast_enabled,
          torch.is_anomaly_enabled, _compat.protocol_on, _compat.protocol_off,
          _compat.protocol_restore, _save_alias, _compat.tensor_adopt,
          _compat.kernel_below_autograd, _compat.accumulate_in_place)
@@ -53,6 +54,7 @@ if cython.compiled:  # the C function behind each object, or NULL (then the obje
     _IS_VIEW = c_function(_compat.tensor_is_view, METH_O)  # noqa: F821
     _SAME_META = c_function(_compat.tensor_same_meta, METH_FASTCALL)  # noqa: F821
     _SAME_KIND = c_function(_compat.tensor_same_kind, METH_FASTCALL)  # noqa: F821
+    _HAS_META = c_function(_compat.tensor_has_meta, METH_FASTCALL)  # noqa: F821
     _REQUIRES_GRAD = c_function(_compat.torch_requires_grad, METH_O)  # noqa: F821
     _GRAD_ENABLED = c_function(_compat.is_grad_enabled, METH_NOARGS)  # noqa: F821
     _AUTOCAST = c_function(_compat.autocast_enabled, METH_NOARGS)  # noqa: F821
@@ -96,6 +98,10 @@ def tensor_same_meta(t, ref):
 
 def tensor_same_kind(t, ref):
     return call_fast2(_SAME_KIND, t, ref)  # noqa: F821
+
+
+def tensor_has_meta(t, meta):
+    return call_fast2(_HAS_META, t, meta)  # noqa: F821
 
 
 def torch_requires_grad(t):
@@ -155,6 +161,7 @@ if not cython.compiled:  # the pure-Python engine calls _compat's functions them
     tensor_is_view = _compat.tensor_is_view
     tensor_same_meta = _compat.tensor_same_meta
     tensor_same_kind = _compat.tensor_same_kind
+    tensor_has_meta = _compat.tensor_has_meta
     torch_requires_grad = _compat.torch_requires_grad
     grad_enabled = _compat.is_grad_enabled
     autocast_enabled = _compat.autocast_enabled

@@ -42,6 +42,7 @@ cdef class AccumulateGrad(Node):
     cdef public object leaf_ref
     cdef public object post_hooks
     cdef public int torch_kind
+    cdef public tuple leaf_meta
     cpdef check_saved(self)
     cpdef release(self, how=*)
 

@@ -364,6 +364,7 @@ class AccumulateGrad(Node):
         self.leaf_ref = _Strong(leaf) if torch_kind == TORCH_BRIDGE else weakref.ref(leaf)
         self.post_hooks = None
         self.torch_kind = torch_kind
+        self.leaf_meta = None  # views._input_meta: the leaf's (size, dtype, device) record
 
     @property
     def variable(self):

@@ -2,7 +2,7 @@
 # cpdef (C calls from dispatch, which cimports them), the constants C globals.
 
 from graphgrad._torch_types cimport TensorBase
-from graphgrad.node cimport Node, interned, new_node, output_numbers
+from graphgrad.node cimport AccumulateGrad, Node, interned, new_node, output_numbers
 from graphgrad.references cimport nones, save_arguments, saved_output
 from graphgrad.rules cimport Rule
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
@@ -12,7 +12,8 @@ cimport cython
 from graphgrad.fastcalls cimport (grad_enabled as _grad_enabled,
                                   kernel_below_autograd as _kernel_below_autograd,
                                   tensor_device as _device,
-                                  tensor_dtype as _dtype, tensor_is_view as _is_view,
+                                  tensor_dtype as _dtype, tensor_has_meta as _has_meta,
+                                  tensor_is_view as _is_view,
                                   tensor_ndim as _ndim, tensor_same_kind as _same_kind,
                                   tensor_same_meta as _same_meta,
                                   tensor_shape as _shape, tensor_version as _version,
@@ -43,6 +44,8 @@ cdef object _two_slots(Rule rule, tuple values, object graph, object ref)
 cdef bint _fits_as_is(object t, tuple ref, bint uniform, tuple shaped, object pos) except -1
 cdef bint _breaks_uniform(object t, tuple ref) except -1
 cdef tuple _meta(object t)
+@cython.locals(acc=AccumulateGrad)
+cdef tuple _input_meta(object t, object node)
 @cython.locals(node=Node)
 cdef object _slot_node(object t, object graph)
 cdef object _nr_of(object t, Node node)

@@ -43,6 +43,7 @@ from .fastcalls import grad_enabled as _grad_enabled
 from .fastcalls import kernel_below_autograd as _kernel_below_autograd
 from .fastcalls import tensor_device as _device
 from .fastcalls import tensor_dtype as _dtype
+from .fastcalls import tensor_has_meta as _has_meta
 from .fastcalls import tensor_is_view as _is_view
 from .fastcalls import tensor_ndim as _ndim
 from .fastcalls import tensor_same_kind as _same_kind
@@ -296,7 +297,7 @@ def slots(rule, values, graph, ref):
         if _fits_as_is(t, ref, uniform, shaped, slot_pos[j]):
             metas[j] = None
         else:
-            metas[j] = _meta(t)
+            metas[j] = _input_meta(t, nexts[j])
             kept = True
             if uniform and _breaks_uniform(t, ref):
                 uniform = False
@@ -349,12 +350,12 @@ def _two_slots(rule, values, graph, ref):
     kept = False
     shaped = rule.shaped if ref is not None else None
     if n0 is not None and not _fits_as_is(t0, ref, uniform, shaped, 0):
-        m0 = _meta(t0)
+        m0 = _input_meta(t0, n0)
         kept = True
         if uniform and _breaks_uniform(t0, ref):
             uniform = False
     if n1 is not None and not _fits_as_is(t1, ref, uniform, shaped, 1):
-        m1 = _meta(t1)
+        m1 = _input_meta(t1, n1)
         kept = True
         if uniform and _breaks_uniform(t1, ref):
             uniform = False
@@ -389,6 +390,21 @@ def _breaks_uniform(t, ref):
 def _meta(t):
     """What a node keeps of an input to shape its gradient: size, dtype, device."""
     return (_shape(t), _dtype(t), _device(t))
+
+
+def _input_meta(t, node):
+    """``_meta(t)`` for the input whose gradient goes to ``node``; for a leaf, the record its
+    AccumulateGrad keeps from one recording to the next while the leaf still matches it (a
+    parameter's sizes, dtype and device change only through ``.data =`` or ``set_()``): no
+    torch.Size and tuple per op for the cyclic GC to count, as for a bias."""
+    if type(node) is not AccumulateGrad:
+        return _meta(t)
+    acc = node
+    meta = acc.leaf_meta
+    if meta is None or not _has_meta(t, meta):
+        meta = _meta(t)
+        acc.leaf_meta = meta
+    return meta
 
 
 def _slot_node(t, graph):

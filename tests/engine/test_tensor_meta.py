@@ -107,6 +107,10 @@ def _getter_same_kind(x, y):
     return x.dtype is y.dtype and x.device == y.device
 
 
+def _getter_has_meta(x, record):
+    return x.dtype is record[1] and x.device == record[2] and x.shape == record[0]
+
+
 def _outcome(fn, *args):
     try:
         return ("value", fn(*args))
@@ -147,6 +151,29 @@ def test_same_size_same_meta_and_same_kind_match(a):
             assert _outcome(native.same_meta, x, y) == want_meta, (a, b)
         if want_kind[0] == "value":
             assert _outcome(native.same_kind, x, y) == want_kind, (a, b)
+
+
+@needs_native
+@pytest.mark.parametrize("a", list(CASES))
+def test_has_meta_matches_the_getters(a):
+    """has_meta(t, record) answers as comparing t's size, dtype and device with the record."""
+    x = CASES[a]
+    for b, y in CASES.items():
+        with torch._C.DisableTorchFunctionSubclass():
+            try:
+                record = (y.shape, y.dtype, y.device)
+            except Exception:  # (a nested tensor has no size tuple)
+                continue
+            want = _outcome(_getter_has_meta, x, record)
+        if want[0] == "value":
+            assert _outcome(native.has_meta, x, record) == want, (a, b)
+    record = (torch.Size([3, 2]), torch.float32, torch.device("cpu"))
+    with pytest.raises(TypeError, match="has_meta"):
+        native.has_meta(x, list(record))
+    assert native.has_meta(torch.zeros(3, 2), record)
+    assert not native.has_meta(torch.zeros(3, 2), (torch.Size([3, 2**70]),) + record[1:])
+    assert not native.has_meta(torch.zeros(3, 2), (torch.Size([3, 2]), torch.float32,
+                                                   torch.device("meta")))
 
 
 @needs_native

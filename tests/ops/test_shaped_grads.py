@@ -134,6 +134,31 @@ def test_linear_keeps_metadata_for_its_bias_only():
     assert b.grad.shape == (4,)
 
 
+def test_a_leafs_record_is_kept_until_the_leaf_changes():
+    """A leaf's (size, dtype, device) record is made once and reused by later recordings (a
+    bias in every step), and made again after ``.data =`` gives the leaf another size, dtype
+    or device: the gradient is then fitted to what the leaf is at recording time."""
+    x = gg.as_tensor(r(5, 3))
+    w = gg.as_tensor(r(4, 3), requires_grad=True)
+    b = gg.as_tensor(r(4), requires_grad=True)
+    first = F.linear(x, w, b).grad_fn.input_meta[2]
+    assert F.linear(x, w, b).grad_fn.input_meta[2] is first
+    for data in (r(1), r(4, dtype=torch.float32), r()):  # broadcast, another dtype, 0-d
+        b.data = data
+        xd, wd = x.to(data.dtype), w.to(data.dtype)
+        node = F.linear(xd, wd, b).grad_fn
+        assert node.input_meta[2] is not first
+        assert node.input_meta[2] == (data.shape, data.dtype, data.device)
+        b.grad = None
+        F.linear(xd, wd, b).sum().backward()
+        assert b.grad.shape == data.shape and b.grad.dtype == data.dtype
+        want = torch.full(data.shape, 20.0, dtype=data.dtype)  # 5 rows x 4 columns (or 5 x 1)
+        if data.shape == (4,):
+            want = torch.full((4,), 5.0, dtype=data.dtype)
+        torch.testing.assert_close(torch.Tensor(b.grad), want)
+        first = node.input_meta[2]
+
+
 def test_another_dtype_keeps_metadata_and_casts_back():
     """log_softmax(dtype=float64) of a float32 input: the gradient comes in float64, the
     input's is float32."""

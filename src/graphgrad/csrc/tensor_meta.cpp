@@ -254,6 +254,65 @@ PyObject* same_kind(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return compare_meta(args, n, false, "same_kind(t, ref) takes two tensors");
 }
 
+// Is `value` equal to what torch's getter `getter` gives for t? 1 yes, 0 no, -1 an error is set.
+int getter_equals(PyObject* getter, PyObject* t, PyObject* value) {
+  PyObject* got = call1(getter, t);
+  if (!got) return -1;
+  int eq = PyObject_RichCompareBool(got, value, Py_EQ);
+  Py_DECREF(got);
+  return eq;
+}
+
+// has_meta(t, meta): does t still have the (torch.Size, dtype, device) record `meta` a node keeps
+// of an input? Lets a leaf's record be made once and kept from one recording to the next (a
+// parameter's sizes, dtype and device change only through .data = or set_()), with no Python
+// object made to compare: the sizes are compared as C integers.
+PyObject* has_meta(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 2 || !PyTuple_CheckExact(args[1]) || PyTuple_GET_SIZE(args[1]) != 3 ||
+      !PyTuple_Check(PyTuple_GET_ITEM(args[1], 0))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "has_meta(t, meta) takes a tensor and a (size, dtype, device) tuple");
+    return nullptr;
+  }
+  PyObject* t = args[0];
+  PyObject* size = PyTuple_GET_ITEM(args[1], 0);
+  PyObject* dt = PyTuple_GET_ITEM(args[1], 1);
+  PyObject* dev = PyTuple_GET_ITEM(args[1], 2);
+  if (readable(t)) {
+    try {
+      const at::Tensor& x = THPVariable_Unpack(t);
+      if (dt != reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type())) ||
+          !THPDevice_Check(dev) || reinterpret_cast<THPDevice*>(dev)->device != x.device()) {
+        Py_RETURN_FALSE;
+      }
+      c10::IntArrayRef sizes = x.sizes();  // throws for symbolic sizes: torch's getters then
+      if (PyTuple_GET_SIZE(size) != static_cast<Py_ssize_t>(sizes.size())) Py_RETURN_FALSE;
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(size); ++i) {
+        PyObject* item = PyTuple_GET_ITEM(size, i);
+        if (!PyLong_CheckExact(item)) Py_RETURN_FALSE;
+        int overflow = 0;
+        const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow || v != sizes[i]) {
+          if (v == -1 && PyErr_Occurred()) PyErr_Clear();
+          Py_RETURN_FALSE;
+        }
+      }
+      Py_RETURN_TRUE;
+    } catch (const std::exception&) {
+    }
+  }
+  // the same test with torch's getters
+  PyObject* got = call1(g_get_dtype, t);
+  if (!got) return nullptr;
+  const bool same_dtype = got == dt;
+  Py_DECREF(got);
+  if (!same_dtype) Py_RETURN_FALSE;
+  int eq = getter_equals(g_get_device_obj, t, dev);
+  if (eq > 0) eq = getter_equals(g_get_shape, t, size);
+  if (eq < 0) return nullptr;
+  return PyBool_FromLong(eq);
+}
+
 // -- saved outputs ------------------------------------------------------------------------------
 // A node that reads its own output (tanh, sigmoid, exp...) keeps it as a detached alias: the same
 // storage and version counter, no grad_fn, so the node never references the tensor it produced.
@@ -621,6 +680,8 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "t has ref's dtype, sizes and device."},
     {"same_kind", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(same_kind)),
      METH_FASTCALL, "t has ref's dtype and device."},
+    {"has_meta", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(has_meta)),
+     METH_FASTCALL, "t has the sizes, dtype and device of meta, a (torch.Size, dtype, device)."},
     {"save_alias", save_alias, METH_O,
      "A detached alias of t kept as a C++ tensor (SavedAlias), or None for other objects."},
     {"protocol_off", protocol_off, METH_NOARGS,
