@@ -194,7 +194,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                 "torch tensor with a torch grad_fn, used in graphgrad ops) is not supported: "
                 "its torch graph cannot be differentiated twice by graphgrad. Compute it with "
                 "graphgrad tensors (gg.as_tensor / gg.nn.adopt) instead.")
-    bridges = []  # (node, gradient) for the tensors handed to torch's backward at the end
+    bridges = None  # [(node, gradient)] for the tensors handed to torch's backward at the end
     buffers = {}
     for (node, nr), g in zip(root_nodes, root_grads):
         _add_to_buffer(buffers, node, nr, g)
@@ -261,6 +261,8 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         if type(node) is AccumulateGrad:
             if node.torch_kind == TORCH_BRIDGE:
                 if grads[0] is not None and (targets is None or into_torch):
+                    if bridges is None:
+                        bridges = []
                     bridges.append((node, grads[0]))
                 if accumulate and is_target:
                     _accumulate(node, grads[0], create_graph, handed)
@@ -314,7 +316,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                         _heappush(ready, _Ready(_order(alone), alone))
                         alone = None
                     _heappush(ready, _Ready(_order(parent), parent))
-    if bridges:
+    if bridges is not None:
         _into_torch(bridges, inputs, deps, retain_graph, accumulate, captured)
     if inputs is None or accumulate:
         return None
@@ -596,9 +598,15 @@ def _accumulate(node, g, create_graph, handed):
         return
     if g is not None and (leaf.requires_grad if node.torch_kind != GG_LEAF else leaf._gg_node is not None):
         _accumulate_into(leaf, g, create_graph, handed)
-    hooks = list(node.post_hooks) if node.post_hooks is not None else []
+    hooks = None  # (most leaves have none: no list made)
+    if node.post_hooks is not None:
+        hooks = list(node.post_hooks)  # a copy: a hook may remove itself
     if node.torch_kind == TORCH_LEAF:  # registered with torch's own method
-        hooks += list((getattr(leaf, "_post_accumulate_grad_hooks", None) or {}).values())
+        torch_hooks = getattr(leaf, "_post_accumulate_grad_hooks", None)
+        if torch_hooks:
+            hooks = (hooks or []) + list(torch_hooks.values())
+    if hooks is None:
+        return
     for hook in hooks:
         if hook(leaf) is not None:
             raise RuntimeError("Tensor post accumulate grad hooks should return None; "

@@ -21,8 +21,9 @@ cdef int KEEP_NOTHING, KEEP_META
 
 @cython.locals(k=int, n=Py_ssize_t)
 cpdef tuple save_arguments(object keep, tuple values)
-@cython.locals(c0=int, c1=int)
-cdef tuple _save_two(object keep, tuple values, Py_ssize_t n)
+@cython.locals(c0=int, c1=int, c2=int)
+cdef tuple _save_few(object keep, tuple values, Py_ssize_t n)
+cdef tuple _flat_versions(object v0, object v1, object v2)
 cpdef object unpack_saved(object saved, object create_graph)
 cpdef object check_saved_versions(object name, object params, object saved, object versions,
                                   object sequence_nr=*)

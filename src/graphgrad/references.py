@@ -271,8 +271,8 @@ def save_arguments(keep, values):
     at its first look; a node that keeps nothing shares one all-None tuple per length.
     """
     n = len(values)
-    if n <= 2 and not _active[0]:
-        answer = _save_two(keep, values, n)
+    if n <= 3 and not _active[0]:
+        answer = _save_few(keep, values, n)
         if answer is not None:
             return answer
     saved = None
@@ -319,26 +319,28 @@ def save_arguments(keep, values):
     return (PackedSaved(saved) if packed else tuple(saved)), tuple(versions)
 
 
-def _save_two(keep, values, n):
-    """``save_arguments`` for a call of one or two parameters, with no saved-tensor hooks
-    active and no list argument kept whole: in locals instead of lists (most ops); None for
-    any other call. Answers exactly as the general loop would."""
+def _save_few(keep, values, n):
+    """``save_arguments`` for a call of one to three parameters, with no saved-tensor hooks
+    active and no list argument kept whole: in locals instead of lists (most ops, linear with
+    its bias); None for any other call. Answers exactly as the general loop would."""
     k0 = keep[0] if n > 0 else KEEP_NOTHING
     k1 = keep[1] if n > 1 else KEEP_NOTHING
-    if type(k0) is tuple or type(k1) is tuple:
+    k2 = keep[2] if n > 2 else KEEP_NOTHING
+    if type(k0) is tuple or type(k1) is tuple or type(k2) is tuple:
         return None
     c0 = k0
     c1 = k1
-    if c0 == KEEP_NOTHING and c1 == KEEP_NOTHING:
+    c2 = k2
+    if c0 == KEEP_NOTHING and c1 == KEEP_NOTHING and c2 == KEEP_NOTHING:
         return nones(n), ()
-    s0 = s1 = None
-    versions = ()
+    s0 = s1 = s2 = None
+    v0 = v1 = v2 = None  # the version of each saved tensor
     if c0 != KEEP_NOTHING:
         s0 = values[0]
         if c0 == KEEP_META:
             s0 = _meta_of(s0)
         elif isinstance(s0, TensorBase):
-            versions = (0, _version(s0))
+            v0 = _version(s0)
         elif type(s0) is list or type(s0) is tuple:
             return None
     if c1 != KEEP_NOTHING:
@@ -346,10 +348,31 @@ def _save_two(keep, values, n):
         if c1 == KEEP_META:
             s1 = _meta_of(s1)
         elif isinstance(s1, TensorBase):
-            versions = versions + (1, _version(s1))
+            v1 = _version(s1)
         elif type(s1) is list or type(s1) is tuple:
             return None
-    return ((s0,) if n == 1 else (s0, s1)), versions
+    if c2 != KEEP_NOTHING:
+        s2 = values[2]
+        if c2 == KEEP_META:
+            s2 = _meta_of(s2)
+        elif isinstance(s2, TensorBase):
+            v2 = _version(s2)
+        elif type(s2) is list or type(s2) is tuple:
+            return None
+    saved = (s0,) if n == 1 else (s0, s1) if n == 2 else (s0, s1, s2)
+    return saved, _flat_versions(v0, v1, v2)
+
+
+def _flat_versions(v0, v1, v2):
+    """The flat ``(position, version, ...)`` tuple of the saved tensors among the first three
+    parameters (None: that parameter kept no tensor), made once."""
+    if v0 is None:
+        if v1 is None:
+            return () if v2 is None else (2, v2)
+        return (1, v1) if v2 is None else (1, v1, 2, v2)
+    if v1 is None:
+        return (0, v0) if v2 is None else (0, v0, 2, v2)
+    return (0, v0, 1, v1) if v2 is None else (0, v0, 1, v1, 2, v2)
 
 
 def _save_items(i, keep, items, hooks, versions):

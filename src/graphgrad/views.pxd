@@ -39,8 +39,8 @@ cpdef object bind(object func, Rule rule, tuple args, dict kwargs)
 cpdef object slots(Rule rule, tuple values, object graph, object ref)
 cdef object _MORE
 @cython.locals(m=Py_ssize_t, i=Py_ssize_t, n_required=Py_ssize_t, is_tensor=bint, uniform=bint,
-               elementwise=bint, kept=bint, shaped=tuple, n0=Node, n1=Node)
-cdef object _two_slots(Rule rule, tuple values, object graph, object ref)
+               elementwise=bint, kept=bint, shaped=tuple, n0=Node, n1=Node, n2=Node)
+cdef object _few_slots(Rule rule, tuple values, object graph, object ref)
 cdef bint _fits_as_is(object t, tuple ref, bint uniform, tuple shaped, object pos) except -1
 cdef bint _breaks_uniform(object t, tuple ref) except -1
 cdef tuple _meta(object t)

@@ -244,7 +244,7 @@ def slots(rule, values, graph, ref):
     weight under autocast), so all are kept. ``shaped``: an argument the rule returns a
     gradient shaped like gets None when it has the output's dtype and device.
     """
-    edges = _two_slots(rule, values, graph, ref)
+    edges = _few_slots(rule, values, graph, ref)
     if edges is not _MORE:
         return edges
     nexts = []
@@ -311,15 +311,15 @@ def slots(rule, values, graph, ref):
     return (tuple(nexts), output_numbers(nrs), positions, tuple(metas) if kept else nones(m))
 
 
-_MORE = object()  # _two_slots' answer for a call it leaves to the general loop
+_MORE = object()  # _few_slots' answer for a call it leaves to the general loop
 
 
-def _two_slots(rule, values, graph, ref):
-    """``slots`` for a call whose slots are its first one or two parameters and that has no
-    list argument (most ops: unary, binary, ``add``'s alpha), in locals instead of four
-    lists; ``_MORE`` for any other call. Answers exactly as the general loop would."""
+def _few_slots(rule, values, graph, ref):
+    """``slots`` for a call whose slots are its first one to three parameters and that has no
+    list argument (most ops: unary, binary, ``add``'s alpha, linear's bias), in locals instead
+    of four lists; ``_MORE`` for any other call. Answers exactly as the general loop would."""
     m = 0
-    t0 = t1 = None  # each slot's tensor (None for a required non-tensor)
+    t0 = t1 = t2 = None  # each slot's tensor (None for a required non-tensor)
     n_required = rule.n_required
     for i in range(len(values)):
         v = values[i]
@@ -328,25 +328,29 @@ def _two_slots(rule, values, graph, ref):
             return _MORE
         is_tensor = tp is _TENSOR_CLS or isinstance(v, TensorBase)
         if is_tensor or i < n_required:
-            if m == 2 or i != m:
+            if m == 3 or i != m:
                 return _MORE
             if m == 0:
                 t0 = v if is_tensor else None
-            else:
+            elif m == 1:
                 t1 = v if is_tensor else None
+            else:
+                t2 = v if is_tensor else None
             m += 1
     if m == 0:
         return _MORE
     n0 = None if t0 is None else _slot_node(t0, graph)
     n1 = None if t1 is None else _slot_node(t1, graph)
-    if n0 is None and n1 is None:
+    n2 = None if t2 is None else _slot_node(t2, graph)
+    if n0 is None and n1 is None and n2 is None:
         return None
     elementwise = ref is not None and rule.elementwise
     uniform = elementwise
     if uniform and ((n0 is None and t0 is not None and _breaks_uniform(t0, ref)) or
-                    (n1 is None and t1 is not None and _breaks_uniform(t1, ref))):
+                    (n1 is None and t1 is not None and _breaks_uniform(t1, ref)) or
+                    (n2 is None and t2 is not None and _breaks_uniform(t2, ref))):
         uniform = False
-    m0 = m1 = None  # the metadata kept for each slot with a node, in slot order
+    m0 = m1 = m2 = None  # the metadata kept for each slot with a node, in slot order
     kept = False
     shaped = rule.shaped if ref is not None else None
     if n0 is not None and not _fits_as_is(t0, ref, uniform, shaped, 0):
@@ -359,16 +363,28 @@ def _two_slots(rule, values, graph, ref):
         kept = True
         if uniform and _breaks_uniform(t1, ref):
             uniform = False
+    if n2 is not None and not _fits_as_is(t2, ref, uniform, shaped, 2):
+        m2 = _input_meta(t2, n2)
+        kept = True
+        if uniform and _breaks_uniform(t2, ref):
+            uniform = False
     if elementwise and kept and not uniform:  # a later input broke uniformity: redo
         if n0 is not None and m0 is None:
             m0 = _meta(ref[0])
         if n1 is not None and m1 is None:
             m1 = _meta(ref[0])
+        if n2 is not None and m2 is None:
+            m2 = _meta(ref[0])
     nr0 = 0 if n0 is None else _nr_of(t0, n0)
-    nr1 = 0 if n1 is None else _nr_of(t1, n1)
     if m == 1:
         return ((n0,), output_numbers((nr0,)), _RANGES[1], (m0,) if kept else nones(1))
-    return ((n0, n1), output_numbers((nr0, nr1)), _RANGES[2], (m0, m1) if kept else nones(2))
+    nr1 = 0 if n1 is None else _nr_of(t1, n1)
+    if m == 2:
+        return ((n0, n1), output_numbers((nr0, nr1)), _RANGES[2],
+                (m0, m1) if kept else nones(2))
+    nr2 = 0 if n2 is None else _nr_of(t2, n2)
+    return ((n0, n1, n2), output_numbers((nr0, nr1, nr2)), _RANGES[3],
+            (m0, m1, m2) if kept else nones(3))
 
 
 def _fits_as_is(t, ref, uniform, shaped, pos):
