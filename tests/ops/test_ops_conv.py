@@ -201,3 +201,32 @@ def test_weight_gradient_is_recorded_under_create_graph():
     tx, tw = plain(x).clone().requires_grad_(), plain(w).clone().requires_grad_()
     (tgw,) = torch.autograd.grad(F.conv2d(tx, tw).sum(), [tw], create_graph=True)
     assert_grads_close([gx], torch.autograd.grad(tgw.square().sum(), [tx]), "grad")
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("wanted", ["all", "input only", "weight only", "no bias"])
+def test_gradients_without_create_graph_are_torchs_own(transposed, wanted):
+    """Without create_graph a batched convolution's gradients come from one
+    convolution_backward call, as torch's ConvolutionBackward0 takes them: equal to torch's
+    bit for bit (groups, stride, uneven padding), whichever of them are wanted."""
+    torch.manual_seed(0)
+    x, b = torch.randn(3, 4, 7, 6), torch.randn(6)
+    w = torch.randn(4, 3, 3, 2) if transposed else torch.randn(6, 2, 3, 2)
+
+    def op(x, w, b):
+        if transposed:
+            return F.conv_transpose2d(x, w, b, (2, 1), (1, 0), (1, 0), 2)
+        return F.conv2d(x, w, b, (2, 1), (1, 0), 1, 2)
+
+    needs = {"all": (True, True, True), "input only": (True, False, False),
+             "weight only": (False, True, False), "no bias": (True, True, None)}[wanted]
+    ours = [gg.as_tensor(v.clone(), requires_grad=bool(n)) for v, n in zip((x, w, b), needs)]
+    ref = [v.clone().requires_grad_(bool(n)) for v, n in zip((x, w, b), needs)]
+    if needs[2] is None:
+        ours[2] = ref[2] = None
+    out, tout = op(*ours), op(*ref)
+    g = torch.randn(tout.shape)
+    want = [t for t in ref if t is not None and t.requires_grad]
+    got = gg.grad(out, [t for t in ours if t is not None and t.requires_grad], g)
+    for a, e in zip(got, torch.autograd.grad(tout, want, g)):
+        assert torch.equal(plain(a), e)

@@ -6,13 +6,16 @@ with the same weight (and that of ``conv_transpose`` is ``conv``). The weight gr
 that it is recorded and has a rule of its own. It is bilinear in the output gradient and the
 input, and each of its derivatives is again the convolution (or its input gradient) with the
 incoming gradient as the weight. The rules are therefore closed under differentiation, and
-derivatives of every order run on torch's convolution kernels.
+derivatives of every order run on torch's convolution kernels. Where no graph is being built
+(no ``create_graph``), a batched convolution's gradients come from one
+``convolution_backward`` call instead, as torch's own backward takes them (``_one_call``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._C import TensorBase
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..rules import derivative
@@ -102,6 +105,23 @@ def conv_weight_grad_backward(grad, grad_output, input, weight_shape, spec, *, n
             spec.input_grad(grad_output, grad, input.shape) if needs_input_grad[1] else None)
 
 
+def _one_call(grad, input, weight, spec, needs_input_grad):
+    """Every wanted gradient of a batched convolution from one ``convolution_backward`` call,
+    as torch's ConvolutionBackward0 takes them (the same kernel: the same numbers, and one pass
+    over the output gradient instead of three); None where this does not apply: while a graph
+    is being built (``create_graph``: the rule's pieces are then recorded, each differentiable
+    again), for an unbatched input, or an input kept only as metadata."""
+    if torch.is_grad_enabled() or not isinstance(input, TensorBase) or \
+            input.dim() != spec.nd + 2:
+        return None
+    if not isinstance(weight, TensorBase):  # kept as Meta: its gradient needs only its shape
+        weight = input.new_empty(weight.shape)
+    mask = [bool(needs_input_grad[0]), bool(needs_input_grad[1]), bool(needs_input_grad[2])]
+    return torch.ops.aten.convolution_backward(
+        grad, input, weight, [grad.shape[1]] if mask[2] else None, spec.stride, spec.padding,
+        spec.dilation, spec.transposed, spec.output_padding, spec.groups, mask)
+
+
 def _bias_grad(grad, nd):
     channel = grad.dim() - nd - 1
     return grad.sum([d for d in range(grad.dim()) if d != channel])
@@ -129,6 +149,10 @@ def conv(grad, input, weight, bias=None, stride=1, padding=0, dilation=1, groups
     elif padding == "same":
         padding, extra = _same_padding(weight.shape, dilation, nd)
     spec = ConvSpec(nd, False, stride, padding, dilation, 0, groups)
+    if not extra:
+        grads = _one_call(grad, input, weight, spec, needs_input_grad)
+        if grads is not None:
+            return grads
     grad_input = grad_weight = grad_bias = None
     if needs_input_grad[0]:
         shape = list(input.shape)
@@ -151,6 +175,9 @@ def conv_transpose(grad, input, weight, bias=None, stride=1, padding=0, output_p
                    groups=1, dilation=1, *, needs_input_grad):
     nd = weight.ndim - 2
     spec = ConvSpec(nd, True, stride, padding, dilation, output_padding, groups)
+    grads = _one_call(grad, input, weight, spec, needs_input_grad)
+    if grads is not None:
+        return grads
     return (spec.input_grad(grad, weight, input.shape) if needs_input_grad[0] else None,
             spec.weight_grad(grad, input, weight.shape) if needs_input_grad[1] else None,
             _bias_grad(grad, nd) if needs_input_grad[2] else None)
