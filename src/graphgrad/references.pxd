@@ -21,7 +21,7 @@ cdef int KEEP_NOTHING, KEEP_META
 
 @cython.locals(k=int, n=Py_ssize_t)
 cpdef tuple save_arguments(object keep, tuple values)
-@cython.locals(c0=int, c1=int, c2=int)
+@cython.locals(i=Py_ssize_t, c=int, kept=bint)
 cdef tuple _save_few(object keep, tuple values, Py_ssize_t n)
 cdef tuple _flat_versions(object v0, object v1, object v2)
 cpdef object unpack_saved(object saved, object create_graph)

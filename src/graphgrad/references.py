@@ -323,42 +323,33 @@ def _save_few(keep, values, n):
     """``save_arguments`` for a call of one to three parameters, with no saved-tensor hooks
     active and no list argument kept whole: in locals instead of lists (most ops, linear with
     its bias); None for any other call. Answers exactly as the general loop would."""
-    k0 = keep[0] if n > 0 else KEEP_NOTHING
-    k1 = keep[1] if n > 1 else KEEP_NOTHING
-    k2 = keep[2] if n > 2 else KEEP_NOTHING
-    if type(k0) is tuple or type(k1) is tuple or type(k2) is tuple:
-        return None
-    c0 = k0
-    c1 = k1
-    c2 = k2
-    if c0 == KEEP_NOTHING and c1 == KEEP_NOTHING and c2 == KEEP_NOTHING:
-        return nones(n), ()
     s0 = s1 = s2 = None
     v0 = v1 = v2 = None  # the version of each saved tensor
-    if c0 != KEEP_NOTHING:
-        s0 = values[0]
-        if c0 == KEEP_META:
-            s0 = _meta_of(s0)
-        elif isinstance(s0, TensorBase):
-            v0 = _version(s0)
-        elif type(s0) is list or type(s0) is tuple:
+    kept = False
+    for i in range(n):
+        k = keep[i]
+        if type(k) is tuple:
             return None
-    if c1 != KEEP_NOTHING:
-        s1 = values[1]
-        if c1 == KEEP_META:
-            s1 = _meta_of(s1)
-        elif isinstance(s1, TensorBase):
-            v1 = _version(s1)
-        elif type(s1) is list or type(s1) is tuple:
+        c = k
+        if c == KEEP_NOTHING:
+            continue
+        kept = True
+        s = values[i]
+        v = None
+        if c == KEEP_META:
+            s = _meta_of(s)
+        elif isinstance(s, TensorBase):
+            v = _version(s)
+        elif type(s) is list or type(s) is tuple:
             return None
-    if c2 != KEEP_NOTHING:
-        s2 = values[2]
-        if c2 == KEEP_META:
-            s2 = _meta_of(s2)
-        elif isinstance(s2, TensorBase):
-            v2 = _version(s2)
-        elif type(s2) is list or type(s2) is tuple:
-            return None
+        if i == 0:
+            s0, v0 = s, v
+        elif i == 1:
+            s1, v1 = s, v
+        else:
+            s2, v2 = s, v
+    if not kept:
+        return nones(n), ()
     saved = (s0,) if n == 1 else (s0, s1) if n == 2 else (s0, s1, s2)
     return saved, _flat_versions(v0, v1, v2)
 
