@@ -9,6 +9,12 @@ def freelist(n):
     return lambda cls: cls
 
 
+def trashcan(flag):
+    """``@cython.trashcan(...)``: compiled, deep deallocation chains are unwound; nothing to do
+    uncompiled."""
+    return lambda cls: cls
+
+
 def cclass(cls):
     """``@cython.cclass``: compiled, an extension type; uncompiled, the class itself."""
     return cls

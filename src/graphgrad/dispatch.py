@@ -324,6 +324,7 @@ def _record(func, rule, args, kwargs, silent):
     if edges is None:
         return wrap_plain(out, args, kwargs)
     nexts, nrs, slot_pos, metas = edges
+    edges = None  # (back to the free list now: one tuple fewer alive while saving)
     keep = keep_for(rule, nexts, slot_pos)
     if _autocast_enabled() and type(out) is _PlainTensor:
         values = _as_autocast_ran(values, keep, out.dtype)

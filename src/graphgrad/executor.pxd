@@ -3,7 +3,8 @@
 
 from graphgrad._torch_types cimport TensorBase
 cimport cython
-from graphgrad.node cimport AccumulateGrad, Node
+from graphgrad.node cimport (AccumulateGrad, Node, edge_at, edge_count, give_back, meta_at,
+                             spare_dict, spare_list)
 from graphgrad.fastcalls cimport accumulate_in_place as _accumulate_in_place
 
 cdef object _Disable, _set_grad_enabled, _PlainTensor, _heappush, _heappop
@@ -11,11 +12,11 @@ cdef object _shape, _dtype, _device, _ndim
 cdef long long _FIRST
 cdef object COPY_SLICES_RULE, _INSIDE_COPY_SLICES
 
-@cython.locals(node=Node, parent=Node, op=Node, i=Py_ssize_t, nexts=tuple, stack=list, at=list, count=bint,
-               leads=bint)
+@cython.locals(node=Node, parent=Node, op=Node, i=Py_ssize_t, n=Py_ssize_t, stack=list, at=list,
+               count=bint, leads=bint)
 cdef tuple _walk(list root_nodes, object targets, bint into_torch, object accumulate)
 
-@cython.locals(node=Node, alone=Node, j=Py_ssize_t, nexts=tuple, nrs=tuple, slot_pos=tuple, metas=tuple, ready=list,
+@cython.locals(node=Node, alone=Node, j=Py_ssize_t, nrs=tuple, slot_pos=tuple, ready=list,
                buffers=dict, deps=dict, anomaly=bint, is_target=bint, n=Py_ssize_t)
 cdef object _run(list root_nodes, object root_grads, object retain_graph, bint create_graph,
                  object targets, object inputs, object accumulate, object allow_unused,
@@ -30,3 +31,4 @@ cdef bint _all_none(object grads) except -1
 cdef object _pick(object outs, object pos)
 cdef object _add_to_buffer(dict buffers, Node node, Py_ssize_t nr, object g)
 cdef object _fit(object g, tuple meta, object node, Py_ssize_t j)
+

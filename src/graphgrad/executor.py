@@ -29,7 +29,7 @@ from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when
 from . import _compat
 from .codes import GG_LEAF, RELEASED_AFTER_BACKWARD, RELEASED_WITH_GRAPH, TORCH_BRIDGE, TORCH_LEAF
 from .fastcalls import accumulate_in_place as _accumulate_in_place
-from .node import AccumulateGrad, Node
+from .node import AccumulateGrad, Node, edge_at, edge_count, give_back, meta_at, spare_dict, spare_list
 from .view_rules import COPY_SLICES_RULE
 from .views import current_node
 
@@ -76,7 +76,9 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
     ``inputs`` when given). ``accumulate=False`` (``grad``): gradients w.r.t. ``inputs`` are
     returned and ``.grad`` is left alone.
     """
-    root_nodes = [(current_node(r), getattr(r, "_gg_nr", 0)) for r in roots]
+    root_nodes = spare_list()
+    for r in roots:
+        root_nodes.append((current_node(r), getattr(r, "_gg_nr", 0)))
     targets = None
     into_torch = False  # may a wanted input lie upstream in torch's own graph?
     if inputs is not None:
@@ -110,6 +112,7 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
         for node, _ in root_nodes:
             if node.graph is not None:
                 node.graph.expect_deaths()
+    give_back(root_nodes)
     return result
 
 
@@ -122,21 +125,23 @@ def _walk(root_nodes, targets, into_torch, accumulate):
     out here with typed locals and the ``deps`` dict as its visited set, so the walk that runs
     on every backward pass builds no second set and makes no extra call per node (viz and
     distributed walk with graph.py's)."""
-    deps = {}
-    order = []  # post-order: a node after all of its inputs
+    deps = spare_dict()
+    order = spare_list()  # post-order: a node after all of its inputs
     count = targets is None and not into_torch  # every node is needed: count edges as walked
-    for root, _ in root_nodes:
+    stack = spare_list()  # the path being walked, and how far each node's inputs were seen:
+    at = spare_list()  # two lists, not a (node, i) tuple per level, which in a long chain
+    for root, _ in root_nodes:  # would outlive enough collections to trigger a full one
         if root in deps:  # reached from an earlier root
             continue
         deps[root] = 0
-        stack = [root]  # the path being walked, and how far each node's inputs were seen:
-        at = [0]  # two lists, not a (node, i) tuple per level, which in a long chain would
-        while stack:  # outlive enough collections to trigger a full one (see performance.md)
+        stack.append(root)
+        at.append(0)
+        while stack:
             node = stack.pop()
             i = at.pop()
-            nexts = node.next_nodes
-            while i < len(nexts):
-                parent = nexts[i]
+            n = edge_count(node)
+            while i < n:
+                parent = edge_at(node, i)
                 i += 1
                 if parent is None:
                     continue
@@ -152,28 +157,32 @@ def _walk(root_nodes, targets, into_torch, accumulate):
                 break
             else:
                 order.append(node)
+    give_back(stack)
+    give_back(at)
     if count:
         return deps, None, order
     if targets is None:
         needed = None
     else:
-        needed = {}
+        needed = spare_dict()
         for node in order:
             leads = False
-            for parent in node.next_nodes:
+            for i in range(edge_count(node)):
+                parent = edge_at(node, i)
                 if parent is not None and needed.get(parent, False):
                     leads = True
                     break
             need = leads or node in targets or (into_torch and _is_bridge(node))
             needed[node] = need
             if need and node.rule is COPY_SLICES_RULE and (leads or accumulate and node in targets):
-                op = node.next_nodes[1]  # CopySlices runs (see _runs): so does its op's node
+                op = edge_at(node, 1)  # CopySlices runs (see _runs): so does its op's node
                 if op is not None and not needed[op]:
                     needed[op] = _INSIDE_COPY_SLICES
     for node in order:
         if needed is not None and not needed[node]:
             continue
-        for parent in node.next_nodes:
+        for i in range(edge_count(node)):
+            parent = edge_at(node, i)
             if parent is not None and (needed is None or needed[parent]):
                 deps[parent] += 1
     return deps, needed, order
@@ -195,7 +204,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                 "its torch graph cannot be differentiated twice by graphgrad. Compute it with "
                 "graphgrad tensors (gg.as_tensor / gg.nn.adopt) instead.")
     bridges = None  # [(node, gradient)] for the tensors handed to torch's backward at the end
-    buffers = {}
+    buffers = spare_dict()  # node -> its gradient (one output) or a list of them
     for (node, nr), g in zip(root_nodes, root_grads):
         _add_to_buffer(buffers, node, nr, g)
     captured = [None] * len(inputs) if inputs is not None else None
@@ -205,7 +214,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         handed.add(id(g))
     # ready nodes run newest first (torch's order: so hooks are called in torch's order);
     # AccumulateGrad first of all, as soon as its gradient is complete
-    ready = []
+    ready = spare_list()
     # each root once, in order (not dict.fromkeys: a dict made by calling the type is a
     # counted allocation that CPython's free list then keeps, one more per backward for the
     # cyclic GC until that list is full)
@@ -225,6 +234,8 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         else:
             node = _heappop(ready).node
         grads = buffers.pop(node, None)
+        if grads is not None and type(grads) is not list:  # one output's gradient
+            grads = [grads]
         if needed is not None and not needed[node]:  # a root that leads to no input: torch
             if len(root_nodes) == 1:  # runs the tensor hooks of a single one, nothing else
                 if grads is None:
@@ -271,7 +282,6 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             if node.hooks is not None:
                 _run_hooks(node, (), grads, handed)
             continue
-        nexts = node.next_nodes
         nrs = node.next_nrs
         if _all_none(grads):
             outs = ()
@@ -280,7 +290,6 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         else:
             outs = node.apply(grads, create_graph)
         slot_pos = node.slot_pos
-        metas = node.input_meta
         edge_grads = None
         if node.hooks is not None:  # hooks see (and may replace) one gradient per input
             edge = _edge_grads(node, outs)
@@ -291,8 +300,8 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             node.release()
             if node.rule is COPY_SLICES_RULE:  # it saved no tensor, yet never runs again:
                 node.released = RELEASED_AFTER_BACKWARD  # torch's drops the op it wraps
-        for j in range(len(nexts)):
-            parent = nexts[j]
+        for j in range(edge_count(node)):
+            parent = edge_at(node, j)
             if parent is None or (needed is not None and not needed[parent]):
                 continue
             if edge_grads is not None:
@@ -300,7 +309,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             else:
                 g = _pick(outs, slot_pos[j])
                 if g is not None:
-                    meta = metas[j]
+                    meta = meta_at(node, j)
                     if meta is not None:
                         g = _fit(g, meta, node, j)
                     elif not isinstance(g, TensorBase):
@@ -318,6 +327,12 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                     _heappush(ready, _Ready(_order(parent), parent))
     if bridges is not None:
         _into_torch(bridges, inputs, deps, retain_graph, accumulate, captured)
+    give_back(ready)
+    give_back(order)
+    give_back(buffers)  # (what no node took: gradients towards nodes this pass did not run)
+    give_back(deps)
+    if needed is not None:
+        give_back(needed)
     if inputs is None or accumulate:
         return None
     for k, g in enumerate(captured):
@@ -410,7 +425,8 @@ class _Ready:
 
 def _leads_on(node, needed):
     """Does a gradient flow from this node to a node that is wanted?"""
-    for parent in node.next_nodes:
+    for j in range(edge_count(node)):
+        parent = edge_at(node, j)
         if parent is not None and needed[parent]:
             return True
     return False
@@ -534,10 +550,19 @@ def _pick(outs, pos):
 
 
 def _add_to_buffer(buffers, node, nr, g):
+    """Sum ``g`` into the gradient of ``node``'s output ``nr``. A one-output node's gradient
+    waits as the tensor itself; a list only when a second one arrives or the node has more
+    outputs (no list per node for the cyclic GC to count: see ``node.spare_list``)."""
     buf = buffers.get(node)
     if buf is None:
+        if node.num_outputs == 1:
+            buffers[node] = g
+            return
         buf = [None] * node.num_outputs
         buffers[node] = buf
+    elif type(buf) is not list:  # a second gradient for a one-output node
+        buf = [buf]
+        buffers[node] = buf  # (the list's reference to the first is now its only one)
     if buf[nr] is None:
         buf[nr] = g
     elif not _accumulate_in_place(buf, nr, g):  # (holds no reference of its own to buf[nr])

@@ -10,12 +10,13 @@ from graphgrad.rules cimport Rule
 
 cdef class Node:
     cdef public object rule
-    cdef readonly tuple next_nodes
     cdef public tuple next_nrs
     cdef public tuple slot_pos
-    cdef public tuple input_meta
-    cdef readonly object saved
-    cdef public object versions
+    # next_nodes, input_meta, saved and versions (properties) as C fields: see "A node's
+    # parts" below
+    cdef PyObject** _parts
+    cdef Py_ssize_t _n_edges, _n_saved, _n_vers
+    cdef object _saved_obj, _versions_obj
     cdef public SavedResult result
     cdef public Py_ssize_t num_outputs
     cdef public int released
@@ -47,6 +48,9 @@ cdef class AccumulateGrad(Node):
     cpdef release(self, how=*)
 
 
+cpdef Py_ssize_t edge_count(Node node) noexcept
+cpdef object edge_at(Node node, Py_ssize_t j)
+cpdef object meta_at(Node node, Py_ssize_t j)
 cpdef Node new_node(object rule, tuple next_nodes, tuple next_nrs, tuple slot_pos,
                     tuple input_meta, object saved, object versions, object graph)
 cpdef tuple output_numbers(object nrs)
@@ -66,36 +70,64 @@ cdef Py_ssize_t _next_sequence_nr()
 cdef object _setup(Node node, object rule, tuple next_nodes, tuple next_nrs, tuple slot_pos,
                    tuple input_meta, object saved, object versions, object graph)
 cdef bint _holds_tensors(object saved) except -1
-@cython.locals(j=Py_ssize_t, nexts=tuple, slot_pos=tuple, needs=list)
+@cython.locals(j=Py_ssize_t, n=Py_ssize_t, m=Py_ssize_t, slot_pos=tuple, needs=list,
+               mask=cython.ulonglong, key=cython.ulonglong, one=cython.ulonglong,
+               p=Py_ssize_t)
 cdef tuple _needs_input_grad(Node node)
+cdef dict _NEEDS
+cdef list _SPARE_LISTS, _SPARE_DICTS
+cpdef list spare_list()
+cpdef dict spare_dict()
+cpdef object give_back(object container)
+cdef object _set_all(Node node, tuple next_nodes, tuple input_meta, object saved, object versions)
+cdef object _set_saved(Node node, object saved, object versions)
+cdef bint _versions_kept(Node node) except -1
+cdef bint _saved_packed(Node node) except -1
 
 
-# The edge tuple and the saved tuple as parts of their node for the cyclic GC (compiled engine):
-# new_node untracks the node's own next_nodes and saved tuples, and Node's traverse visits their
-# items in their place. Only the node that was made with a tuple visits it: both fields are
-# read-only to Python, and the engine's callers of new_node (dispatch, views) make fresh tuples
-# for each node (save_arguments' shared all-None ones hold nothing to visit), so each reference
-# is seen exactly once, as the tuple's own traverse would see it. Nodes made through Node(...)
-# (custom Functions, user code) keep tracked tuples, visited as fields.
+# A node's parts (compiled engine): its edges (next_nodes), the metadata of its inputs
+# (input_meta), its saved values and the versions of its saved tensors live in one C block the
+# node owns, not in four tuples. A tuple is an allocation the cyclic GC counts, and every full
+# collection empties CPython's tuple free list, so the first step after one would count each
+# node's four afresh; the node itself comes from Cython's free list, which no collection
+# empties. The block holds ``[edges: n_edges][metas: n_edges][saved: n_saved]`` as owned
+# references, then ``n_vers`` flat versions as C integers. Saved values that are not a plain
+# tuple (PackedSaved: hooks packed some), or versions that are not all integers (an item of a
+# list argument: a position pair), stay objects (_saved_obj, _versions_obj; their count -1).
+# Callers hand tuples in (new_node, set_saved); they die with the op that made them, back to
+# the free list at once. The properties build tuples for Python readers.
 #
-# The traverse visits only the fields that can lead back to a Python object able to close a
-# cycle, and only when they are not None (None is no container: visiting it does nothing):
-# rule, next_nodes, saved, result, graph, tensor_hooks, retained, hooks, prehooks, trace. It
-# skips next_nrs and slot_pos (ints), versions (ints and pairs of ints), input_meta (sizes,
-# dtypes, devices) and out_shapes (ints to sizes): containers of atoms, which can be in no
-# cycle. Not visiting a reference only makes its target look referenced from outside during a
-# collection (kept alive, which it is, by this node), never freed early. Cython's own traverse
-# visited all fifteen object fields, None or not, several times per node a collection.
-cdef extern from "Python.h":
-    int PyObject_GC_IsTracked(object op)
-    void PyObject_GC_UnTrack(object op)
+# The traverse visits only what can lead back to a Python object able to close a cycle, and
+# only when it is not None: rule, the edges and saved values, _saved_obj, result, graph,
+# tensor_hooks, retained, hooks, prehooks, trace. It skips next_nrs and slot_pos (ints), the
+# metas (sizes, dtypes, devices), versions and out_shapes (ints to sizes): atoms, in no cycle.
+# Not visiting a reference only makes its target look referenced from outside during a
+# collection (kept alive, which it is, by this node), never freed early. The clear drops the
+# block too, so a collected cycle through a saved value is broken.
+ctypedef int (*clearfunc)(PyObject*) noexcept
+
+from cpython.object cimport inquiry
+from cpython.mem cimport PyMem_Malloc
 
 
 cdef inline int _traverse_node(PyObject* o, visitproc visit, void* arg) except -1:
     # (no Python object is made here: the collector is running)
     cdef Node node = <Node><object>o
-    return (_visit_field(node.rule, visit, arg) or _visit_part(node.next_nodes, visit, arg) or
-            _visit_part(node.saved, visit, arg) or _visit_field(node.result, visit, arg) or
+    cdef Py_ssize_t i, n
+    cdef PyObject* p
+    cdef int e
+    if node._parts is not NULL:
+        n = 2 * node._n_edges + (node._n_saved if node._n_saved > 0 else 0)
+        for i in range(n):
+            if i >= node._n_edges and i < 2 * node._n_edges:
+                continue  # (metas)
+            p = node._parts[i]
+            if p is not <PyObject*>None:
+                e = visit(p, arg)
+                if e:
+                    return e
+    return (_visit_field(node.rule, visit, arg) or _visit_field(node._saved_obj, visit, arg) or
+            _visit_field(node.result, visit, arg) or
             _visit_field(node.graph, visit, arg) or _visit_field(node.tensor_hooks, visit, arg) or
             _visit_field(node.retained, visit, arg) or _visit_field(node.hooks, visit, arg) or
             _visit_field(node.prehooks, visit, arg) or _visit_field(node.trace, visit, arg))
@@ -107,33 +139,152 @@ cdef inline int _visit_field(object f, visitproc visit, void* arg) except -1:
     return visit(<PyObject*>f, arg)
 
 
-cdef inline int _visit_part(object t, visitproc visit, void* arg) except -1:
-    """Visit a tuple the node owns untracked item by item; anything else as itself."""
-    cdef Py_ssize_t i
-    cdef int e
-    if t is None:
-        return 0
-    if type(t) is not tuple or PyObject_GC_IsTracked(t):
-        return visit(<PyObject*>t, arg)
-    for i in range(len(<tuple>t)):
-        item = (<tuple>t)[i]
-        if item is not None:
-            e = visit(<PyObject*>item, arg)
-            if e:
-                return e
-    return 0
+cdef clearfunc _cython_clear  # Cython's own clear of Node's object fields
 
 
-cdef inline void _own_tuples(Node node) noexcept:
-    """Untrack the new node's edge and saved tuples: its traverse visits their items."""
-    if len(node.next_nodes):
-        PyObject_GC_UnTrack(node.next_nodes)
-    if type(node.saved) is tuple and len(<tuple>node.saved):
-        PyObject_GC_UnTrack(node.saved)
+cdef inline int _clear_node(PyObject* o) noexcept:
+    _drop_parts(<Node><object>o)
+    return _cython_clear(o) if _cython_clear is not NULL else 0
 
 
 cdef inline void _install_traverse() noexcept:
+    global _cython_clear
+    _cython_clear = <clearfunc><void*>(<PyTypeObject*>Node).tp_clear
     (<PyTypeObject*>Node).tp_traverse = _traverse_node
+    (<PyTypeObject*>Node).tp_clear = <inquiry><void*>_clear_node
+
+
+cdef inline void _drop_parts(Node node) noexcept:
+    """Release the block (a node's dealloc and clear; before new parts are set)."""
+    cdef PyObject** parts = node._parts
+    cdef Py_ssize_t i, n
+    if parts is NULL:
+        return
+    n = 2 * node._n_edges + (node._n_saved if node._n_saved > 0 else 0)
+    node._parts = NULL
+    node._n_edges = 0
+    node._n_saved = 0
+    node._n_vers = 0
+    for i in range(n):
+        Py_XDECREF(parts[i])
+    PyMem_Free(parts)
+
+
+cdef inline int _set_parts(Node node, tuple edges, tuple metas, object saved,
+                           object versions) except -1:
+    """Take the items of the four tuples (or objects) into a new block."""
+    cdef Py_ssize_t i, ne = len(edges), ns = -1, nv = -1, n
+    cdef PyObject** parts
+    cdef Py_ssize_t* vers
+    cdef object x
+    if len(metas) != ne:
+        raise ValueError(f"input_meta has {len(metas)} entries for {ne} edges")
+    if type(saved) is tuple:
+        ns = len(<tuple>saved)
+    if type(versions) is tuple:
+        nv = len(<tuple>versions)
+        for i in range(nv):
+            if type((<tuple>versions)[i]) is not int:
+                nv = -1
+                break
+    n = 2 * ne + (ns if ns > 0 else 0)
+    parts = NULL
+    if n or nv > 0:
+        parts = <PyObject**>PyMem_Malloc(n * sizeof(PyObject*) + (nv if nv > 0 else 0) * sizeof(Py_ssize_t))
+        if parts is NULL:
+            raise MemoryError()
+        for i in range(ne):
+            x = edges[i]
+            Py_INCREF(x)
+            parts[i] = <PyObject*>x
+            x = metas[i]
+            Py_INCREF(x)
+            parts[ne + i] = <PyObject*>x
+        for i in range(ns):
+            x = (<tuple>saved)[i]
+            Py_INCREF(x)
+            parts[2 * ne + i] = <PyObject*>x
+        vers = <Py_ssize_t*>(parts + n)
+        for i in range(nv):
+            vers[i] = (<tuple>versions)[i]
+    _drop_parts(node)
+    node._parts = parts
+    node._n_edges = ne
+    node._n_saved = ns
+    node._n_vers = nv
+    node._saved_obj = None if ns >= 0 else saved
+    node._versions_obj = None if nv >= 0 else versions
+    return 0
+
+
+cdef inline tuple _parts_tuple(Node node, Py_ssize_t start, Py_ssize_t n):
+    cdef tuple out = PyTuple_New(n)
+    cdef Py_ssize_t i
+    cdef PyObject* p
+    for i in range(n):
+        p = node._parts[start + i]
+        Py_INCREF(<object>p)
+        PyTuple_SET_ITEM(out, i, <object>p)
+    return out
+
+
+cdef inline object _saved_of(Node node):
+    if node._n_saved < 0:
+        return node._saved_obj
+    return _parts_tuple(node, 2 * node._n_edges, node._n_saved)
+
+
+cdef inline object _versions_of(Node node):
+    cdef Py_ssize_t i
+    cdef Py_ssize_t* vers
+    if node._n_vers < 0:
+        return node._versions_obj
+    vers = <Py_ssize_t*>(node._parts + 2 * node._n_edges + (node._n_saved if node._n_saved > 0 else 0)) \
+        if node._parts is not NULL else NULL
+    return tuple([vers[i] for i in range(node._n_vers)])
+
+
+cdef inline bint _has_versions(Node node) noexcept:
+    if node._n_vers < 0:
+        return bool(node._versions_obj)
+    return node._n_vers > 0
+
+
+cdef inline bint _versions_hold(Node node) except -1:
+    """Is every saved tensor still at its saved version (integer positions only)? False
+    also when the answer needs the general check (which then raises the error)."""
+    cdef Py_ssize_t k, pos, ns = node._n_saved
+    cdef Py_ssize_t* vers
+    cdef object value
+    if node._n_vers <= 0 or ns < 0:
+        return node._n_vers == 0
+    vers = <Py_ssize_t*>(node._parts + 2 * node._n_edges + ns)
+    for k in range(0, node._n_vers, 2):
+        pos = vers[k]
+        if pos < 0 or pos >= ns:
+            return False
+        value = <object>node._parts[2 * node._n_edges + pos]
+        if _tensor_version(value) != vers[k + 1]:
+            return False
+        if type(value) is not _PlainTensor and getattr(value, "_gg_detached", 0):
+            return False  # (detach_() since: the general check decides)
+    return True
+
+
+cdef inline void _drop_saved(Node node) noexcept:
+    """Release the saved values and versions in place, keeping the edges and metas."""
+    cdef Py_ssize_t i, start = 2 * node._n_edges, ns = node._n_saved
+    node._n_saved = 0  # (first: a release may run other code, which sees none)
+    node._n_vers = -1
+    for i in range(ns):
+        Py_XDECREF(node._parts[start + i])
+        node._parts[start + i] = NULL
+    node._saved_obj = None
+    node._versions_obj = None
+
+
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from graphgrad.fastcalls cimport tensor_version as _tensor_version
 
 
 

@@ -41,7 +41,8 @@ from .references import (
 )
 
 __all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "split_edges",
-           "output_numbers", "interned", "current_sequence_nr"]
+           "output_numbers", "interned", "current_sequence_nr", "edge_count", "edge_at",
+           "meta_at", "spare_list", "spare_dict", "give_back"]
 
 _sequence_nr = 0  # Nodes are numbered in recording order
 _PlainTensor = torch.Tensor
@@ -52,6 +53,7 @@ _NO_EXTRA: dict = {}  # never mutated: the keyword arguments of rules that take 
 # is no allocation the cyclic GC counts towards a collection (CPython's own free lists do the
 # same for the op's tuples and dicts), and no malloc
 @cython.freelist(64)
+@cython.trashcan(True)  # (compiled) a long chain is freed without a C frame per node
 @cython.cclass
 class Node:
     """The backward of one recorded op: its rule, saved values and edges towards its inputs.
@@ -62,14 +64,45 @@ class Node:
     The node keeps the edges as two flat tuples, ``next_nodes`` and ``next_nrs`` (the latter
     shared between nodes), not one ``(node, nr)`` pair per edge: a pair would be one more
     object per edge for the cyclic GC to track; ``next_functions`` builds the pairs on demand.
+    Compiled, ``next_nodes``, ``input_meta``, ``saved`` and ``versions`` are C fields
+    (node.pxd, "A node's parts"): the properties make tuples of them for Python readers.
     """
 
     def __dealloc__(self):  # (compiled only) its entry in its graph's pending registry empties
         forget_pending(self)  # noqa: F821 (node.pxd)
+        _drop_parts(self)  # noqa: F821 (node.pxd)
 
     def __init__(self, rule, next_functions, slot_pos, input_meta, saved, versions, graph):
         nodes, nrs = split_edges(next_functions)
-        _setup(self, rule, nodes, nrs, slot_pos, input_meta, saved, versions, graph)
+        _setup(self, rule, nodes, nrs, slot_pos, tuple(input_meta), saved, versions, graph)
+
+    @property
+    def next_nodes(self) -> tuple:
+        """The node of each input (None: no gradient flows there), in slot order."""
+        if cython.compiled:
+            return _parts_tuple(self, 0, self._n_edges)  # noqa: F821 (node.pxd)
+        return self._next_nodes
+
+    @property
+    def input_meta(self) -> tuple:
+        """Per input, the (size, dtype, device) its gradient is fitted to, or None."""
+        if cython.compiled:
+            return _parts_tuple(self, self._n_edges, self._n_edges)  # noqa: F821 (node.pxd)
+        return self._input_meta
+
+    @property
+    def saved(self):
+        """What the rule kept, one entry per rule parameter (``saved_values`` names them)."""
+        if cython.compiled:
+            return _saved_of(self)  # noqa: F821 (node.pxd)
+        return self._saved
+
+    @property
+    def versions(self):
+        """The flat ``(position, version, ...)`` of the saved tensors (None once released)."""
+        if cython.compiled:
+            return _versions_of(self)  # noqa: F821 (node.pxd)
+        return self._versions
 
     @property
     def next_functions(self) -> tuple:
@@ -88,8 +121,7 @@ class Node:
         """Replace what the node keeps (a custom Function saves after its forward ran).
         ``saved`` is read-only as an attribute: the compiled engine's traverse relies on each
         node's own saved tuple being its own."""
-        self.saved = saved
-        self.versions = versions
+        _set_saved(self, saved, versions)
 
     @property
     def saved_values(self) -> dict:
@@ -126,7 +158,11 @@ class Node:
                 f"second time or if you need to access saved tensors after calling backward. "
                 f"(node: {self.rule.name})"
             )
-        if self.versions:
+        if cython.compiled:
+            if _has_versions(self) and not _versions_hold(self):  # noqa: F821 (node.pxd)
+                check_saved_versions(self.rule.name, self.rule.params, self.saved, self.versions,
+                                     self.sequence_nr)
+        elif self.versions:
             check_saved_versions(self.rule.name, self.rule.params, self.saved, self.versions,
                                  self.sequence_nr)
         if type(self.saved) is PackedSaved:
@@ -163,17 +199,18 @@ class Node:
         A node that kept tensors can never run again, so everything goes; one that kept
         only numbers and shapes may run again (as in torch) and keeps them.
         """
-        if how == RELEASED_WITH_GRAPH or self.result is not None or self.versions or \
-                type(self.saved) is PackedSaved:
+        if how == RELEASED_WITH_GRAPH or self.result is not None or _versions_kept(self) or \
+                _saved_packed(self):
             self.released = how
-            self.saved = ()
-        elif _holds_tensors(self.saved):  # saved by other means (e.g. gg.Function)
-            self.released = how
-            self.saved = _drop_tensors(self.saved)
+            _set_saved(self, (), None)
+        else:
+            saved = self.saved
+            if _holds_tensors(saved):  # saved by other means (e.g. gg.Function)
+                self.released = how
+                _set_saved(self, _drop_tensors(saved), None)
         self.result = None
-        self.versions = None
         if how == RELEASED_WITH_GRAPH:
-            self.next_nodes = ()
+            _set_all(self, (), (), self.saved, None)
             self.next_nrs = ()
 
     # -- hooks -------------------------------------------------------------------------
@@ -205,27 +242,128 @@ class Node:
 
 
 def _needs_input_grad(node):
-    """``node.needs_input_grad`` (a C function when compiled: apply calls it per node)."""
-    needs = [False] * len(node.rule.params)
-    nexts = node.next_nodes
+    """``node.needs_input_grad`` (a C function when compiled: apply calls it per node), one
+    shared tuple per pattern: no list and tuple made for each node that backward runs."""
+    n = len(node.rule.params)
+    m = edge_count(node)
     slot_pos = node.slot_pos
-    for j in range(len(nexts)):
-        if nexts[j] is not None:
+    if n > 48:
+        needs = [False] * n
+        for j in range(m):
+            if edge_at(node, j) is not None:
+                pos = slot_pos[j]
+                needs[pos[0] if type(pos) is tuple else pos] = True
+        return tuple(needs)
+    mask = 0
+    one = 1
+    for j in range(m):
+        if edge_at(node, j) is not None:
             pos = slot_pos[j]
-            needs[pos[0] if type(pos) is tuple else pos] = True
-    return tuple(needs)
+            p = pos[0] if type(pos) is tuple else pos
+            mask |= one << p
+    key = (mask << 6) | n
+    try:
+        return _NEEDS[key]
+    except KeyError:
+        shared = tuple([bool(mask >> i & 1) for i in range(n)])
+        if len(_NEEDS) < 4096:
+            _NEEDS[key] = shared
+        return shared
+
+
+_NEEDS: dict = {}  # _needs_input_grad's tuples, by pattern
 
 
 def new_node(rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, graph):
     """``Node(...)`` without the generic constructor call: dispatch's hot path (one per op).
-    Takes the edges split, as the node keeps them (``split_edges``). The node takes over
-    ``next_nodes`` and ``saved``: they must be tuples made for it (the compiled engine's
-    collector sees them as parts of this node only, see node.pxd)."""
+    Takes the edges split, as the node keeps them (``split_edges``)."""
     node = Node.__new__(Node)
     _setup(node, rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, graph)
-    if cython.compiled:
-        _own_tuples(node)  # noqa: F821 (node.pxd): edges and saved values as parts of the node
     return node
+
+
+def edge_count(node):
+    """``len(node.next_nodes)`` without making the tuple (the executor's loops)."""
+    if cython.compiled:
+        return node._n_edges
+    return len(node._next_nodes)
+
+
+def edge_at(node, j):
+    """``node.next_nodes[j]`` without making the tuple."""
+    if cython.compiled:
+        return cython.cast(object, node._parts[j])
+    return node._next_nodes[j]
+
+
+def meta_at(node, j):
+    """``node.input_meta[j]`` without making the tuple."""
+    if cython.compiled:
+        return cython.cast(object, node._parts[node._n_edges + j])
+    return node._input_meta[j]
+
+
+# The engine's scratch containers (backward's post-order, path, ready heap, dependency counts
+# and gradient buffers; recording's per-slot lists for a call of many arguments), emptied and
+# kept for the next use. CPython keeps freed lists and dicts on free lists, but every full
+# collection empties those, and the first step after it would allocate each afresh:
+# allocations the cyclic GC counts towards its next collection. These stay allocated instead.
+# Each user takes its own (nested and concurrent users each get theirs); one that raises
+# gives nothing back.
+_SPARE_LISTS: list = []
+_SPARE_DICTS: list = []
+
+
+def spare_list():
+    """An empty list to use and ``give_back``."""
+    if _SPARE_LISTS:
+        return _SPARE_LISTS.pop()
+    return []
+
+
+def spare_dict():
+    """An empty dict to use and ``give_back``."""
+    if _SPARE_DICTS:
+        return _SPARE_DICTS.pop()
+    return {}
+
+
+def give_back(container):
+    """Empty ``container`` (from ``spare_list``/``spare_dict``) and keep it for the next user."""
+    container.clear()
+    spares = _SPARE_LISTS if type(container) is list else _SPARE_DICTS
+    if len(spares) < 16:
+        spares.append(container)
+
+
+def _set_all(node, next_nodes, input_meta, saved, versions):
+    """Set the four parts (C fields when compiled)."""
+    if cython.compiled:
+        _set_parts(node, next_nodes, input_meta, saved, versions)  # noqa: F821 (node.pxd)
+    else:
+        node._next_nodes = next_nodes
+        node._input_meta = input_meta
+        node._saved = saved
+        node._versions = versions
+
+
+def _set_saved(node, saved, versions):
+    if cython.compiled and type(saved) is tuple and not len(saved) and versions is None:
+        _drop_saved(node)  # noqa: F821 (node.pxd): in place, the common release
+    else:
+        _set_all(node, node.next_nodes, node.input_meta, saved, versions)
+
+
+def _versions_kept(node):
+    if cython.compiled:
+        return _has_versions(node)  # noqa: F821 (node.pxd)
+    return bool(node._versions)
+
+
+def _saved_packed(node):
+    if cython.compiled:
+        return node._n_saved < 0 and type(node._saved_obj) is PackedSaved
+    return type(node._saved) is PackedSaved
 
 
 def split_edges(next_functions):
@@ -266,12 +404,9 @@ def interned(key):
 def _setup(node, rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, graph):
     """Every field of a new Node (shared by ``Node.__init__`` and ``new_node``)."""
     node.rule = rule
-    node.next_nodes = next_nodes
+    _set_all(node, next_nodes, input_meta, saved, versions)
     node.next_nrs = next_nrs
     node.slot_pos = slot_pos
-    node.input_meta = input_meta
-    node.saved = saved
-    node.versions = versions
     node.result = None
     node.num_outputs = 1
     node.released = NOT_RELEASED
@@ -426,4 +561,4 @@ class RemovableHandle:
 
 
 if cython.compiled:
-    _install_traverse()  # noqa: F821 (node.pxd): Node's traverse visits its untracked tuples
+    _install_traverse()  # noqa: F821 (node.pxd): Node's traverse and clear see its C parts

@@ -2,7 +2,8 @@
 # cpdef (C calls from dispatch, which cimports them), the constants C globals.
 
 from graphgrad._torch_types cimport TensorBase
-from graphgrad.node cimport AccumulateGrad, Node, interned, new_node, output_numbers
+from graphgrad.node cimport (AccumulateGrad, Node, give_back, interned, new_node, output_numbers,
+                             spare_list)
 from graphgrad.references cimport nones, save_arguments, saved_output
 from graphgrad.rules cimport Rule
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
@@ -50,6 +51,8 @@ cdef tuple _input_meta(object t, object node)
 cdef object _slot_node(object t, object graph)
 cdef object _nr_of(object t, Node node)
 cdef bint _add_slot(object t, object graph, list nexts, list nrs, list metas) except -1
+cdef object _give_back_all(list nexts, list nrs, list slot_pos, list metas)
+cdef list _ZEROS
 @cython.locals(cache=dict)
 cpdef object keep_for(Rule rule, tuple nexts, tuple slot_pos)
 cpdef object needs_of(Rule rule, tuple values, tuple nexts, tuple slot_pos)

@@ -52,7 +52,7 @@ from .fastcalls import tensor_shape as _shape
 from .fastcalls import tensor_version as _version
 from .fastcalls import torch_requires_grad as _torch_requires_grad
 from .graph import current_graph
-from .node import AccumulateGrad, interned, new_node, output_numbers
+from .node import AccumulateGrad, give_back, interned, new_node, output_numbers, spare_list
 from .references import nones, save_arguments, saved_output
 from .rules import qualified_name, writes_first_argument
 from .view_rules import AS_STRIDED_RULE, COPY_SLICES_RULE, ViewGeometry
@@ -228,6 +228,7 @@ def bind(func, rule, args, kwargs):
 
 
 _RANGES = [tuple(range(n)) for n in range(9)]  # slot positions 0..n-1 (no list argument)
+_ZEROS = [output_numbers((0,) * n) for n in range(4)]  # (the node module's shared tuples)
 
 
 def slots(rule, values, graph, ref):
@@ -247,10 +248,10 @@ def slots(rule, values, graph, ref):
     edges = _few_slots(rule, values, graph, ref)
     if edges is not _MORE:
         return edges
-    nexts = []
-    nrs = []
-    slot_pos = []
-    metas = []  # first the tensors themselves, then their metadata
+    nexts = spare_list()
+    nrs = spare_list()
+    slot_pos = spare_list()
+    metas = spare_list()  # first the tensors themselves, then their metadata
     n_required = rule.n_required
     any_grad = False
     cls = _TENSOR_CLS
@@ -287,6 +288,7 @@ def slots(rule, values, graph, ref):
             metas.append(None)
             slot_pos.append(i)
     if not any_grad:
+        _give_back_all(nexts, nrs, slot_pos, metas)
         return None
     kept = False
     shaped = rule.shaped if ref is not None else None
@@ -308,7 +310,16 @@ def slots(rule, values, graph, ref):
                 metas[j] = out
     m = len(slot_pos)  # shared tuples: the common positions without a hash lookup
     positions = _RANGES[m] if simple and m < 9 else interned(tuple(slot_pos))
-    return (tuple(nexts), output_numbers(nrs), positions, tuple(metas) if kept else nones(m))
+    edges = (tuple(nexts), output_numbers(nrs), positions, tuple(metas) if kept else nones(m))
+    _give_back_all(nexts, nrs, slot_pos, metas)
+    return edges
+
+
+def _give_back_all(nexts, nrs, slot_pos, metas):
+    give_back(nexts)
+    give_back(nrs)
+    give_back(slot_pos)
+    give_back(metas)
 
 
 _MORE = object()  # _few_slots' answer for a call it leaves to the general loop
@@ -377,14 +388,15 @@ def _few_slots(rule, values, graph, ref):
             m2 = _meta(ref[0])
     nr0 = 0 if n0 is None else _nr_of(t0, n0)
     if m == 1:
-        return ((n0,), output_numbers((nr0,)), _RANGES[1], (m0,) if kept else nones(1))
+        return ((n0,), _ZEROS[1] if nr0 == 0 else output_numbers((nr0,)), _RANGES[1],
+                (m0,) if kept else nones(1))
     nr1 = 0 if n1 is None else _nr_of(t1, n1)
     if m == 2:
-        return ((n0, n1), output_numbers((nr0, nr1)), _RANGES[2],
-                (m0, m1) if kept else nones(2))
+        return ((n0, n1), _ZEROS[2] if nr0 == 0 and nr1 == 0 else output_numbers((nr0, nr1)),
+                _RANGES[2], (m0, m1) if kept else nones(2))
     nr2 = 0 if n2 is None else _nr_of(t2, n2)
-    return ((n0, n1, n2), output_numbers((nr0, nr1, nr2)), _RANGES[3],
-            (m0, m1, m2) if kept else nones(3))
+    return ((n0, n1, n2), _ZEROS[3] if nr0 == 0 and nr1 == 0 and nr2 == 0 else
+            output_numbers((nr0, nr1, nr2)), _RANGES[3], (m0, m1, m2) if kept else nones(3))
 
 
 def _fits_as_is(t, ref, uniform, shaped, pos):
