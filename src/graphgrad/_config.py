@@ -12,8 +12,8 @@ import os
 __all__ = ["ENGINE_MODULES", "env_flag"]
 
 #: the hot path: compiled together, in import order (lowest first)
-ENGINE_MODULES = ("fastcalls", "rules", "wrap", "references", "node", "graph", "views", "dispatch",
-                  "fastpaths", "executor")
+ENGINE_MODULES = ("scratch", "fastcalls", "rules", "wrap", "references", "node", "graph", "views",
+                  "dispatch", "fastpaths", "executor")
 
 _FALSE = ("", "0", "false", "no", "off")
 

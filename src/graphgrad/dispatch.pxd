@@ -7,6 +7,7 @@ from graphgrad.graph cimport AutogradGraph, current_graph
 from graphgrad.node cimport Node, new_node
 from graphgrad.rules cimport Rule
 from graphgrad.references cimport save_arguments, saved_output
+from graphgrad.scratch cimport give_back, spare_list
 from graphgrad.views cimport (bind, function_view_changed, is_inplace, keep_for, kernel,
                               kernel_for, needs_of,
                               no_grad_op, no_grad_view_op, node_of, note_view_outputs,

@@ -40,6 +40,7 @@ from .graph import current_graph
 from .node import new_node
 from .references import save_arguments, saved_output
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
+from .scratch import give_back, spare_list
 from .views import (
     bind,
     function_view_changed,
@@ -376,7 +377,8 @@ def _attach(out, node, rule, parts):
 
 def _attach_tuple(out, node, rule, parts):
     """``_attach`` for an op that returned a tuple (max's values and indices, native_layer_norm)."""
-    items = list(out)
+    items = spare_list()
+    items.extend(out)
     # trailing integer outputs (max's indices) are not outputs of the node, as in torch,
     # nor are those a rule declares non-differentiable (native_layer_norm's statistics)
     n = len(items)
@@ -399,7 +401,9 @@ def _attach_tuple(out, node, rule, parts):
             else:  # (a graphgrad Tensor that requires no grad: the class switch alone)
                 _adopt(o, _TENSOR_CLS, None)
                 items[i] = o
-    return tuple(items) if type(out) is tuple else type(out)(items)
+    attached = tuple(items) if type(out) is tuple else type(out)(items)
+    give_back(items)
+    return attached
 
 
 def _not_a_view(t):

@@ -3,8 +3,8 @@
 
 from graphgrad._torch_types cimport TensorBase
 cimport cython
-from graphgrad.node cimport (AccumulateGrad, Node, edge_at, edge_count, give_back, meta_at,
-                             spare_dict, spare_list)
+from graphgrad.node cimport AccumulateGrad, Node, edge_at, edge_count, meta_at
+from graphgrad.scratch cimport give_back, spare_dict, spare_list
 from graphgrad.fastcalls cimport accumulate_in_place as _accumulate_in_place
 
 cdef object _Disable, _set_grad_enabled, _PlainTensor, _heappush, _heappop

@@ -29,7 +29,8 @@ from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when
 from . import _compat
 from .codes import GG_LEAF, RELEASED_AFTER_BACKWARD, RELEASED_WITH_GRAPH, TORCH_BRIDGE, TORCH_LEAF
 from .fastcalls import accumulate_in_place as _accumulate_in_place
-from .node import AccumulateGrad, Node, edge_at, edge_count, give_back, meta_at, spare_dict, spare_list
+from .node import AccumulateGrad, Node, edge_at, edge_count, meta_at
+from .scratch import give_back, spare_dict, spare_list
 from .view_rules import COPY_SLICES_RULE
 from .views import current_node
 
@@ -552,7 +553,7 @@ def _pick(outs, pos):
 def _add_to_buffer(buffers, node, nr, g):
     """Sum ``g`` into the gradient of ``node``'s output ``nr``. A one-output node's gradient
     waits as the tensor itself; a list only when a second one arrives or the node has more
-    outputs (no list per node for the cyclic GC to count: see ``node.spare_list``)."""
+    outputs (no list per node for the cyclic GC to count: see ``scratch.py``)."""
     buf = buffers.get(node)
     if buf is None:
         if node.num_outputs == 1:

@@ -75,10 +75,6 @@ cdef bint _holds_tensors(object saved) except -1
                p=Py_ssize_t)
 cdef tuple _needs_input_grad(Node node)
 cdef dict _NEEDS
-cdef list _SPARE_LISTS, _SPARE_DICTS
-cpdef list spare_list()
-cpdef dict spare_dict()
-cpdef object give_back(object container)
 cdef object _set_all(Node node, tuple next_nodes, tuple input_meta, object saved, object versions)
 cdef object _set_saved(Node node, object saved, object versions)
 cdef bint _versions_kept(Node node) except -1

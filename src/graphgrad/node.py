@@ -42,7 +42,7 @@ from .references import (
 
 __all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "split_edges",
            "output_numbers", "interned", "current_sequence_nr", "edge_count", "edge_at",
-           "meta_at", "spare_list", "spare_dict", "give_back"]
+           "meta_at"]
 
 _sequence_nr = 0  # Nodes are numbered in recording order
 _PlainTensor = torch.Tensor
@@ -301,39 +301,6 @@ def meta_at(node, j):
     if cython.compiled:
         return cython.cast(object, node._parts[node._n_edges + j])
     return node._input_meta[j]
-
-
-# The engine's scratch containers (backward's post-order, path, ready heap, dependency counts
-# and gradient buffers; recording's per-slot lists for a call of many arguments), emptied and
-# kept for the next use. CPython keeps freed lists and dicts on free lists, but every full
-# collection empties those, and the first step after it would allocate each afresh:
-# allocations the cyclic GC counts towards its next collection. These stay allocated instead.
-# Each user takes its own (nested and concurrent users each get theirs); one that raises
-# gives nothing back.
-_SPARE_LISTS: list = []
-_SPARE_DICTS: list = []
-
-
-def spare_list():
-    """An empty list to use and ``give_back``."""
-    if _SPARE_LISTS:
-        return _SPARE_LISTS.pop()
-    return []
-
-
-def spare_dict():
-    """An empty dict to use and ``give_back``."""
-    if _SPARE_DICTS:
-        return _SPARE_DICTS.pop()
-    return {}
-
-
-def give_back(container):
-    """Empty ``container`` (from ``spare_list``/``spare_dict``) and keep it for the next user."""
-    container.clear()
-    spares = _SPARE_LISTS if type(container) is list else _SPARE_DICTS
-    if len(spares) < 16:
-        spares.append(container)
 
 
 def _set_all(node, next_nodes, input_meta, saved, versions):

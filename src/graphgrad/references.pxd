@@ -3,6 +3,7 @@
 from graphgrad._torch_types cimport TensorBase
 from graphgrad.rules cimport Meta
 from graphgrad.wrap cimport wrap_output
+from graphgrad.scratch cimport give_back, spare_list
 
 cimport cython
 
@@ -24,6 +25,7 @@ cpdef tuple save_arguments(object keep, tuple values)
 @cython.locals(i=Py_ssize_t, c=int, kept=bint)
 cdef tuple _save_few(object keep, tuple values, Py_ssize_t n)
 cdef tuple _flat_versions(object v0, object v1, object v2)
+cdef list _nones_list(Py_ssize_t n)
 cpdef object unpack_saved(object saved, object create_graph)
 cpdef object check_saved_versions(object name, object params, object saved, object versions,
                                   object sequence_nr=*)

@@ -32,6 +32,7 @@ from .fastcalls import tensor_dtype as _dtype
 from .fastcalls import tensor_shape as _shape
 from .fastcalls import tensor_version as _version
 from .rules import Meta
+from .scratch import give_back, spare_list
 from .wrap import wrap_output
 
 _PlainTensor = torch.Tensor
@@ -187,7 +188,12 @@ class SavedResult:
         data = self.data
         if not self.multi:
             return data.value() if type(data) is _SavedAlias else data
-        return tuple([t.value() if type(t) is _SavedAlias else t for t in data])
+        out = spare_list()
+        for t in data:
+            out.append(t.value() if type(t) is _SavedAlias else t)
+        kept = tuple(out)
+        give_back(out)
+        return kept
 
     def check(self, name):
         if self.version is None:
@@ -276,7 +282,7 @@ def save_arguments(keep, values):
         if answer is not None:
             return answer
     saved = None
-    versions = []
+    versions = spare_list()
     hooks = None
     if _active[0]:
         stack = _hooks.stack
@@ -286,7 +292,7 @@ def save_arguments(keep, values):
         code = keep[i]
         if type(code) is tuple:  # a list argument, item by item (a rule's ``saves`` chose)
             if saved is None:
-                saved = [None] * n
+                saved = _nones_list(n)
             saved[i], item_packed = _save_items(i, code, values[i], hooks, versions)
             packed = packed or item_packed
             continue
@@ -294,7 +300,7 @@ def save_arguments(keep, values):
         if k == KEEP_NOTHING:
             continue
         if saved is None:
-            saved = [None] * n
+            saved = _nones_list(n)
         value = values[i]
         tp = type(value)
         if k == KEEP_META:
@@ -315,8 +321,19 @@ def save_arguments(keep, values):
                         versions.append((i, j))
                         versions.append(_version(item))
     if saved is None:
+        give_back(versions)
         return nones(n), ()
-    return (PackedSaved(saved) if packed else tuple(saved)), tuple(versions)
+    answer = (PackedSaved(saved) if packed else tuple(saved)), tuple(versions)
+    give_back(saved)
+    give_back(versions)
+    return answer
+
+
+def _nones_list(n):
+    """A scratch list of ``n`` Nones."""
+    out = spare_list()
+    out.extend(nones(n))
+    return out
 
 
 def _save_few(keep, values, n):

@@ -2,8 +2,8 @@
 # cpdef (C calls from dispatch, which cimports them), the constants C globals.
 
 from graphgrad._torch_types cimport TensorBase
-from graphgrad.node cimport (AccumulateGrad, Node, give_back, interned, new_node, output_numbers,
-                             spare_list)
+from graphgrad.node cimport AccumulateGrad, Node, interned, new_node, output_numbers
+from graphgrad.scratch cimport give_back, spare_list
 from graphgrad.references cimport nones, save_arguments, saved_output
 from graphgrad.rules cimport Rule
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain

@@ -52,9 +52,10 @@ from .fastcalls import tensor_shape as _shape
 from .fastcalls import tensor_version as _version
 from .fastcalls import torch_requires_grad as _torch_requires_grad
 from .graph import current_graph
-from .node import AccumulateGrad, give_back, interned, new_node, output_numbers, spare_list
+from .node import AccumulateGrad, interned, new_node, output_numbers
 from .references import nones, save_arguments, saved_output
 from .rules import qualified_name, writes_first_argument
+from .scratch import give_back, spare_list
 from .view_rules import AS_STRIDED_RULE, COPY_SLICES_RULE, ViewGeometry
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 
