@@ -34,7 +34,7 @@ cdef class Node:
     cdef Py_ssize_t _pending_at  # its index there
     cdef object __weakref__
     cpdef check_saved(self)
-    @cython.locals(rule=Rule)
+    @cython.locals(rule=Rule, has_result=bint)
     cpdef apply(self, grads, create_graph)
     cpdef release(self, how=*)
 
@@ -70,6 +70,9 @@ cdef Py_ssize_t _next_sequence_nr()
 cdef object _setup(Node node, object rule, tuple next_nodes, tuple next_nrs, tuple slot_pos,
                    tuple input_meta, object saved, object versions, object graph)
 cdef bint _holds_tensors(object saved) except -1
+cdef bint _holds_tensor(object v) except -1
+@cython.locals(i=Py_ssize_t, start=Py_ssize_t)
+cdef bint _saved_holds_tensors(Node node) except -1
 @cython.locals(j=Py_ssize_t, n=Py_ssize_t, m=Py_ssize_t, slot_pos=tuple, needs=list,
                mask=cython.ulonglong, key=cython.ulonglong, one=cython.ulonglong,
                p=Py_ssize_t)
@@ -277,6 +280,40 @@ cdef inline void _drop_saved(Node node) noexcept:
         node._parts[start + i] = NULL
     node._saved_obj = None
     node._versions_obj = None
+
+
+cdef extern from "Python.h":
+    object PyObject_Vectorcall(object callable, PyObject** args, size_t nargsf, PyObject* kwnames)
+
+cdef tuple _KW_RESULT, _KW_NEEDS, _KW_BOTH
+
+
+cdef inline object _call_rule(Node node, object fn, object grad, bint has_result, object result,
+                              bint has_needs, object needs):
+    """``fn(grad, *saved, result=..., needs_input_grad=...)`` straight from the block: no saved
+    tuple, argument tuple or keyword dict made (a node with 0 to 9 saved values)."""
+    cdef PyObject* buf[12]
+    cdef Py_ssize_t i, n = node._n_saved, start = 2 * node._n_edges, nargs = 1 + n
+    cdef object kwnames = None
+    buf[0] = <PyObject*>grad
+    for i in range(n):
+        buf[1 + i] = node._parts[start + i]
+        Py_INCREF(<object>buf[1 + i])  # (held for the call: the node's may change under it)
+    if has_result:
+        buf[nargs] = <PyObject*>result
+        kwnames = _KW_BOTH if has_needs else _KW_RESULT
+        if has_needs:
+            buf[nargs + 1] = <PyObject*>needs
+    elif has_needs:
+        buf[nargs] = <PyObject*>needs
+        kwnames = _KW_NEEDS
+    try:
+        if kwnames is None:
+            return PyObject_Vectorcall(fn, buf, nargs, NULL)
+        return PyObject_Vectorcall(fn, buf, nargs, <PyObject*>kwnames)
+    finally:
+        for i in range(n):
+            Py_XDECREF(buf[1 + i])
 
 
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM

@@ -47,6 +47,9 @@ __all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "split_edges
 _sequence_nr = 0  # Nodes are numbered in recording order
 _PlainTensor = torch.Tensor
 _NO_EXTRA: dict = {}  # never mutated: the keyword arguments of rules that take none
+_KW_RESULT = ("result",)  # (compiled) the keyword names apply passes, for a vectorcall
+_KW_NEEDS = ("needs_input_grad",)
+_KW_BOTH = ("result", "needs_input_grad")
 
 
 # (compiled) a node comes from a free list of Cython's: reused, not allocated, so an op's node
@@ -174,6 +177,15 @@ class Node:
         """Run the rule on the gradients of this node's outputs; return one per rule param."""
         rule = self.rule
         grad = grads if rule.multi_output else grads[0]
+        if cython.compiled and rule.defaults is not None and 0 <= self._n_saved <= 9:
+            has_result = self.result is not None
+            out = _call_rule(  # noqa: F821 (node.pxd)
+                self, rule.fn, grad, has_result,
+                unpack_result(self, create_graph) if has_result else None,
+                rule.wants_needs, _needs_input_grad(self) if rule.wants_needs else None)
+            if out is None or isinstance(out, TensorBase):
+                return (out,)
+            return out
         if self.result is None and not rule.wants_needs:
             extra = _NO_EXTRA
         else:
@@ -203,11 +215,9 @@ class Node:
                 _saved_packed(self):
             self.released = how
             _set_saved(self, (), None)
-        else:
-            saved = self.saved
-            if _holds_tensors(saved):  # saved by other means (e.g. gg.Function)
-                self.released = how
-                _set_saved(self, _drop_tensors(saved), None)
+        elif _saved_holds_tensors(self):  # saved by other means (e.g. gg.Function)
+            self.released = how
+            _set_saved(self, _drop_tensors(self.saved), None)
         self.result = None
         if how == RELEASED_WITH_GRAPH:
             _set_all(self, (), (), self.saved, None)
@@ -414,15 +424,29 @@ def _holds_tensors(saved):
     if not saved:
         return False
     for v in saved:
-        if v is None:
-            continue
-        tp = type(v)
-        if tp is list or tp is tuple:
-            if _holds_tensors(v):
-                return True
-        elif isinstance(v, TensorBase) or tp is PackedTensor or tp is SavedResult:
+        if _holds_tensor(v):
             return True
     return False
+
+
+def _holds_tensor(v):
+    if v is None:
+        return False
+    tp = type(v)
+    if tp is list or tp is tuple:
+        return _holds_tensors(v)
+    return isinstance(v, TensorBase) or tp is PackedTensor or tp is SavedResult
+
+
+def _saved_holds_tensors(node):
+    """``_holds_tensors(node.saved)`` without making the tuple."""
+    if cython.compiled and node._n_saved >= 0:
+        start = 2 * node._n_edges
+        for i in range(node._n_saved):
+            if _holds_tensor(cython.cast(object, node._parts[start + i])):
+                return True
+        return False
+    return _holds_tensors(node.saved)
 
 
 def _drop_tensors(saved):
