@@ -122,8 +122,8 @@ class Node:
     # -- saved values ------------------------------------------------------------------
     def set_saved(self, saved, versions) -> None:
         """Replace what the node keeps (a custom Function saves after its forward ran).
-        ``saved`` is read-only as an attribute: the compiled engine's traverse relies on each
-        node's own saved tuple being its own."""
+        ``saved`` and ``versions`` are read-only properties: this copies the values into the
+        node (C fields when compiled)."""
         _set_saved(self, saved, versions)
 
     @property
