@@ -36,6 +36,7 @@ cdef class Node:
     cpdef check_saved(self)
     @cython.locals(rule=Rule, has_result=bint)
     cpdef apply(self, grads, create_graph)
+    cdef _apply_general(self, Rule rule, object grad, object create_graph)
     cpdef release(self, how=*)
 
 
@@ -109,6 +110,11 @@ from cpython.object cimport inquiry
 from cpython.mem cimport PyMem_Malloc
 
 
+cdef inline Py_ssize_t _n_objects(Node node) noexcept:
+    """The references at the start of the block: edges, metas, saved values."""
+    return 2 * node._n_edges + (node._n_saved if node._n_saved > 0 else 0)
+
+
 cdef inline int _traverse_node(PyObject* o, visitproc visit, void* arg) except -1:
     # (no Python object is made here: the collector is running)
     cdef Node node = <Node><object>o
@@ -116,7 +122,7 @@ cdef inline int _traverse_node(PyObject* o, visitproc visit, void* arg) except -
     cdef PyObject* p
     cdef int e
     if node._parts is not NULL:
-        n = 2 * node._n_edges + (node._n_saved if node._n_saved > 0 else 0)
+        n = _n_objects(node)
         for i in range(n):
             if i >= node._n_edges and i < 2 * node._n_edges:
                 continue  # (metas)
@@ -159,7 +165,7 @@ cdef inline void _drop_parts(Node node) noexcept:
     cdef Py_ssize_t i, n
     if parts is NULL:
         return
-    n = 2 * node._n_edges + (node._n_saved if node._n_saved > 0 else 0)
+    n = _n_objects(node)
     node._parts = NULL
     node._n_edges = 0
     node._n_saved = 0
@@ -238,8 +244,7 @@ cdef inline object _versions_of(Node node):
     cdef Py_ssize_t* vers
     if node._n_vers < 0:
         return node._versions_obj
-    vers = <Py_ssize_t*>(node._parts + 2 * node._n_edges + (node._n_saved if node._n_saved > 0 else 0)) \
-        if node._parts is not NULL else NULL
+    vers = <Py_ssize_t*>(node._parts + _n_objects(node)) if node._parts is not NULL else NULL
     return tuple([vers[i] for i in range(node._n_vers)])
 
 

@@ -183,9 +183,15 @@ class Node:
                 self, rule.fn, grad, has_result,
                 unpack_result(self, create_graph) if has_result else None,
                 rule.wants_needs, _needs_input_grad(self) if rule.wants_needs else None)
-            if out is None or isinstance(out, TensorBase):
-                return (out,)
-            return out
+        else:
+            out = self._apply_general(rule, grad, create_graph)
+        if out is None or isinstance(out, TensorBase):
+            return (out,)
+        return out
+
+    def _apply_general(self, rule, grad, create_graph):
+        """``apply``'s call of the rule through a saved tuple and a keyword dict (the pure
+        engine; keyword-only parameters, packed or many saved values)."""
         if self.result is None and not rule.wants_needs:
             extra = _NO_EXTRA
         else:
@@ -196,14 +202,10 @@ class Node:
                 extra["needs_input_grad"] = _needs_input_grad(self)
         saved = unpack_saved(self.saved, create_graph)
         if rule.defaults is None:  # keyword-only or variadic parameters: the compiled invoker
-            out = rule.invoke(rule.fn, grad, saved, extra)
-        elif extra is _NO_EXTRA:  # every parameter positional, in saved's order
-            out = rule.fn(grad, *saved)
-        else:
-            out = rule.fn(grad, *saved, **extra)
-        if out is None or isinstance(out, TensorBase):
-            return (out,)
-        return out
+            return rule.invoke(rule.fn, grad, saved, extra)
+        if extra is _NO_EXTRA:  # every parameter positional, in saved's order
+            return rule.fn(grad, *saved)
+        return rule.fn(grad, *saved, **extra)
 
     def release(self, how=RELEASED_AFTER_BACKWARD):
         """Drop what this node saved (after backward, or when its graph is released).
