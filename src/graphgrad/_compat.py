@@ -237,6 +237,14 @@ def register_tensor_class(cls) -> None:
         native_meta.register_class(cls)
 
 
+def install_node_field(cls, node_type) -> None:
+    """With the C++ module, ``cls`` (graphgrad.Tensor) keeps ``_gg_node`` in a C field of the
+    tensor rather than in an instance ``__dict__`` (one dict fewer per recorded output;
+    tensor_meta.cpp says how torch's ``_backward_hooks``, whose field it is, stay right)."""
+    if native_meta is not None:
+        native_meta.install_node_field(cls, node_type)
+
+
 # -- namespaces rules register under: torch's C functions reach __torch_function__ as these --
 #: (checked on torch 2.13)
 VariableFunctions = torch._C._VariableFunctions

@@ -3,6 +3,8 @@
 Values live in the torch tensor itself (PyTorch kernels compute them); the only graph state a
 tensor carries is one attribute, ``_gg_node``: its grad_fn, or for a leaf that requires grad
 its AccumulateGrad, or None. ``requires_grad``, ``is_leaf`` and ``grad_fn`` are read from it.
+With the C++ module it is a C field of the tensor (tensor_meta.cpp), not an instance ``__dict__``
+entry: a recorded output has no ``__dict__``.
 The torch-level ``requires_grad`` stays False: torch's own autograd never records these tensors.
 """
 
@@ -245,6 +247,7 @@ def _rebuild_as(cls: type, data: torch.Tensor, requires_grad: bool) -> Tensor:
 
 set_tensor_class(Tensor)
 _compat.register_tensor_class(Tensor)  # the C++ metadata reader reads it directly
+_compat.install_node_field(Tensor, Node)  # with the C++ module, _gg_node is a C field
 if hasattr(torch.serialization, "add_safe_globals"):  # graphgrad leaves load with weights_only=True
     torch.serialization.add_safe_globals([_rebuild_as, Tensor])
 

@@ -439,6 +439,142 @@ bool same_layout(PyTypeObject* base, PyTypeObject* sub) {
          (sub->tp_flags & Py_TPFLAGS_MANAGED_DICT) == (base->tp_flags & Py_TPFLAGS_MANAGED_DICT);
 }
 
+// -- a graphgrad tensor's node, in a C field -----------------------------------------------------
+// graphgrad.Tensor keeps its node (grad_fn, or a leaf's AccumulateGrad) in the C field torch's
+// THPVariable has for `_backward_hooks`, not in an instance __dict__: no dict per recorded output
+// (one GC-tracked object fewer per op, nothing for the collector to count or traverse). torch only
+// writes that field through the `_backward_hooks` setter, which graphgrad.Tensor shadows
+// (hooks_get/hooks_set below), so the field holds a node or, for a tensor that had torch's hooks
+// while it was a plain tensor, torch's hooks dict: reading `_gg_node` answers only a node (a
+// Node instance), and a node stored over torch's hooks moves them to the instance dict, where the
+// shadowing `_backward_hooks` finds them. torch's dealloc, clear and traverse handle the field
+// (a node is released with its tensor and visited by the collector). Installed by install_node_field.
+PyTypeObject* g_node_type = nullptr;  // graphgrad's Node
+PyObject* g_torch_hooks_name = nullptr;  // "_gg_torch_hooks", interned: torch's hooks moved aside
+PyObject* g_hooks_descr = nullptr;       // torch._C.TensorBase._backward_hooks (torch's own)
+
+inline PyObject*& hook_field(PyObject* t) {
+  return reinterpret_cast<THPVariable*>(t)->backward_hooks;
+}
+
+inline bool is_node(PyObject* v) {
+  return Py_TYPE(v) == g_node_type || PyType_IsSubtype(Py_TYPE(v), g_node_type);
+}
+
+// The node goes in the field; torch's hooks found there move to the instance dict first.
+int store_node(PyObject* t, PyObject* node) {
+  PyObject*& field = hook_field(t);
+  PyObject* old = field;
+  if (node == Py_None || node == nullptr) {
+    if (old && is_node(old)) {
+      field = nullptr;
+      Py_DECREF(old);
+    }
+    return 0;
+  }
+  if (old && !is_node(old)) {
+    if (PyObject_GenericSetAttr(t, g_torch_hooks_name, old) < 0) return -1;
+  }
+  Py_INCREF(node);
+  field = node;
+  Py_XDECREF(old);
+  return 0;
+}
+
+PyObject* node_get(PyObject* t, void*) {
+  PyObject* v = hook_field(t);
+  if (!v || !is_node(v)) v = Py_None;
+  Py_INCREF(v);
+  return v;
+}
+
+int node_set(PyObject* t, PyObject* value, void*) {
+  if (value && value != Py_None && !is_node(value)) {
+    PyErr_Format(PyExc_TypeError, "_gg_node takes a graphgrad Node or None, not %.200s",
+                 Py_TYPE(value)->tp_name);
+    return -1;
+  }
+  return store_node(t, value);
+}
+
+// `_backward_hooks` on graphgrad.Tensor: torch's own while the field holds no node, else the
+// hooks moved to the instance dict
+PyObject* hooks_get(PyObject* t, void*) {
+  PyObject* v = hook_field(t);
+  if (v && is_node(v)) {
+    PyObject* dict = PyObject_GenericGetDict(t, nullptr);
+    if (!dict) return nullptr;
+    PyObject* moved = PyDict_GetItemWithError(dict, g_torch_hooks_name);
+    Py_DECREF(dict);
+    if (!moved && PyErr_Occurred()) return nullptr;
+    v = moved ? moved : Py_None;
+  } else if (!v) {
+    v = Py_None;
+  }
+  Py_INCREF(v);
+  return v;
+}
+
+int hooks_set(PyObject* t, PyObject* value, void*) {
+  PyObject* v = hook_field(t);
+  if (v && is_node(v)) {  // the node keeps the field: torch's hooks wait in the dict
+    if (!value || value == Py_None) {
+      if (PyObject_GenericSetAttr(t, g_torch_hooks_name, nullptr) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+      }
+      return 0;
+    }
+    return PyObject_GenericSetAttr(t, g_torch_hooks_name, value);
+  }
+  return Py_TYPE(g_hooks_descr)->tp_descr_set(g_hooks_descr, t, value ? value : Py_None);
+}
+
+PyGetSetDef g_node_getset = {"_gg_node", node_get, node_set,
+                             "The tensor's node (grad_fn or AccumulateGrad), in a C field.", nullptr};
+PyGetSetDef g_hooks_getset = {"_backward_hooks", hooks_get, hooks_set,
+                              "torch's tensor hooks (kept aside while the field holds a node).",
+                              nullptr};
+
+// install_node_field(cls, node_type): cls._gg_node and cls._backward_hooks as the descriptors above
+PyObject* install_node_field(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyType_Check(args[0]) || !PyType_Check(args[1]) ||
+      !PyObject_IsSubclass(args[0], THPVariableClass)) {
+    PyErr_SetString(PyExc_TypeError, "install_node_field(cls: a torch.Tensor subclass, node_type)");
+    return nullptr;
+  }
+  if (!g_hooks_descr) {
+    PyObject* C = PyImport_ImportModule("torch._C");
+    if (!C) return nullptr;
+    PyObject* base = PyObject_GetAttrString(C, "TensorBase");
+    Py_DECREF(C);
+    if (!base) return nullptr;
+    PyObject* descr = PyObject_GetAttrString(base, "_backward_hooks");
+    Py_DECREF(base);
+    if (!descr) return nullptr;
+    if (!Py_TYPE(descr)->tp_descr_set) {
+      Py_DECREF(descr);
+      PyErr_SetString(PyExc_RuntimeError, "torch's _backward_hooks is not a settable descriptor");
+      return nullptr;
+    }
+    g_hooks_descr = descr;
+  }
+  Py_INCREF(args[1]);
+  Py_XSETREF(g_node_type, reinterpret_cast<PyTypeObject*>(args[1]));
+  PyTypeObject* base_tp = reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  PyObject* node_descr = PyDescr_NewGetSet(base_tp, &g_node_getset);
+  if (!node_descr) return nullptr;
+  int err = PyObject_SetAttr(args[0], g_node_name, node_descr);
+  Py_DECREF(node_descr);
+  if (err < 0) return nullptr;
+  PyObject* hooks_descr = PyDescr_NewGetSet(base_tp, &g_hooks_getset);
+  if (!hooks_descr) return nullptr;
+  err = PyObject_SetAttrString(args[0], "_backward_hooks", hooks_descr);
+  Py_DECREF(hooks_descr);
+  if (err < 0) return nullptr;
+  Py_RETURN_NONE;
+}
+
 PyObject* adopt_slow(PyObject* t, PyObject* cls, PyObject* node) {
   if (PyObject_SetAttrString(t, "__class__", cls) < 0) return nullptr;
   if (node != Py_None && PyObject_SetAttr(t, g_node_name, node) < 0) return nullptr;
@@ -463,18 +599,17 @@ PyObject* adopt(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   // into a dict before the class changes, as object_set_class does
   PyObject* dict = PyObject_GenericGetDict(t, nullptr);
   if (!dict) return nullptr;
+  Py_DECREF(dict);
 #endif
   Py_INCREF(cls);
   Py_SET_TYPE(t, reinterpret_cast<PyTypeObject*>(cls));
   Py_DECREF(reinterpret_cast<PyObject*>(old));
-#if PY_VERSION_HEX < 0x030C0000
   if (node == Py_None) Py_RETURN_NONE;
-  PyObject* dict = PyObject_GenericGetDict(t, nullptr);  // the new class's shared keys, as setattr
-  if (!dict) return nullptr;
-#endif
-  int err = node == Py_None ? 0 : PyDict_SetItem(dict, g_node_name, node);
-  Py_DECREF(dict);
-  if (err < 0) return nullptr;
+  if (g_node_type) {  // the node in its C field (install_node_field)
+    if (store_node(t, node) < 0) return nullptr;
+    Py_RETURN_NONE;
+  }
+  if (PyObject_SetAttr(t, g_node_name, node) < 0) return nullptr;
   Py_RETURN_NONE;
 }
 
@@ -704,6 +839,10 @@ PyMethodDef methods[] = {
      "below ADInplaceOrView too."},
     {"adopt", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(adopt)),
      METH_FASTCALL, "adopt(t, cls, node): t.__class__ = cls; t._gg_node = node (unless None)."},
+    {"install_node_field",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(install_node_field)),
+     METH_FASTCALL,
+     "install_node_field(cls, node_type): cls keeps _gg_node in a C field (see tensor_meta.cpp)."},
     {"accumulate_in_place",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(accumulate_in_place)),
      METH_FASTCALL, "buf[nr].add_(g) where torch's engine would add in place; True if done."},
@@ -772,7 +911,8 @@ PyMODINIT_FUNC PyInit__tensor_meta() {
   g_classes[g_n_classes++] = reinterpret_cast<PyTypeObject*>(THPVariableClass);
   g_node_name = PyUnicode_InternFromString("_gg_node");
   g_out_name = PyUnicode_InternFromString("out");
-  if (!g_node_name || !g_out_name) return nullptr;
+  g_torch_hooks_name = PyUnicode_InternFromString("_gg_torch_hooks");
+  if (!g_node_name || !g_out_name || !g_torch_hooks_name) return nullptr;
   SavedAliasType.tp_name = "graphgrad._tensor_meta.SavedAlias";
   SavedAliasType.tp_basicsize = sizeof(SavedAlias);
   SavedAliasType.tp_dealloc = alias_dealloc;
