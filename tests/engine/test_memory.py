@@ -448,8 +448,8 @@ def test_allocations_the_collector_counts_per_node():
 # graph's tuples come from CPython's free lists, nodes and saved results from Cython's
 # (node.py), and shaped rules keep no metadata objects (rules.derivative). Measured 20 in the
 # pure engine, 7 compiled, 4 compiled with the native module (the bias's metadata: torch.Sizes
-# have no free list; 6 while outputs kept their node in a __dict__; 19 at 5c9ec1a, before the
-# free lists and shaped rules).
+# have no free list; 23 / 9 / 6 in earlier sessions; 19 at 5c9ec1a, before the free lists and
+# shaped rules).
 EXTRA_COUNTED_PER_MLP_FORWARD = {"python": 23, "compiled": 9, "compiled+native": 5}
 
 

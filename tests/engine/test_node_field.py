@@ -84,6 +84,10 @@ def test_backward_hooks_set_on_a_graphgrad_tensor_read_back():
     assert y._backward_hooks is hooks and y._gg_node is None
     y.requires_grad_()  # the node takes the field; the hooks move aside
     assert y._gg_node is not None and y._backward_hooks is hooks
+    y.detach_()  # and come back when the node goes
+    assert y._gg_node is None and y._backward_hooks is hooks
+    y.requires_grad_()
+    assert y._gg_node is not None and y._backward_hooks is hooks
 
 
 def test_pickle_save_and_deepcopy_keep_leaves():

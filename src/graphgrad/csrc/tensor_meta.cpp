@@ -461,13 +461,30 @@ inline bool is_node(PyObject* v) {
   return Py_TYPE(v) == g_node_type || PyType_IsSubtype(Py_TYPE(v), g_node_type);
 }
 
-// The node goes in the field; torch's hooks found there move to the instance dict first.
+// torch's hooks moved aside while a node held the field, taken back out of the instance dict
+// (nullptr, no error, when there are none)
+PyObject* pop_moved_hooks(PyObject* t) {
+  PyObject* dict = PyObject_GenericGetDict(t, nullptr);
+  if (!dict) return nullptr;
+  PyObject* moved = PyDict_GetItemWithError(dict, g_torch_hooks_name);
+  if (moved) {
+    Py_INCREF(moved);
+    if (PyDict_DelItem(dict, g_torch_hooks_name) < 0) Py_CLEAR(moved);
+  }
+  Py_DECREF(dict);
+  return moved;
+}
+
+// The node goes in the field; torch's hooks found there move to the instance dict first, and
+// come back to the field when the node is taken away (detach_(), requires_grad_(False)).
 int store_node(PyObject* t, PyObject* node) {
   PyObject*& field = hook_field(t);
   PyObject* old = field;
   if (node == Py_None || node == nullptr) {
     if (old && is_node(old)) {
-      field = nullptr;
+      PyObject* moved = pop_moved_hooks(t);
+      if (!moved && PyErr_Occurred()) return -1;
+      field = moved;
       Py_DECREF(old);
     }
     return 0;
