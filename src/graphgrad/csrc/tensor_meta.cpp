@@ -422,8 +422,10 @@ PyObject* protocol_on(PyObject*, PyObject*) {
 // check (object_set_class walks both types' layouts) and a generic attribute store, about 0.6
 // thousand instructions per op. adopt() does the same two stores directly for a class whose
 // layout was checked once (register_class): the type pointer swapped as object_set_class swaps it,
-// the node stored in the instance dict PyObject_GenericGetDict returns (made if absent, as
-// setattr makes it). Any other object or class takes Python's own setattr path.
+// the node stored in its C field (store_node, below; through setattr until install_node_field
+// ran). Any other object or class takes Python's own setattr path. (From Python 3.12 the class
+// switch first makes the instance dict, as object_set_class does, so there an output still gets
+// a __dict__; 3.11, which the project pins, makes none.)
 PyTypeObject* g_adopt_class = nullptr;  // a registered class with torch.Tensor's exact layout
 PyObject* g_node_name = nullptr;        // "_gg_node", interned
 
