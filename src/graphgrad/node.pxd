@@ -110,9 +110,14 @@ from cpython.object cimport inquiry
 from cpython.mem cimport PyMem_Malloc
 
 
+cdef inline Py_ssize_t _saved_start(Node node) noexcept:
+    """Where the saved values begin in the block: after the edges and their metas."""
+    return 2 * node._n_edges
+
+
 cdef inline Py_ssize_t _n_objects(Node node) noexcept:
     """The references at the start of the block: edges, metas, saved values."""
-    return 2 * node._n_edges + (node._n_saved if node._n_saved > 0 else 0)
+    return _saved_start(node) + (node._n_saved if node._n_saved > 0 else 0)
 
 
 cdef inline int _traverse_node(PyObject* o, visitproc visit, void* arg) except -1:
@@ -124,7 +129,7 @@ cdef inline int _traverse_node(PyObject* o, visitproc visit, void* arg) except -
     if node._parts is not NULL:
         n = _n_objects(node)
         for i in range(n):
-            if i >= node._n_edges and i < 2 * node._n_edges:
+            if i >= node._n_edges and i < _saved_start(node):
                 continue  # (metas)
             p = node._parts[i]
             if p is not <PyObject*>None:
@@ -236,7 +241,7 @@ cdef inline tuple _parts_tuple(Node node, Py_ssize_t start, Py_ssize_t n):
 cdef inline object _saved_of(Node node):
     if node._n_saved < 0:
         return node._saved_obj
-    return _parts_tuple(node, 2 * node._n_edges, node._n_saved)
+    return _parts_tuple(node, _saved_start(node), node._n_saved)
 
 
 cdef inline object _versions_of(Node node):
@@ -262,12 +267,12 @@ cdef inline bint _versions_hold(Node node) except -1:
     cdef object value
     if node._n_vers <= 0 or ns < 0:
         return node._n_vers == 0
-    vers = <Py_ssize_t*>(node._parts + 2 * node._n_edges + ns)
+    vers = <Py_ssize_t*>(node._parts + _n_objects(node))
     for k in range(0, node._n_vers, 2):
         pos = vers[k]
         if pos < 0 or pos >= ns:
             return False
-        value = <object>node._parts[2 * node._n_edges + pos]
+        value = <object>node._parts[_saved_start(node) + pos]
         if _tensor_version(value) != vers[k + 1]:
             return False
         if type(value) is not _PlainTensor and getattr(value, "_gg_detached", 0):
@@ -277,7 +282,7 @@ cdef inline bint _versions_hold(Node node) except -1:
 
 cdef inline void _drop_saved(Node node) noexcept:
     """Release the saved values and versions in place, keeping the edges and metas."""
-    cdef Py_ssize_t i, start = 2 * node._n_edges, ns = node._n_saved
+    cdef Py_ssize_t i, start = _saved_start(node), ns = node._n_saved
     node._n_saved = 0  # (first: a release may run other code, which sees none)
     node._n_vers = -1
     for i in range(ns):
@@ -298,7 +303,7 @@ cdef inline object _call_rule(Node node, object fn, object grad, bint has_result
     """``fn(grad, *saved, result=..., needs_input_grad=...)`` straight from the block: no saved
     tuple, argument tuple or keyword dict made (a node with 0 to 9 saved values)."""
     cdef PyObject* buf[12]
-    cdef Py_ssize_t i, n = node._n_saved, start = 2 * node._n_edges, nargs = 1 + n
+    cdef Py_ssize_t i, n = node._n_saved, start = _saved_start(node), nargs = 1 + n
     cdef object kwnames = None
     buf[0] = <PyObject*>grad
     for i in range(n):

@@ -443,7 +443,7 @@ def _holds_tensor(v):
 def _saved_holds_tensors(node):
     """``_holds_tensors(node.saved)`` without making the tuple."""
     if cython.compiled and node._n_saved >= 0:
-        start = 2 * node._n_edges
+        start = _saved_start(node)  # noqa: F821 (node.pxd)
         for i in range(node._n_saved):
             if _holds_tensor(cython.cast(object, node._parts[start + i])):
                 return True

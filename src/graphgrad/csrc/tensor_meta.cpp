@@ -453,7 +453,7 @@ bool same_layout(PyTypeObject* base, PyTypeObject* sub) {
 // (a node is released with its tensor and visited by the collector). Installed by install_node_field.
 PyTypeObject* g_node_type = nullptr;  // graphgrad's Node
 PyObject* g_torch_hooks_name = nullptr;  // "_gg_torch_hooks", interned: torch's hooks moved aside
-PyObject* g_hooks_descr = nullptr;       // torch._C.TensorBase._backward_hooks (torch's own)
+PyObject* g_hooks_descr = nullptr;       // torch._C.TensorBase._backward_hooks (set at import)
 
 inline PyObject*& hook_field(PyObject* t) {
   return reinterpret_cast<THPVariable*>(t)->backward_hooks;
@@ -463,16 +463,14 @@ inline bool is_node(PyObject* v) {
   return Py_TYPE(v) == g_node_type || PyType_IsSubtype(Py_TYPE(v), g_node_type);
 }
 
-// torch's hooks moved aside while a node held the field, taken back out of the instance dict
-// (nullptr, no error, when there are none)
-PyObject* pop_moved_hooks(PyObject* t) {
+// torch's hooks moved aside while a node holds the field (a new reference; nullptr, with no
+// error, when there are none), taken out of the instance dict when `take`
+PyObject* moved_hooks(PyObject* t, bool take) {
   PyObject* dict = PyObject_GenericGetDict(t, nullptr);
   if (!dict) return nullptr;
   PyObject* moved = PyDict_GetItemWithError(dict, g_torch_hooks_name);
-  if (moved) {
-    Py_INCREF(moved);
-    if (PyDict_DelItem(dict, g_torch_hooks_name) < 0) Py_CLEAR(moved);
-  }
+  Py_XINCREF(moved);
+  if (moved && take && PyDict_DelItem(dict, g_torch_hooks_name) < 0) Py_CLEAR(moved);
   Py_DECREF(dict);
   return moved;
 }
@@ -484,7 +482,7 @@ int store_node(PyObject* t, PyObject* node) {
   PyObject* old = field;
   if (node == Py_None || node == nullptr) {
     if (old && is_node(old)) {
-      PyObject* moved = pop_moved_hooks(t);
+      PyObject* moved = moved_hooks(t, true);
       if (!moved && PyErr_Occurred()) return -1;
       field = moved;
       Py_DECREF(old);
@@ -521,15 +519,11 @@ int node_set(PyObject* t, PyObject* value, void*) {
 PyObject* hooks_get(PyObject* t, void*) {
   PyObject* v = hook_field(t);
   if (v && is_node(v)) {
-    PyObject* dict = PyObject_GenericGetDict(t, nullptr);
-    if (!dict) return nullptr;
-    PyObject* moved = PyDict_GetItemWithError(dict, g_torch_hooks_name);
-    Py_DECREF(dict);
-    if (!moved && PyErr_Occurred()) return nullptr;
-    v = moved ? moved : Py_None;
-  } else if (!v) {
-    v = Py_None;
+    PyObject* moved = moved_hooks(t, false);
+    if (moved || PyErr_Occurred()) return moved;
+    Py_RETURN_NONE;
   }
+  if (!v) Py_RETURN_NONE;
   Py_INCREF(v);
   return v;
 }
@@ -538,10 +532,9 @@ int hooks_set(PyObject* t, PyObject* value, void*) {
   PyObject* v = hook_field(t);
   if (v && is_node(v)) {  // the node keeps the field: torch's hooks wait in the dict
     if (!value || value == Py_None) {
-      if (PyObject_GenericSetAttr(t, g_torch_hooks_name, nullptr) < 0) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
-        PyErr_Clear();
-      }
+      PyObject* moved = moved_hooks(t, true);
+      if (!moved && PyErr_Occurred()) return -1;
+      Py_XDECREF(moved);
       return 0;
     }
     return PyObject_GenericSetAttr(t, g_torch_hooks_name, value);
@@ -562,21 +555,9 @@ PyObject* install_node_field(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     PyErr_SetString(PyExc_TypeError, "install_node_field(cls: a torch.Tensor subclass, node_type)");
     return nullptr;
   }
-  if (!g_hooks_descr) {
-    PyObject* C = PyImport_ImportModule("torch._C");
-    if (!C) return nullptr;
-    PyObject* base = PyObject_GetAttrString(C, "TensorBase");
-    Py_DECREF(C);
-    if (!base) return nullptr;
-    PyObject* descr = PyObject_GetAttrString(base, "_backward_hooks");
-    Py_DECREF(base);
-    if (!descr) return nullptr;
-    if (!Py_TYPE(descr)->tp_descr_set) {
-      Py_DECREF(descr);
-      PyErr_SetString(PyExc_RuntimeError, "torch's _backward_hooks is not a settable descriptor");
-      return nullptr;
-    }
-    g_hooks_descr = descr;
+  if (!Py_TYPE(g_hooks_descr)->tp_descr_set) {
+    PyErr_SetString(PyExc_RuntimeError, "torch's _backward_hooks is not a settable descriptor");
+    return nullptr;
   }
   Py_INCREF(args[1]);
   Py_XSETREF(g_node_type, reinterpret_cast<PyTypeObject*>(args[1]));
@@ -921,9 +902,11 @@ PyMODINIT_FUNC PyInit__tensor_meta() {
   g_get_grad = base_attr(base, "grad", true);
   g_is_view = base_attr(base, "_is_view", false);
   g_is_same_size = base_attr(base, "is_same_size", false);
+  g_hooks_descr = base_attr(base, "_backward_hooks", false);
   Py_DECREF(base);
   if (!g_get_version || !g_get_shape || !g_get_dtype || !g_get_requires_grad || !g_dim ||
-      !g_get_device || !g_get_device_obj || !g_get_grad || !g_is_view || !g_is_same_size) {
+      !g_get_device || !g_get_device_obj || !g_get_grad || !g_is_view || !g_is_same_size ||
+      !g_hooks_descr) {
     return nullptr;
   }
   Py_INCREF(THPVariableClass);
