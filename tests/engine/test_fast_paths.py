@@ -105,6 +105,51 @@ def test_properties_and_queries():
     assert type(x.data) is gg.Tensor and not x.data.requires_grad
 
 
+def test_metadata_properties_answer_as_torch_does_without_dispatch():
+    # is_nested, is_cpu, ...: read with the protocol off, not dispatched (torch's attention
+    # modules ask x.is_nested on every call)
+    tensors = [leaf(2, 3), gg.as_tensor(torch.zeros(2, dtype=torch.int64)),
+               gg.as_tensor(torch.zeros(2, device="meta")), leaf(2, 3) * 2]
+    seen = []
+    previous = dispatch.observe_calls(seen.append)
+    try:
+        for x in tensors:
+            plain = x.detach().as_subclass(T)
+            for name in fastpaths._PROPERTIES:
+                if hasattr(T, name):
+                    assert getattr(x, name) == getattr(plain, name), name
+    finally:
+        dispatch.observe_calls(previous)
+    assert seen == []
+    for name in ("is_nested", "is_cpu", "mT"):
+        assert isinstance(gg.Tensor.__dict__[name], property), name
+
+
+@pytest.mark.parametrize("name", fastpaths._VIEW_PROPERTIES)
+def test_view_properties_record_what_the_protocol_records(name):
+    """x.mT & co. reach dispatch with the getter the protocol passes, and record its view."""
+    x = torch.rand(2, 3, dtype=torch.complex128).as_subclass(_Probe)
+    _Probe.seen = []
+    getattr(x, name)
+    assert _Probe.seen == [getattr(T, name).__get__]
+    a = gg.as_tensor(torch.randn(2, 3, dtype=torch.complex128), requires_grad=True)
+    b = a.detach().as_subclass(T).clone().requires_grad_(True)
+    seen = []
+    previous = dispatch.observe_calls(seen.append)
+    try:
+        y = getattr(a * 2, name)
+    finally:
+        dispatch.observe_calls(previous)
+    assert seen[-1] == getattr(T, name).__get__ and type(y) is gg.Tensor and y._is_view()
+    assert y.grad_fn.name().replace("Backward", "") in y.grad_fn.name()
+    w = torch.randn(3, 2, dtype=torch.complex128)
+    (y * w).abs().sum().backward()
+    (getattr(b * 2, name) * w).abs().sum().backward()
+    torch.testing.assert_close(a.grad, b.grad)
+    with torch._C.DisableTorchFunctionSubclass():  # protocol off: torch's own getter
+        assert type(getattr(a, name)) is T
+
+
 def test_metadata_predicates_answer_as_torch_does_without_dispatch():
     # torch functions that return a Python value about a tensor (torch.is_complex, ...) are
     # answered with the protocol off: the same answer, nothing recorded, no rule looked for
