@@ -18,6 +18,7 @@ __all__ = [
     "NOT_A_VIEW", "CUSTOM_OUTPUTS", "NEVER_SEEN",
     "GG_LEAF", "TORCH_LEAF", "TORCH_BRIDGE",
     "NO_GRAD", "NEEDS_GRAD", "TORCH_TRACKED",
+    "PARAM_POSITIONAL", "PARAM_VAR_POSITIONAL", "PARAM_KEYWORD_ONLY", "PARAM_VAR_KEYWORD",
     "NodeRule",
 ]
 
@@ -25,6 +26,12 @@ __all__ = [
 KEEP_NOTHING = 0  # the rule does not read it
 KEEP_VALUE = 1  # the value (version-checked at use)
 KEEP_META = 2  # its shape/dtype/device only (rules.Meta)
+
+# -- how a rule parameter takes its argument (Rule.kinds[i]) --------------------------------
+PARAM_POSITIONAL = 0  # by position or by name
+PARAM_VAR_POSITIONAL = 1  # *args: the positional arguments left over, as a tuple
+PARAM_KEYWORD_ONLY = 2  # by name only
+PARAM_VAR_KEYWORD = 3  # **kwargs: the keyword arguments no parameter names, as a dict
 
 # -- Node.released ------------------------------------------------------------------------
 NOT_RELEASED = 0

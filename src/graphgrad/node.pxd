@@ -49,6 +49,9 @@ cdef class AccumulateGrad(Node):
     cpdef release(self, how=*)
 
 
+@cython.locals(kinds=tuple, args=list, kw=dict, i=Py_ssize_t, kind=int, n_pos=Py_ssize_t,
+               names=tuple)
+cpdef object _call_by_kinds(Rule rule, object grad, object saved, dict extra)
 cpdef Py_ssize_t edge_count(Node node) noexcept
 cpdef object edge_at(Node node, Py_ssize_t j)
 cpdef object meta_at(Node node, Py_ssize_t j)
@@ -61,7 +64,7 @@ cdef dict _INTERNED
 
 cdef Py_ssize_t _sequence_nr
 cdef int NOT_RELEASED, RELEASED_AFTER_BACKWARD, RELEASED_WITH_GRAPH, KEEP_NOTHING, GG_LEAF
-cdef int TORCH_BRIDGE
+cdef int TORCH_BRIDGE, PARAM_POSITIONAL, PARAM_VAR_POSITIONAL, PARAM_KEYWORD_ONLY
 cdef long long NOT_A_VIEW
 from graphgrad.fastcalls cimport anomaly_enabled as _anomaly_enabled
 

@@ -25,6 +25,9 @@ from .codes import (
     KEEP_NOTHING,
     NOT_A_VIEW,
     NOT_RELEASED,
+    PARAM_KEYWORD_ONLY,
+    PARAM_POSITIONAL,
+    PARAM_VAR_POSITIONAL,
     RELEASED_AFTER_BACKWARD,
     RELEASED_WITH_GRAPH,
     TORCH_BRIDGE,
@@ -201,8 +204,8 @@ class Node:
             if rule.wants_needs:
                 extra["needs_input_grad"] = _needs_input_grad(self)
         saved = unpack_saved(self.saved, create_graph)
-        if rule.defaults is None:  # keyword-only or variadic parameters: the compiled invoker
-            return rule.invoke(rule.fn, grad, saved, extra)
+        if rule.defaults is None:  # keyword-only or variadic parameters
+            return _call_by_kinds(rule, grad, saved, extra)
         if extra is _NO_EXTRA:  # every parameter positional, in saved's order
             return rule.fn(grad, *saved)
         return rule.fn(grad, *saved, **extra)
@@ -284,6 +287,43 @@ def _needs_input_grad(node):
 
 
 _NEEDS: dict = {}  # _needs_input_grad's tuples, by pattern
+
+
+def _call_by_kinds(rule, grad, saved, extra):
+    """``rule.fn(grad, ...)`` with each saved value passed as its parameter takes it
+    (``Rule.kinds``): positional, spread as ``*args``, by name, or merged as ``**kwargs``; the
+    engine's ``extra`` (``result``, ``needs_input_grad``) by name."""
+    if rule.no_variadic:  # positional parameters, then keyword-only ones
+        n_pos = rule.n_positional
+        if n_pos == len(saved):
+            return rule.fn(grad, *saved, **extra)
+        kw = dict(extra)
+        names = rule.params
+        for i in range(n_pos, len(names)):
+            kw[names[i]] = saved[i]
+        return rule.fn(grad, *saved[:n_pos], **kw)
+    kinds = rule.kinds
+    args = [grad]
+    kw = None
+    for i in range(len(kinds)):
+        kind = kinds[i]
+        value = saved[i]
+        if kind == PARAM_POSITIONAL:
+            args.append(value)
+        elif kind == PARAM_VAR_POSITIONAL:
+            if value:
+                args.extend(value)
+        elif kind == PARAM_KEYWORD_ONLY or value:
+            if kw is None:
+                kw = dict(extra)
+            if kind == PARAM_KEYWORD_ONLY:
+                kw[rule.params[i]] = value
+            else:
+                for key in value:
+                    if key in kw:
+                        raise TypeError(f"{rule.name}: keyword argument {key!r} given twice")
+                    kw[key] = value[key]
+    return rule.fn(*args, **(extra if kw is None else kw))
 
 
 def new_node(rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, graph):

@@ -33,13 +33,20 @@ import linecache
 import sys
 from collections.abc import Callable
 from enum import IntEnum
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
+from .codes import PARAM_KEYWORD_ONLY, PARAM_POSITIONAL, PARAM_VAR_KEYWORD, PARAM_VAR_POSITIONAL
+
 __all__ = ["Meta", "Rule", "RuleKind", "derivative", "node_name", "decomposition",
            "nondifferentiable", "RULES", "DIFFERENTIABLE", "DECOMPOSITION", "NONDIFFERENTIABLE",
            "KEEP_NOTHING", "KEEP_VALUE", "KEEP_META", "qualified_name", "writes_first_argument"]
+
+#: the ``**kwargs`` of a rule called with no keyword its other parameters do not take (one
+#: read-only empty mapping: the engine passes it on, nothing may add to it)
+NO_KEYWORDS = MappingProxyType({})
 
 #: torch function (as it reaches ``__torch_function__``) -> Rule
 RULES: dict[Any, Rule] = {}
@@ -187,10 +194,12 @@ class Rule:
     AccumulateGrad rules do).
 
     ``bind(*args, **kwargs)`` returns the call's arguments as a tuple in the rule's parameter
-    order (Python does the binding); ``keep[i]`` says what is saved of parameter ``i``
-    (``KEEP_NOTHING``, ``KEEP_VALUE`` or ``KEEP_META``); ``n_required`` parameters are the
-    op's inputs for ``next_functions`` (those without defaults; later ones only when a tensor
-    is passed).
+    order (Python does the binding; the engine binds from ``kinds``, ``param_defaults``,
+    ``n_positional`` and ``keyword_index`` itself, in C when compiled, and calls ``bind`` only
+    for a call it cannot bind, which raises Python's own error); ``keep[i]`` says what is
+    saved of parameter ``i`` (``KEEP_NOTHING``, ``KEEP_VALUE`` or ``KEEP_META``);
+    ``n_required`` parameters are the op's inputs for ``next_functions`` (those without
+    defaults; later ones only when a tensor is passed).
 
     Traits, as declared (see ``derivative``): ``may_view`` (outputs may be views of inputs:
     dispatch checks and tags them), ``elementwise`` (gradients come shaped like the output),
@@ -199,10 +208,11 @@ class Rule:
     """
 
     __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
-                 "wants_needs", "multi_output", "inplace_of", "params", "invoke", "saved_for",
+                 "wants_needs", "multi_output", "inplace_of", "params", "kinds", "saved_for",
                  "family", "keep_cache", "elementwise", "defaults", "may_view", "saves",
                  "differentiable_outputs", "view", "inplace_view", "writes", "kernel",
-                 "kernel_ndim", "saved_outputs", "shaped")
+                 "kernel_ndim", "saved_outputs", "shaped", "param_defaults", "n_positional",
+                 "keyword_index", "bind_tails", "no_variadic")
 
     def __init__(self, fn: Callable, kind: RuleKind, name: str | None = None,
                  multi_output: bool = False, saved_for: dict | None = None,
@@ -224,7 +234,10 @@ class Rule:
         self.saves = saves
         self._set_traits(view, elementwise, inplace_view, family)
         if kind != DIFFERENTIABLE:  # nothing is bound, saved or called at backward
-            self.bind = self.invoke = self.defaults = self.saved_for = None
+            self.bind = self.kinds = self.defaults = self.saved_for = None
+            self.param_defaults = self.keyword_index = self.bind_tails = None
+            self.n_positional = 0
+            self.no_variadic = True
             self.keep = self.params = ()
             self.n_required = 0
             self.saves_result = self.wants_needs = False
@@ -244,7 +257,7 @@ class Rule:
 
     def _bind_signature(self, fn: Callable) -> list[inspect.Parameter]:
         """The rule's parameters after ``grad``, less the engine-given keyword-only ``result``
-        and ``needs_input_grad``; compiles the binder and invoker for them."""
+        and ``needs_input_grad``; compiles the binder for them and sets the binding plan."""
         params = list(inspect.signature(fn).parameters.values())[1:]  # drop grad
         engine_given = {p.name for p in params if p.kind is p.KEYWORD_ONLY
                         and p.name in ("result", "needs_input_grad")}
@@ -262,8 +275,36 @@ class Rule:
         self.defaults = None
         if all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params):
             self.defaults = tuple(p.default for p in params)  # p.empty marks required ones
-        self.invoke = _make_invoker(fn, params)
+        self._set_plan(params)
         return params
+
+    def _set_plan(self, params: list[inspect.Parameter]) -> None:
+        """How a call binds to the parameters, for the engine's own binding (``views.bind``)
+        and its call of the rule in backward (``Node.apply``): each parameter's kind
+        (``PARAM_*``), its default (``inspect.Parameter.empty`` for none; ``()`` and None for
+        ``*args`` and ``**kwargs``), how many take positional arguments, and the index of each
+        one a keyword can name (a positional-only one is positional, and no keyword names
+        it)."""
+        codes = {inspect.Parameter.POSITIONAL_ONLY: PARAM_POSITIONAL,
+                 inspect.Parameter.POSITIONAL_OR_KEYWORD: PARAM_POSITIONAL,
+                 inspect.Parameter.VAR_POSITIONAL: PARAM_VAR_POSITIONAL,
+                 inspect.Parameter.KEYWORD_ONLY: PARAM_KEYWORD_ONLY,
+                 inspect.Parameter.VAR_KEYWORD: PARAM_VAR_KEYWORD}
+        self.kinds = tuple(codes[p.kind] for p in params)
+        self.param_defaults = tuple(
+            () if p.kind is p.VAR_POSITIONAL else NO_KEYWORDS if p.kind is p.VAR_KEYWORD
+            else p.default for p in params)
+        n_pos = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+        self.n_positional = n_pos
+        self.keyword_index = {p.name: i for i, p in enumerate(params)
+                              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        # a call with n positional arguments and no keywords binds as args + bind_tails[n]
+        # (None: a required parameter would be missing)
+        self.bind_tails = tuple(
+            None if any(d is inspect.Parameter.empty for d in self.param_defaults[n:])
+            else self.param_defaults[n:] for n in range(n_pos + 1))
+        self.no_variadic = PARAM_VAR_POSITIONAL not in self.kinds and \
+            PARAM_VAR_KEYWORD not in self.kinds
 
     def __repr__(self) -> str:
         return f"<Rule {self.name}>"
@@ -340,30 +381,12 @@ def _make_binder(fn: Callable, params: list[inspect.Parameter]) -> Callable:
             text += f"=_default{i}"
         parts.append(text)
         names.append(p.name)
+        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params) or
+                                            params[i + 1].kind is not p.POSITIONAL_ONLY):
+            parts.append("/")
     name = f"bind_{fn.__name__}"
     src = f"def {name}({', '.join(parts)}):\n    return ({''.join(n + ', ' for n in names)})\n"
     return _compile(src, f"<graphgrad binder for rule {_rule_path(fn)}>", namespace, name)
-
-
-def _make_invoker(fn: Callable, params: list[inspect.Parameter]) -> Callable:
-    """Compile ``def invoke(fn, grad, saved, extra): return fn(grad, saved[0], ..., **extra)``.
-
-    Saved values are stored positionally; this puts each back the way the rule takes it.
-    """
-    parts = ["grad"]
-    for i, p in enumerate(params):
-        if p.kind is p.VAR_POSITIONAL:
-            parts.append(f"*(saved[{i}] or ())")
-        elif p.kind is p.VAR_KEYWORD:
-            parts.append(f"**(saved[{i}] or {{}})")
-        elif p.kind is p.KEYWORD_ONLY:
-            parts.append(f"{p.name}=saved[{i}]")
-        else:
-            parts.append(f"saved[{i}]")
-    parts.append("**extra")
-    name = f"invoke_{fn.__name__}"
-    src = f"def {name}(fn, grad, saved, extra):\n    return fn({', '.join(parts)})\n"
-    return _compile(src, f"<graphgrad invoker for rule {_rule_path(fn)}>", {}, name)
 
 
 _INPLACE_DUNDERS = frozenset({

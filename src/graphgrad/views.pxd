@@ -24,7 +24,8 @@ cdef object _Disable, _set_grad_enabled, _OpOverload
 cdef object _torch_grad_fn, _has_internal_overlap, _get_base, _PlainTensor, _TENSOR_CLS
 cdef dict _inplace_cache
 cdef list _RANGES
-cdef object _EMPTY
+cdef object _EMPTY, NO_KEYWORDS
+cdef int PARAM_VAR_POSITIONAL, PARAM_VAR_KEYWORD
 cdef int KEEP_META, KEEP_VALUE, NO_VIEW_TAG, NO_GRAD_VIEW, MULTI_OUTPUT_VIEW, PLAIN_VIEW
 cdef int CUSTOM_FUNCTION_VIEW, CUSTOM_MULTI_VIEW, TORCH_LEAF, TORCH_BRIDGE
 cdef long long NOT_A_VIEW, CUSTOM_OUTPUTS
@@ -35,6 +36,9 @@ cpdef bint is_inplace(object func) except -1
 cpdef object kernel(object func, tuple args, dict kwargs, bint silent)
 cpdef object kernel_for(object func, Rule rule, tuple args)
 cpdef object bind(object func, Rule rule, tuple args, dict kwargs)
+@cython.locals(kinds=tuple, n=Py_ssize_t, n_pos=Py_ssize_t, n_args=Py_ssize_t, i=Py_ssize_t,
+               values=list, var_keyword=dict, index=dict, defaults=tuple, kind=int, tail=tuple)
+cpdef object _bind_by_plan(Rule rule, tuple args, dict kwargs)
 @cython.locals(simple=bint, n=Py_ssize_t, m=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t,
                elementwise=bint, uniform=bint, any_grad=bint, kept=bint, shaped=tuple)
 cpdef object slots(Rule rule, tuple values, object graph, object ref)

@@ -35,6 +35,8 @@ from .codes import (
     NO_GRAD_VIEW,
     NO_VIEW_TAG,
     NOT_A_VIEW,
+    PARAM_VAR_KEYWORD,
+    PARAM_VAR_POSITIONAL,
     PLAIN_VIEW,
     TORCH_BRIDGE,
     TORCH_LEAF,
@@ -54,7 +56,7 @@ from .fastcalls import torch_requires_grad as _torch_requires_grad
 from .graph import current_graph
 from .node import AccumulateGrad, interned, new_node, output_numbers
 from .references import nones, save_arguments, saved_output
-from .rules import qualified_name, writes_first_argument
+from .rules import NO_KEYWORDS, qualified_name, writes_first_argument
 from .scratch import give_back, spare_list
 from .view_rules import AS_STRIDED_RULE, COPY_SLICES_RULE, ViewGeometry
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
@@ -219,13 +221,84 @@ def bind(func, rule, args, kwargs):
             return args
         if n < len(defaults) and defaults[n] is not _EMPTY:  # the rest have defaults
             return args + defaults[n:]
-    try:
+    if rule.kinds is not None and type(args) is tuple:
+        values = _bind_by_plan(rule, args, kwargs)
+        if values is not None:
+            return values
+    try:  # a call the plan cannot bind: Python's binder raises what Python would
         return rule.bind(*args, **kwargs)
     except TypeError as e:
         raise TypeError(
             f"graphgrad's rule {rule.name} for {qualified_name(func)} could not take these "
             f"arguments ({e}); the rule's signature must mirror torch's. Please report this."
         ) from None
+
+
+def _bind_by_plan(rule, args, kwargs):
+    """``rule.bind(*args, **kwargs)`` as Python binds it, from the rule's binding plan
+    (``Rule.kinds``...): compiled, no Python frame and no argument packing for ``x.view(2,
+    3)``, ``x.permute(...)`` or a call with keywords. None for a call Python would refuse
+    (too many positional arguments, a keyword named twice or unknown, a required parameter
+    missing), which the binder then refuses with Python's message."""
+    kinds = rule.kinds
+    n = len(kinds)
+    n_pos = rule.n_positional
+    n_args = len(args)
+    if not kwargs:  # positional arguments, the rest defaults: two tuples at most
+        if n_args <= n_pos:
+            tail = rule.bind_tails[n_args]
+            if tail is not None:
+                return args + tail
+        elif n_pos < n and kinds[n_pos] == PARAM_VAR_POSITIONAL:
+            tail = rule.bind_tails[n_pos]
+            if tail is not None:
+                return args[:n_pos] + (args[n_pos:],) + tail[1:]
+        else:
+            return None
+    values = spare_list()
+    for _ in range(n):
+        values.append(_EMPTY)
+    if n_args > n_pos:
+        if n_pos >= n or kinds[n_pos] != PARAM_VAR_POSITIONAL:
+            give_back(values)
+            return None
+        values[n_pos] = args[n_pos:]
+        n_args = n_pos
+    for i in range(n_args):
+        values[i] = args[i]
+    var_keyword = None
+    if kwargs:
+        index = rule.keyword_index
+        for key, value in kwargs.items():
+            j = index.get(key)
+            if j is None:
+                if kinds[n - 1] != PARAM_VAR_KEYWORD:
+                    give_back(values)
+                    return None
+                if var_keyword is None:
+                    var_keyword = {}
+                var_keyword[key] = value
+            elif values[j] is not _EMPTY:
+                give_back(values)
+                return None
+            else:
+                values[j] = value
+    defaults = rule.param_defaults
+    for i in range(n):
+        if values[i] is _EMPTY:
+            kind = kinds[i]
+            if kind == PARAM_VAR_KEYWORD:
+                values[i] = NO_KEYWORDS if var_keyword is None else var_keyword
+            elif kind == PARAM_VAR_POSITIONAL:
+                values[i] = ()
+            elif defaults[i] is _EMPTY:
+                give_back(values)
+                return None
+            else:
+                values[i] = defaults[i]
+    bound = tuple(values)
+    give_back(values)
+    return bound
 
 
 _RANGES = [tuple(range(n)) for n in range(9)]  # slot positions 0..n-1 (no list argument)
