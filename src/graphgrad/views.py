@@ -272,7 +272,7 @@ def _bind_by_plan(rule, args, kwargs):
         for key, value in kwargs.items():
             j = index.get(key)
             if j is None:
-                if kinds[n - 1] != PARAM_VAR_KEYWORD:
+                if n == 0 or kinds[n - 1] != PARAM_VAR_KEYWORD:
                     give_back(values)
                     return None
                 if var_keyword is None:
