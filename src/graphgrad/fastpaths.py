@@ -239,6 +239,8 @@ def _getter(get):
 
 
 def _view_getter(get):
+    """A view property (``x.mT``) recorded through ``call`` with the getter the protocol would
+    pass; torch's own getter while the protocol is off or a torch-function mode is active."""
     def fget(self):
         if _protocol_on():
             return call(get, (self,), None)

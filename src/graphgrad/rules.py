@@ -281,8 +281,9 @@ class Rule:
     def _set_plan(self, params: list[inspect.Parameter]) -> None:
         """How a call binds to the parameters, for the engine's own binding (``views.bind``)
         and its call of the rule in backward (``Node.apply``): each parameter's kind
-        (``PARAM_*``), its default (``inspect.Parameter.empty`` for none; ``()`` and None for
-        ``*args`` and ``**kwargs``), how many take positional arguments, and the index of each
+        (``PARAM_*``), its default (``inspect.Parameter.empty`` for none; ``()`` and
+        ``NO_KEYWORDS`` for ``*args`` and ``**kwargs``), how many take positional arguments,
+        the tails of defaults a positional call binds with, and the index of each
         one a keyword can name (a positional-only one is positional, and no keyword names
         it)."""
         codes = {inspect.Parameter.POSITIONAL_ONLY: PARAM_POSITIONAL,
