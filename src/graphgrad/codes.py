@@ -68,7 +68,7 @@ class NodeRule(Protocol):
     """What the engine reads from a node's ``rule``: the one interface of three shapes.
 
     Implemented by ``rules.Rule`` (a registered derivative; ``Node.apply`` also calls its
-    ``invoke(fn, grad, saved, extra)`` and reads ``wants_needs``), by ``function._FunctionRule``
+    ``fn`` as its ``kinds`` say and reads ``wants_needs``), by ``function._FunctionRule``
     (a ``gg.Function``'s node, whose ``apply`` runs the Function's ``backward``) and by
     ``node._AccumulateRule`` (a leaf's AccumulateGrad, which never applies a rule).
     """

@@ -185,7 +185,8 @@ _PROPERTIES = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "_versio
                "is_vulkan")
 
 # read-only properties that return a view with a rule (``x.mT`` in attention code and rules):
-# recorded through ``call`` as the protocol would, without its hand-off
+# their getter is a method's fast path (``_method``), recorded through ``call`` as the
+# protocol would, without its hand-off
 _VIEW_PROPERTIES = ("T", "mT", "H", "mH")
 
 
@@ -234,16 +235,6 @@ def _getter(get):
                 return get(self)
             finally:
                 _protocol_restore(state)
-        return get(self)
-    return fget
-
-
-def _view_getter(get):
-    """A view property (``x.mT``) recorded through ``call`` with the getter the protocol would
-    pass; torch's own getter while the protocol is off or a torch-function mode is active."""
-    def fget(self):
-        if _protocol_on():
-            return call(get, (self,), None)
         return get(self)
     return fget
 
@@ -331,7 +322,7 @@ def install_fast_paths(cls) -> None:
     for name in _VIEW_PROPERTIES:
         descriptor = getattr(torch.Tensor, name, None)
         if name not in own and descriptor is not None and _hashable_in(descriptor.__get__, RULES):
-            setattr(cls, name, property(_view_getter(descriptor.__get__), doc=descriptor.__doc__))
+            setattr(cls, name, property(_method(descriptor.__get__), doc=descriptor.__doc__))
     for name in ("grad", "data"):
         if name not in own:
             setattr(cls, name, _special_property(name))

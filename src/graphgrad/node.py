@@ -180,7 +180,7 @@ class Node:
         """Run the rule on the gradients of this node's outputs; return one per rule param."""
         rule = self.rule
         grad = grads if rule.multi_output else grads[0]
-        if cython.compiled and rule.defaults is not None and 0 <= self._n_saved <= 9:
+        if cython.compiled and rule.all_positional and 0 <= self._n_saved <= 9:
             has_result = self.result is not None
             out = _call_rule(  # noqa: F821 (node.pxd)
                 self, rule.fn, grad, has_result,
@@ -204,7 +204,7 @@ class Node:
             if rule.wants_needs:
                 extra["needs_input_grad"] = _needs_input_grad(self)
         saved = unpack_saved(self.saved, create_graph)
-        if rule.defaults is None:  # keyword-only or variadic parameters
+        if not rule.all_positional:  # keyword-only or variadic parameters
             return _call_by_kinds(rule, grad, saved, extra)
         if extra is _NO_EXTRA:  # every parameter positional, in saved's order
             return rule.fn(grad, *saved)
@@ -295,8 +295,6 @@ def _call_by_kinds(rule, grad, saved, extra):
     engine's ``extra`` (``result``, ``needs_input_grad``) by name."""
     if rule.no_variadic:  # positional parameters, then keyword-only ones
         n_pos = rule.n_positional
-        if n_pos == len(saved):
-            return rule.fn(grad, *saved, **extra)
         kw = dict(extra)
         names = rule.params
         for i in range(n_pos, len(names)):

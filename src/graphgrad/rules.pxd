@@ -4,11 +4,11 @@
 
 cdef class Rule:
     cdef public object fn, name, kind, bind, keep, saves, kinds, saved_for, family, keep_cache
-    cdef public object defaults, differentiable_outputs, view, inplace_of, params, writes
+    cdef public object differentiable_outputs, view, inplace_of, params, writes
     cdef public object kernel, saved_outputs, shaped, param_defaults, keyword_index, bind_tails
     cdef public Py_ssize_t n_required, kernel_ndim, n_positional
     cdef public bint saves_result, wants_needs, multi_output, elementwise, may_view, inplace_view
-    cdef public bint no_variadic
+    cdef public bint no_variadic, all_positional
 
 
 # A Meta holds a shape (ints), a dtype and a device: it can be in no reference cycle, so the

@@ -209,7 +209,7 @@ class Rule:
 
     __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
                  "wants_needs", "multi_output", "inplace_of", "params", "kinds", "saved_for",
-                 "family", "keep_cache", "elementwise", "defaults", "may_view", "saves",
+                 "family", "keep_cache", "elementwise", "all_positional", "may_view", "saves",
                  "differentiable_outputs", "view", "inplace_view", "writes", "kernel",
                  "kernel_ndim", "saved_outputs", "shaped", "param_defaults", "n_positional",
                  "keyword_index", "bind_tails", "no_variadic")
@@ -234,7 +234,8 @@ class Rule:
         self.saves = saves
         self._set_traits(view, elementwise, inplace_view, family)
         if kind != DIFFERENTIABLE:  # nothing is bound, saved or called at backward
-            self.bind = self.kinds = self.defaults = self.saved_for = None
+            self.bind = self.kinds = self.saved_for = None
+            self.all_positional = False
             self.param_defaults = self.keyword_index = self.bind_tails = None
             self.n_positional = 0
             self.no_variadic = True
@@ -271,10 +272,6 @@ class Rule:
                 break
             self.n_required += 1
         self.bind = _make_binder(fn, params)
-        # all parameters positional-or-keyword: a positional call binds as args + defaults[len(args):]
-        self.defaults = None
-        if all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params):
-            self.defaults = tuple(p.default for p in params)  # p.empty marks required ones
         self._set_plan(params)
         return params
 
@@ -306,6 +303,8 @@ class Rule:
             else self.param_defaults[n:] for n in range(n_pos + 1))
         self.no_variadic = PARAM_VAR_POSITIONAL not in self.kinds and \
             PARAM_VAR_KEYWORD not in self.kinds
+        # backward calls the rule as fn(grad, *saved): every parameter takes a position
+        self.all_positional = all(kind == PARAM_POSITIONAL for kind in self.kinds)
 
     def __repr__(self) -> str:
         return f"<Rule {self.name}>"

@@ -35,9 +35,10 @@ cpdef object node_of(object t)
 cpdef bint is_inplace(object func) except -1
 cpdef object kernel(object func, tuple args, dict kwargs, bint silent)
 cpdef object kernel_for(object func, Rule rule, tuple args)
+@cython.locals(kinds=tuple, n_args=Py_ssize_t, n_pos=Py_ssize_t, tail=tuple)
 cpdef object bind(object func, Rule rule, tuple args, dict kwargs)
 @cython.locals(kinds=tuple, n=Py_ssize_t, n_pos=Py_ssize_t, n_args=Py_ssize_t, i=Py_ssize_t,
-               values=list, var_keyword=dict, index=dict, defaults=tuple, kind=int, tail=tuple)
+               values=list, var_keyword=dict, index=dict, defaults=tuple, kind=int)
 cpdef object _bind_by_plan(Rule rule, tuple args, dict kwargs)
 @cython.locals(simple=bint, n=Py_ssize_t, m=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t,
                elementwise=bint, uniform=bint, any_grad=bint, kept=bint, shaped=tuple)

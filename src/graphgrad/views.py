@@ -213,15 +213,22 @@ def note_reshaped(node, nr, shape) -> None:
 
 
 def bind(func, rule, args, kwargs):
-    """The call's arguments in the rule's parameter order (defaults filled in)."""
-    defaults = rule.defaults
-    if defaults is not None and not kwargs:
-        n = len(args)
-        if n == len(defaults):
-            return args
-        if n < len(defaults) and defaults[n] is not _EMPTY:  # the rest have defaults
-            return args + defaults[n:]
-    if rule.kinds is not None and type(args) is tuple:
+    """The call's arguments in the rule's parameter order (defaults filled in): a positional
+    call, the common one, as args and a tail of defaults (two tuples at most; none when every
+    parameter has its argument, as args + () is args); any other by ``_bind_by_plan``."""
+    kinds = rule.kinds
+    if kinds is not None and not kwargs:  # (what the tails cannot bind, Python refuses)
+        n_args = len(args)
+        n_pos = rule.n_positional
+        if n_args <= n_pos:
+            tail = rule.bind_tails[n_args]
+            if tail is not None:
+                return args + tail
+        elif n_pos < len(kinds) and kinds[n_pos] == PARAM_VAR_POSITIONAL:
+            tail = rule.bind_tails[n_pos]
+            if tail is not None:
+                return args[:n_pos] + (args[n_pos:],) + tail[1:]
+    elif kinds is not None:
         values = _bind_by_plan(rule, args, kwargs)
         if values is not None:
             return values
@@ -236,25 +243,13 @@ def bind(func, rule, args, kwargs):
 
 def _bind_by_plan(rule, args, kwargs):
     """``rule.bind(*args, **kwargs)`` as Python binds it, from the rule's binding plan
-    (``Rule.kinds``...): compiled, no Python frame and no argument packing for ``x.view(2,
-    3)``, ``x.permute(...)`` or a call with keywords. None for a call Python would refuse
-    (too many positional arguments, a keyword named twice or unknown, a required parameter
-    missing), which the binder then refuses with Python's message."""
+    (``Rule.kinds``...): compiled, no Python frame for a call with keywords. None for a call
+    Python would refuse (too many positional arguments, a keyword named twice or unknown, a
+    required parameter missing), which the binder then refuses with Python's message."""
     kinds = rule.kinds
     n = len(kinds)
     n_pos = rule.n_positional
     n_args = len(args)
-    if not kwargs:  # positional arguments, the rest defaults: two tuples at most
-        if n_args <= n_pos:
-            tail = rule.bind_tails[n_args]
-            if tail is not None:
-                return args + tail
-        elif n_pos < n and kinds[n_pos] == PARAM_VAR_POSITIONAL:
-            tail = rule.bind_tails[n_pos]
-            if tail is not None:
-                return args[:n_pos] + (args[n_pos:],) + tail[1:]
-        else:
-            return None
     values = spare_list()
     for _ in range(n):
         values.append(_EMPTY)
