@@ -136,6 +136,15 @@ def _differentiable_outputs(expected, got, tol=TOL):
     return pairs
 
 
+def _aliased(outputs, inputs) -> list:
+    """For each output tensor: does it share memory with an input tensor? (Issue 39: an op
+    whose output aliases its input must make a view for autograd, as torch's does.)"""
+    pointers = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(inputs)
+                if isinstance(t, torch.Tensor) and t.numel() and t.layout == torch.strided}
+    return [isinstance(o, torch.Tensor) and o.layout == torch.strided and o.numel() > 0
+            and o.untyped_storage().data_ptr() in pointers for o in pytree.tree_leaves(outputs)]
+
+
 def check_sample(op, sample, gen, second_order=True, unsupported=None, tol=TOL) -> bool:
     """Compare one sample; False if it was an unsupported option (which must raise)."""
     tree = _clone_tree((sample.input, sample.args, sample.kwargs))
@@ -147,7 +156,10 @@ def check_sample(op, sample, gen, second_order=True, unsupported=None, tol=TOL) 
             gg.grad([o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)
                      and o.requires_grad], _grad_leaves(gg_tree), allow_unused=True)
         return False
-    pairs = _differentiable_outputs(_call(op, sample, tree), _call(op, sample, gg_tree), tol)
+    expected, got = _call(op, sample, tree), _call(op, sample, gg_tree)
+    assert _aliased(expected, tree) == _aliased(got, gg_tree), \
+        "which outputs share memory with an input (views of it) differs from torch's"
+    pairs = _differentiable_outputs(expected, got, tol)
     ins, gg_ins = _grad_leaves(tree), _grad_leaves(gg_tree)
     assert len(ins) == len(gg_ins)
     if not pairs or not ins:

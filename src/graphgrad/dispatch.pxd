@@ -11,7 +11,8 @@ from graphgrad.scratch cimport give_back, spare_list
 from graphgrad.views cimport (bind, function_view_changed, is_inplace, keep_for, kernel,
                               kernel_for, needs_of,
                               no_grad_op, no_grad_view_op, node_of, note_view_outputs,
-                              record_inplace, revived, slots, unrecorded_view_op)
+                              record_inplace, revived, slots, stamp_view, unrecorded_view_op,
+                              views_an_input)
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython
@@ -44,6 +45,6 @@ cpdef object call(object func, tuple args, dict kwargs)
 cpdef object note_call(object func)
 @cython.locals(graph=AutogradGraph, pending=list)
 cdef object _record(object func, Rule rule, tuple args, dict kwargs, bint silent)
-cdef object _attach(object out, Node node, Rule rule, object parts)
+cdef object _attach(object out, Node node, Rule rule, object parts, tuple args, dict kwargs)
 @cython.locals(items=list, i=Py_ssize_t, n=Py_ssize_t)
-cdef object _attach_tuple(object out, Node node, Rule rule, object parts)
+cdef object _attach_tuple(object out, Node node, Rule rule, object parts, tuple args, dict kwargs)

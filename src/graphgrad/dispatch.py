@@ -56,7 +56,9 @@ from .views import (
     record_inplace,
     revived,
     slots,
+    stamp_view,
     unrecorded_view_op,
+    views_an_input,
 )
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 
@@ -334,7 +336,7 @@ def _record(func, rule, args, kwargs, silent):
         keep, parts = rule.saves(values, keep, needs_of(rule, values, nexts, slot_pos))
     saved, versions = save_arguments(keep, values)
     node = new_node(rule, nexts, nrs, slot_pos, metas, saved, versions, graph)
-    out = _attach(out, node, rule, parts)
+    out = _attach(out, node, rule, parts, args, kwargs)
     if rule.may_view:
         note_view_outputs(node, out, rule, args, kwargs)
     graph.record(node)
@@ -354,28 +356,33 @@ def _as_autocast_ran(values, keep, dtype):
     return tuple(out)
 
 
-def _attach(out, node, rule, parts):
+def _attach(out, node, rule, parts, args, kwargs):
     """Wrap the op's outputs and make ``node`` their grad_fn; save them if the rule reads them
     (of a multi-output op, only the outputs listed in ``parts``, or all when None).
 
     An output of an op that makes no views may still be a view of a temporary of the
     kernel's own (``einsum``, ``avg_pool1d``, ``instance_norm`` permute or squeeze one): for
     autograd it is not a view, so it is replaced by a plain alias of the same data (in torch
-    the temporary is in the graph; here it is not, so its views would have no history).
+    the temporary is in the graph; here it is not, so its views would have no history). A
+    view of one of the op's inputs stays a view (see Note [an op that returns a view of its
+    input]).
     """
     if type(out) is _PlainTensor:
         if not rule.may_view and not rule.elementwise and _is_view(out):
-            out = _not_a_view(out)
+            if views_an_input(out, args, kwargs):
+                note_view_outputs(node, out, rule, args, kwargs)
+            else:
+                out = _not_a_view(out)
         if rule.saves_result and parts != ():
             node.result = saved_output(out)
         _adopt(out, _TENSOR_CLS, node if _dtype(out) in _DIFFERENTIABLE_DTYPES else None)
         return out
     if isinstance(out, tuple):
-        return _attach_tuple(out, node, rule, parts)
+        return _attach_tuple(out, node, rule, parts, args, kwargs)
     return out
 
 
-def _attach_tuple(out, node, rule, parts):
+def _attach_tuple(out, node, rule, parts, args, kwargs):
     """``_attach`` for an op that returned a tuple (max's values and indices, native_layer_norm)."""
     items = spare_list()
     items.extend(out)
@@ -395,7 +402,10 @@ def _attach_tuple(out, node, rule, parts):
         o = items[i]
         if type(o) is _PlainTensor:
             if not rule.may_view and _is_view(o):
-                o = _not_a_view(o)
+                if views_an_input(o, args, kwargs):
+                    stamp_view(node, o)
+                else:
+                    o = _not_a_view(o)
             if i < n and _dtype(o) in _DIFFERENTIABLE_DTYPES:
                 items[i] = wrap_output(o, node, i)
             else:  # (a graphgrad Tensor that requires no grad: the class switch alone)

@@ -64,6 +64,7 @@ from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 __all__ = ["node_of", "torch_node", "current_node", "function_view_changed", "is_inplace", "slots",
            "bind", "keep_for", "needs_of", "kernel", "kernel_for", "record_inplace", "check_inplace",
            "view_target", "into_base", "rebase_history", "note_reshaped", "note_view_outputs", "stamp_view",
+           "views_an_input",
            "no_grad_op", "no_grad_view_op", "unrecorded_view_op", "view_tag_message", "base_requires_grad",
            "revived"]
 
@@ -705,11 +706,12 @@ def view_target(name, inplace_view, view):
     (base, its node, its output number, the view's geometry in it) for ``_copy_slices``.
     ``inplace_view``: the op changes the view's shape or strides (``t_``, ``squeeze_``: the
     rule's declared trait, torch's ``inplace_view`` tag)."""
-    if _has_internal_overlap(view) == 1:  # (1: yes; 2: cannot tell cheaply)
+    if _overlaps_itself(view):
         raise RuntimeError(
             f"{name}: unsupported operation: more than one element of the written-to tensor "
-            "refers to a single memory location (an expand()ed view?), so this in-place op "
-            "has no gradient. Please clone() the tensor before performing the operation.")
+            "refers to a single memory location (an expand()ed view, an unfold() with a step "
+            "smaller than its size, an overlapping as_strided()?), so this in-place op has no "
+            "gradient. Please clone() the tensor before performing the operation.")
     if inplace_view:
         raise NotImplementedError(
             f"{name}: an in-place shape change of a view of a tensor that requires grad, or "
@@ -722,6 +724,33 @@ def view_target(name, inplace_view, view):
             "tensor (x.real, view_as_real, x.view(dtype)) with gradients is not supported by "
             "graphgrad; build the tensor out of place.")
     return base, node_of(base), getattr(base, "_gg_nr", 0), ViewGeometry(base, view)
+
+
+def _overlaps_itself(t) -> bool:
+    """Do two elements of ``t`` share a memory location?
+
+    torch's own check answers the easy cases (an expanded view: yes; a contiguous one: no)
+    and gives up on the rest, where it lets the in-place op run and its gradient comes out
+    wrong (``y.unfold(0, 2, 1).lerp_(w, .5)``). Here the rest is decided exactly: sorted by
+    stride, a layout whose every stride clears the span of the smaller ones has no overlap;
+    any other is settled by counting its elements' distinct offsets.
+    """
+    answer = _has_internal_overlap(t)  # 0: no, 1: yes, 2: too hard to tell cheaply
+    if answer != 2:
+        return answer == 1
+    with _Disable():
+        dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+        span = 0
+        for st, n in dims:
+            if st <= span:
+                break
+            span += st * (n - 1)
+        else:
+            return False
+        offsets = torch.zeros((), dtype=torch.int64)
+        for st, n in dims:
+            offsets = offsets.unsqueeze(-1) + torch.arange(n) * st
+        return offsets.unique().numel() < offsets.numel()
 
 
 def _copy_slices(target, view_node, graph):
@@ -769,6 +798,33 @@ def note_view_outputs(node, out, rule, args, kwargs):
         tag = NO_VIEW_TAG
     if tag != NO_VIEW_TAG or rule.multi_output:
         _tag_views(out, args, kwargs, MULTI_OUTPUT_VIEW if rule.multi_output else tag)
+
+
+def views_an_input(out, args, kwargs) -> bool:
+    """Is ``out``, a view, a view of one of the op's tensor arguments (directly or inside a
+    list), rather than of a temporary of the kernel's own?
+
+    Note [an op that returns a view of its input]: a rule that declares no views (einsum,
+    whose kernel permutes, squeezes or takes a diagonal of its operand) still gets an alias of
+    an input back for some arguments: ``einsum('ij->ji', y)`` is ``y``'s transpose. For
+    autograd it is a view of ``y`` (in torch the composite's own view ops make it one), so
+    in-place changes through either alias must reach the other's gradient. ``_attach`` asks
+    this of every view such a rule returns, so the check is systematic, not a list of ops.
+    """
+    base = _get_base(out)
+    for a in args:
+        if isinstance(a, TensorBase):
+            if a is base or _get_base(a) is base:
+                return True
+        elif type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, TensorBase) and (b is base or _get_base(b) is base):
+                    return True
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, TensorBase) and (a is base or _get_base(a) is base):
+                return True
+    return False
 
 
 def current_node(t):

@@ -549,11 +549,11 @@ def _slice(t, dim: int, start: int, stop: int | None = None):
 @decomposition(torch.diff, T.diff, view=False)
 def diff(input, n=1, dim=-1, prepend=None, append=None):
     """Differences of neighbours, ``n`` times, after ``prepend``/``append`` are concatenated
-    (``n=0``: the input itself, as torch)."""
+    (``n=0``: a copy of the input, as torch's, which ignores ``prepend``/``append`` then)."""
     if input.dim() == 0:
         raise RuntimeError("diff expects input to be at least one-dimensional")
     if n == 0:
-        return input
+        return input.clone()
     parts = [input]
     for pos, extra in ((0, prepend), (None, append)):
         if extra is not None:
