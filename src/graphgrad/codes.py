@@ -77,3 +77,4 @@ class NodeRule(Protocol):
     params: tuple  # the rule's parameter names after grad (saved_values, error messages)
     keep: tuple  # per parameter, KEEP_NOTHING / KEEP_VALUE / KEEP_META
     multi_output: bool  # does backward get one gradient per output (else the first alone)?
+    known_zeros: bool  # may its gradients be torch's efficient zero (Note [known-zero gradients])?

@@ -17,7 +17,8 @@ cdef object COPY_SLICES_RULE, _INSIDE_COPY_SLICES
 cdef tuple _walk(list root_nodes, object targets, bint into_torch, object accumulate)
 
 @cython.locals(node=Node, alone=Node, j=Py_ssize_t, nrs=tuple, slot_pos=tuple, ready=list,
-               buffers=dict, deps=dict, anomaly=bint, is_target=bint, n=Py_ssize_t)
+               buffers=dict, deps=dict, anomaly=bint, is_target=bint, n=Py_ssize_t,
+               zeros=bint, known_zero=bint)
 cdef object _run(list root_nodes, object root_grads, object retain_graph, bint create_graph,
                  object targets, object inputs, object accumulate, object allow_unused,
                  bint into_torch)
@@ -28,6 +29,8 @@ cdef class _Ready:
     cdef public long long key
     cdef public object node
 cdef bint _all_none(object grads) except -1
+cdef bint _any_known_zero(object grads) except -1
+cdef bint _all_known_zero(object grads) except -1
 cdef object _pick(object outs, object pos)
 cdef object _add_to_buffer(dict buffers, Node node, Py_ssize_t nr, object g)
 cdef object _fit(object g, tuple meta, object node, Py_ssize_t j)

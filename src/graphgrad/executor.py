@@ -210,6 +210,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         _add_to_buffer(buffers, node, nr, g)
     captured = [None] * len(inputs) if inputs is not None else None
     anomaly = torch.is_anomaly_enabled()
+    zeros = _any_known_zero(root_grads)  # (Note [known-zero gradients])
     handed = set()
     for g in root_grads:
         handed.add(id(g))
@@ -284,12 +285,18 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                 _run_hooks(node, (), grads, handed)
             continue
         nrs = node.next_nrs
+        known_zero = False
         if _all_none(grads):
             outs = ()
+        elif zeros and _all_known_zero(grads):
+            known_zero = True
+            outs = _apply_to_zeros(node, grads)
         elif anomaly:
             outs = _apply_checked(node, grads, create_graph)
         else:
             outs = node.apply(grads, create_graph)
+        if node.rule.known_zeros:
+            zeros = True
         slot_pos = node.slot_pos
         edge_grads = None
         if node.hooks is not None:  # hooks see (and may replace) one gradient per input
@@ -315,6 +322,8 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
                         g = _fit(g, meta, node, j)
                     elif not isinstance(g, TensorBase):
                         _not_a_tensor(g, node, j)
+                    if known_zero:
+                        g = _known_zero(g)
             if g is not None:
                 _add_to_buffer(buffers, parent, nrs[j], g)
             deps[parent] -= 1
@@ -484,6 +493,49 @@ def _all_none(grads):
         if g is not None:
             return False
     return True
+
+
+# Note [known-zero gradients]: torch's sgn gives a real input's gradient as its efficient zero
+# tensor, a zero known as such, and its ZeroTensor kernels keep it zero through the mul/div of
+# the rules before (so x.cos().sgn() at x = NaN has gradient 0, not 0 * NaN). graphgrad
+# carries such a zero through the whole pass instead: a node whose incoming gradients are all
+# known zeros (or None) runs its rule on plain zeros, under no_grad, only to learn each input's
+# gradient shape, and hands known zeros on. The exact zero then reaches every leaf whatever
+# the rules compute, where torch's stays zero only through ops with ZeroTensor kernels (its
+# reciprocal, div's divisor give NaN, its remainder raises): a deliberate difference. The
+# check costs nothing until a rule declared ``known_zeros`` has run in the pass (``zeros``).
+def _any_known_zero(grads):
+    for g in grads:
+        if g is not None and g._is_zerotensor():
+            return True
+    return False
+
+
+def _all_known_zero(grads):
+    for g in grads:
+        if g is not None and not g._is_zerotensor():
+            return False
+    return True
+
+
+def _apply_to_zeros(node, grads):
+    """Run ``node``'s rule on plain zeros for its known-zero ``grads`` (Note [known-zero
+    gradients]): its results give the shapes of the known zeros handed on."""
+    plain = [None if g is None else torch.zeros(_shape(g), dtype=_dtype(g), device=_device(g))
+             for g in grads]
+    enabled = torch.is_grad_enabled()
+    _set_grad_enabled(False)
+    try:
+        return node.apply(plain, False)
+    finally:
+        _set_grad_enabled(enabled)
+
+
+def _known_zero(g):
+    """A known zero (torch's efficient zero tensor) shaped like gradient ``g``."""
+    if g._is_zerotensor():
+        return g
+    return torch._efficientzerotensor(_shape(g), dtype=_dtype(g), device=_device(g))
 
 
 def _apply_checked(node, grads, create_graph):

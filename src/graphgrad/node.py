@@ -563,6 +563,7 @@ class _AccumulateRule:
     params = ()
     keep = ()
     multi_output = False
+    known_zeros = False
 
 
 _ACCUMULATE_RULE = _AccumulateRule()

@@ -8,7 +8,7 @@ cdef class Rule:
     cdef public object kernel, saved_outputs, shaped, param_defaults, keyword_index, bind_tails
     cdef public Py_ssize_t n_required, kernel_ndim, n_positional
     cdef public bint saves_result, wants_needs, multi_output, elementwise, may_view, inplace_view
-    cdef public bint no_variadic, all_positional
+    cdef public bint no_variadic, all_positional, known_zeros
 
 
 # A Meta holds a shape (ints), a dtype and a device: it can be in no reference cycle, so the

@@ -204,7 +204,8 @@ class Rule:
     Traits, as declared (see ``derivative``): ``may_view`` (outputs may be views of inputs:
     dispatch checks and tags them), ``elementwise`` (gradients come shaped like the output),
     ``inplace_view`` (the in-place variants change a tensor's shape or strides, torch's
-    ``inplace_view`` tag). ``family`` is display only (docs/ops.md's grouping).
+    ``inplace_view`` tag), ``known_zeros`` (gradients may be torch's efficient zero tensor).
+    ``family`` is display only (docs/ops.md's grouping).
     """
 
     __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
@@ -212,7 +213,7 @@ class Rule:
                  "family", "keep_cache", "elementwise", "all_positional", "may_view", "saves",
                  "differentiable_outputs", "view", "inplace_view", "writes", "kernel",
                  "kernel_ndim", "saved_outputs", "shaped", "param_defaults", "n_positional",
-                 "keyword_index", "bind_tails", "no_variadic")
+                 "keyword_index", "bind_tails", "no_variadic", "known_zeros")
 
     def __init__(self, fn: Callable, kind: RuleKind, name: str | None = None,
                  multi_output: bool = False, saved_for: dict | None = None,
@@ -230,6 +231,7 @@ class Rule:
         self.kernel_ndim = 0  # ... for a first argument of at least this many dimensions
         self.saved_outputs = None  # the outputs the backward reads, when declared (derivative)
         self.shaped = None  # per parameter: is its gradient shaped like it? (derivative)
+        self.known_zeros = False  # may its gradients be torch's efficient zero? (derivative)
         self.keep_cache = {}  # which params need grad (bits) -> keep
         self.saves = saves
         self._set_traits(view, elementwise, inplace_view, family)
@@ -424,7 +426,8 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
                kernel: Callable | None = None,
                kernel_ndim: int = 0,
                saved_outputs: tuple[int, ...] | None = None,
-               shaped: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+               shaped: tuple[str, ...] = (),
+               known_zeros: bool = False) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the derivative rule of the torch functions ``funcs``.
 
     Its nodes are named ``node_name(fn.__name__)`` (``nll_loss`` -> ``NllLossBackward``)
@@ -477,6 +480,10 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
     gradients; the others (statistics a backward kernel reads, such as native_layer_norm's
     mean and rstd) require none, as torch's ``output_differentiability`` says.
 
+    ``known_zeros=True``: the rule may return torch's efficient zero tensor, a gradient known
+    to be zero (``sgn`` of a real tensor); the backward pass then carries it (see Note
+    [known-zero gradients] in executor.py).
+
     ``family`` groups the functions in docs/ops.md (default: the ops module of ``fn``).
 
     ``kernel``: a function called with the op's arguments in place of the torch function
@@ -504,6 +511,7 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
             rule.kernel_ndim = kernel_ndim
             rule.saved_outputs = None if saved_outputs is None else tuple(saved_outputs)
             rule.shaped = _shaped_positions(fn, rule.params, shaped)
+            rule.known_zeros = known_zeros
             return rule
 
         rule = _register(funcs, make())

@@ -588,7 +588,7 @@ def sign(grad, input: Meta):
     return torch.zeros_like(grad)
 
 
-@derivative(torch.sgn, T.sgn, inplace=(T.sgn_,), elementwise=True)
+@derivative(torch.sgn, T.sgn, inplace=(T.sgn_,), elementwise=True, known_zeros=True)
 def sgn(grad, input, *, result):
     """torch's sgn_backward: the derivative of z/|z| for complex tensors; for real ones a
     known zero (torch's efficient zero tensor: it stays zero through the rules before, so
