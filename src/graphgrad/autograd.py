@@ -17,6 +17,7 @@ from . import _compat
 from .dispatch import route
 from .executor import run_backward
 from .views import current_node
+from .wrap import wrap_output
 
 __all__ = ["backward", "grad", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
            "detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled"]
@@ -121,21 +122,34 @@ def grad(outputs: _TensorOrTensors, inputs: _TensorOrTensors,
     if not ins:
         raise RuntimeError("grad requires at least one input tensor")
     grads = _as_tuple(grad_outputs, "grad_outputs") if grad_outputs is not None else ()
-    if materialize_grads and allow_unused is False:
-        raise ValueError(
-            "Expected allow_unused to be True or not passed when materialize_grads=True, but "
-            "got: allow_unused=False. Leave allow_unused out: materialize_grads implies it.")
-    if allow_unused is None:
-        allow_unused = materialize_grads
+    allow_unused = _allow_unused(allow_unused, materialize_grads)
     if retain_graph is None:
         retain_graph = create_graph
     root_grads = _make_root_grads(outs, grads, create_graph)
     result = run_backward(outs, root_grads, retain_graph, create_graph, inputs=ins,
                           accumulate=False, allow_unused=allow_unused)
     if materialize_grads:
-        with _Disable():
-            result = tuple(torch.zeros_like(i) if g is None else g for g, i in zip(result, ins))
+        result = tuple(_zeros_for(i, create_graph) if g is None else g for g, i in zip(result, ins))
     return result
+
+
+def _allow_unused(allow_unused: bool | None, materialize_grads: bool) -> bool:
+    if materialize_grads and allow_unused is False:
+        raise ValueError(
+            "Expected allow_unused to be True or not passed when materialize_grads=True, but "
+            "got: allow_unused=False. Leave allow_unused out: materialize_grads implies it.")
+    return materialize_grads if allow_unused is None else allow_unused
+
+
+def _zeros_for(t: torch.Tensor, create_graph: bool) -> torch.Tensor:
+    """torch's gradient for an unused input under ``materialize_grads``:
+    ``zeros_like(t, requires_grad=create_graph)``, so under ``create_graph`` a new graphgrad
+    leaf that requires grad (it can be differentiated again, like the other results)."""
+    with _Disable():
+        zeros = torch.zeros_like(t)
+    if not create_graph:
+        return zeros
+    return wrap_output(zeros, None, 0).requires_grad_(True)
 
 
 def _torch_autograd_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
@@ -158,16 +172,23 @@ def _torch_autograd_grad(outputs, inputs, grad_outputs=None, retain_graph=None, 
     if any(g.shape[0] != n for g in batched):
         raise RuntimeError("is_grads_batched=True: every batched gradient needs the same first "
                            f"dimension (got {[tuple(g.shape) for g in batched]})")
+    ins = _as_tuple(inputs, "inputs")
+    allow_unused = _allow_unused(allow_unused, materialize_grads)
     rows = []
     for i in range(n):
         keep = True if i < n - 1 else retain_graph
         rows.append(grad(outputs, inputs, [g[i] for g in batched], keep, create_graph,
-                         allow_unused, materialize_grads))
+                         allow_unused))
     result = []
     for k in range(len(rows[0]) if rows else 0):
         column = [row[k] for row in rows]
-        result.append(None if all(g is None for g in column) else torch.stack(
-            [torch.zeros_like(_as_tuple(inputs, "inputs")[k]) if g is None else g for g in column]))
+        if all(g is None for g in column):
+            # torch materializes an unused input's gradient after its vmap: input-shaped zeros,
+            # without the batch dimension
+            result.append(_zeros_for(ins[k], create_graph) if materialize_grads else None)
+        else:
+            result.append(torch.stack([torch.zeros_like(ins[k]) if g is None else g
+                                       for g in column]))
     return tuple(result)
 
 

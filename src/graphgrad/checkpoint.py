@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import CheckpointError
 
 from . import _compat
 from .references import CheckedPack, current_saved_hooks, detached_message, modified_message
@@ -136,7 +137,7 @@ class _Frame:
         if metadata != self.metadata:
             differ = next((i for i, (a, b) in enumerate(zip(metadata, self.metadata)) if a != b),
                           min(len(metadata), len(self.metadata)))
-            raise RuntimeError(
+            raise CheckpointError(  # torch's class (a RuntimeError) for a recompute mismatch
                 f"gg.checkpoint: the recomputed forward saved {len(saved)} tensors but the "
                 f"original saved {self.count}, or different ones (first difference at saved "
                 f"tensor {differ}: {_describe(metadata, differ)} vs "

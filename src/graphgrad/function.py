@@ -124,6 +124,7 @@ class _FunctionRule:
 
     multi_output = True
     wants_needs = False
+    known_zeros = False
     saved_for = None
     family = "user"
 
@@ -448,11 +449,16 @@ def _is_view(t):
 
 
 def _save(node, ctx, outs):
-    """Save ctx.to_save: outputs as plain aliases (no cycle), the rest with version checks."""
+    """Save ctx.to_save: outputs as plain aliases (no cycle), the rest with version checks.
+
+    A non-differentiable output has no edge to the node: it is saved as any other tensor, so
+    backward sees it without grad, as torch's does (not re-attached under create_graph)."""
     kinds = []
     values = []
+    non_diff = {id(t) for t in ctx.non_differentiable}
     for t in ctx.to_save:
-        index = next((i for i, o in enumerate(outs) if o is t), -1) if t is not None else -1
+        differentiable = t is not None and id(t) not in non_diff and _floating(t)
+        index = next((i for i, o in enumerate(outs) if o is t), -1) if differentiable else -1
         kinds.append(index)
         if index >= 0:
             with _Disable():
