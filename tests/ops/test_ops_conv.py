@@ -230,3 +230,28 @@ def test_gradients_without_create_graph_are_torchs_own(transposed, wanted):
     got = gg.grad(out, [t for t in ours if t is not None and t.requires_grad], g)
     for a, e in zip(got, torch.autograd.grad(tout, want, g)):
         assert torch.equal(plain(a), e)
+
+
+@pytest.mark.parametrize("weight_requires_grad", [True, False])
+def test_same_padding_even_kernel_then_the_input_changed_in_place(weight_requires_grad):
+    """Issue 39 (a documented difference): for padding='same' with an even kernel torch pads a
+    copy of the input and saves the copy, so the input may change in place afterwards. The
+    rule here saves the input itself (and pads it again in backward): where the weight needs
+    a gradient that change is refused, as for any saved tensor; else the input is not saved
+    and the gradients equal torch's."""
+    x0, w0 = r(2, 3, 7), r(4, 3, 4)
+
+    def run(leaf):
+        a, w = leaf(x0), leaf(w0) if weight_requires_grad else w0.clone()
+        x = a * 1
+        y = F.conv1d(x, w, padding="same")
+        x.mul_(2)
+        (y * y).sum().backward()
+        return [a.grad, w.grad]
+
+    want = run(lambda t: t.clone().requires_grad_())
+    if weight_requires_grad:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            run(lambda t: gg.as_tensor(t.clone(), requires_grad=True))
+    else:
+        assert_grads_close(run(lambda t: gg.as_tensor(t.clone(), requires_grad=True)), want, "grad")

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import graphgrad as gg
-from op_cases import F64, Const, Randoms, T, case, check, check_case, compare, inplace
+from helpers import TOL_NAN
+from op_cases import F64, Const, Randoms, T, case, check, check_case, compare, inplace, plain
 from opdb_harness import opdb_test
 
 REFERENCE = {
@@ -341,6 +342,15 @@ CASES += [
     case("ormqr_method", lambda a, tau, c: a.ormqr(tau, c), r(4, 3), r(3), r(4, 2)),
 ]
 
+# einsum diagonals written back onto zeros (``_onto_diagonals``): labels out of order, split
+CASES += [
+    case("einsum_diagonal_out_of_order", lambda a: torch.einsum("jii->ij", a), r(2, 3, 3)),
+    case("einsum_diagonal_split", lambda a: torch.einsum("iji->j", a), r(3, 2, 3)),
+    case("einsum_diagonal_and_product", lambda a, b: torch.einsum("iij,jk->ik", a, b), r(3, 3, 2),
+         r(2, 4)),
+    case("einsum_two_diagonals", lambda a: torch.einsum("ijij->ji", a), r(2, 3, 2, 3)),
+]
+
 
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_case(c):
@@ -425,3 +435,53 @@ def test_linear_with_no_output_features():
     from op_cases import compare
     compare(lambda x, w: torch.nn.functional.linear(x, w), [torch.randn(2, 3, 8, dtype=F64),
                                                           torch.randn(0, 8, dtype=F64)])
+
+
+# -- an infinite or NaN incoming gradient ---------------------------------------------------
+# torch writes a diagonal's gradient onto zeros; a product with an identity matrix would turn
+# an infinite or NaN gradient into NaN off the diagonal (inf * 0).
+STRUCTURAL = {
+    "trace": (lambda a: a.trace(), (3, 3)),
+    "trace_wide": (lambda a: a.trace(), (2, 4)),
+    "einsum_diagonal": (lambda a: torch.einsum("ii->i", a), (3, 3)),
+    "einsum_trace": (lambda a: torch.einsum("ii", a), (3, 3)),
+    "einsum_diagonal_split": (lambda a: torch.einsum("iji->j", a), (3, 2, 3)),
+    "einsum_triple_repeat": (lambda a: torch.einsum("iii->i", a), (2, 2, 2)),
+    # gS with gU or gVh: the singular values' gradient is diag(gS) inside the formula
+    "svd_values_and_vectors": (lambda a: (lambda u, s, vh: torch.cat([s, u.reshape(-1)]))(
+        *torch.linalg.svd(a)), (3, 3)),
+    "svd_wide_values_and_vh": (lambda a: (lambda u, s, vh: torch.cat([s, vh.reshape(-1)]))(
+        *torch.linalg.svd(a, full_matrices=False)), (2, 4)),
+}
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
+@pytest.mark.parametrize("create_graph", [False, True], ids=["", "create_graph"])
+@pytest.mark.parametrize("name", list(STRUCTURAL))
+def test_infinite_or_nan_gradient_stays_off_the_zeros(name, create_graph, bad):
+    """Zeros where the gradient is structurally zero, as torch's: not ``inf * 0 = NaN``."""
+    fn, shape = STRUCTURAL[name]
+    a = r(*shape)
+    want_out = fn(a.clone().requires_grad_())
+    v = torch.linspace(-1, 1, want_out.numel(), dtype=F64).reshape(want_out.shape)
+    v.view(-1)[0] = bad
+    t_a, g_a = a.clone().requires_grad_(), gg.as_tensor(a.clone(), requires_grad=True)
+    (want,) = torch.autograd.grad(fn(t_a), [t_a], v)
+    (have,) = gg.grad(fn(g_a), [g_a], v, create_graph=create_graph)
+    assert int(plain(have).isnan().sum()) == int(want.isnan().sum())
+    torch.testing.assert_close(plain(have), want, **TOL_NAN)
+
+
+def test_trace_of_a_large_diagonal():
+    """The example of issue 39: exp(trace) overflows; the off-diagonal gradient stays 0."""
+    a = torch.tensor([[800.0, 2.0], [3.0, 4.0]], dtype=F64)
+    t_a, g_a = a.clone().requires_grad_(), gg.as_tensor(a.clone(), requires_grad=True)
+    t_a.trace().exp().backward()
+    g_a.trace().exp().backward()
+    assert torch.equal(g_a.grad, t_a.grad)
+    assert g_a.grad.tolist() == [[math.inf, 0.0], [0.0, math.inf]]
+
+
+def test_trace_of_a_wide_matrix_to_second_order():
+    """The gradient written onto zeros is recorded under create_graph and differentiates again."""
+    check(lambda a: a.trace(), r(2, 4))

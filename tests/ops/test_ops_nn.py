@@ -223,6 +223,27 @@ def test_cosine_similarity_tiny_norm_like_torch():
     compare(lambda a, b: F.cosine_similarity(a, b, eps=1e-8), [a, r(2, 3)])
 
 
+@pytest.mark.parametrize("s1,s2,raises", [((3, 4), (3, 4), True), ((4,), (4,), True),
+                                          ((3, 4), (1, 4), False), ((1, 4), (3, 4), False)], ids=str)
+def test_cosine_similarity_saves_inputs_of_one_shape_themselves(s1, s2, raises):
+    """torch broadcasts (views) only inputs of different shapes: an input of the same shape is
+    saved itself, so backward after its ``detach_()`` raises, as torch's does."""
+    def run(make, backward):
+        a, b = make(r(*s1, seed=1)), make(r(*s2, seed=2))
+        x = a * 1
+        y = F.cosine_similarity(x, b, dim=-1)
+        x.detach_()
+        try:
+            backward(y.sum())
+        except RuntimeError as e:
+            assert "detached in-place" in str(e)
+            return True
+        return False
+
+    assert run(lambda t: t.requires_grad_(), torch.Tensor.backward) is raises
+    assert run(lambda t: gg.as_tensor(t, requires_grad=True), lambda y: y.backward()) is raises
+
+
 @pytest.mark.parametrize("s1,s2,kwargs", [((4, 5), (4, 5), {}), ((3, 5), (5,), {"p": 1.0}),
                                           ((2, 3, 4), (3, 4), {"keepdim": True, "p": 3.0})], ids=str)
 def test_pairwise_distance(s1, s2, kwargs):

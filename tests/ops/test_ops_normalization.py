@@ -206,6 +206,57 @@ def test_group_norm(shape, groups, affine):
     compare(lambda x, *p: F.group_norm(x, groups, *p, eps=1e-3), [r(*shape)] + wb)
 
 
+@pytest.mark.parametrize("shape,groups", [((2, 4, 0), 2), ((0, 4, 3), 2), ((2, 4, 0, 3), 4),
+                                          ((2, 0, 3), 1), ((3, 2, 0), 1)], ids=str)
+@pytest.mark.parametrize("affine", [True, False])
+def test_group_norm_of_an_empty_input_to_second_order(shape, groups, affine):
+    """Empty groups under create_graph: empty gradients (and torch's NaN for the weight of
+    empty spatial groups), not a division by zero."""
+    c = shape[1]
+    wb = [r(c, seed=1), r(c, seed=2)] if affine else []
+    compare_leaves(lambda x, *p: F.group_norm(x, groups, *p), [r(*shape)] + wb)
+
+
+# A bias and no weight: torch's double-backward formulas add the bias term only with a weight
+# (torch raises there), and its group_norm kernel raises for the bias's first derivative;
+# graphgrad's derivatives equal torch's with a weight of ones.
+BIAS_ONLY = {
+    "layer": (lambda x, w, b: F.layer_norm(x, (4,), w, b), (3, 2, 4), (4,)),
+    "layer_two_dims": (lambda x, w, b: F.layer_norm(x, (2, 4), w, b), (3, 2, 4), (2, 4)),
+    "batch_train": (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), (3, 2, 4), (2,)),
+    "batch_eval": (lambda x, w, b: F.batch_norm(x, torch.full((2,), 0.1, dtype=D),
+                                                torch.full((2,), 1.5, dtype=D), w, b, training=False),
+                   (3, 2, 4), (2,)),
+    "instance": (lambda x, w, b: F.instance_norm(x, weight=w, bias=b), (3, 2, 4), (2,)),
+    "group": (lambda x, w, b: F.group_norm(x, 1, w, b), (3, 2, 4), (2,)),
+}
+
+
+@pytest.mark.parametrize("name", list(BIAS_ONLY))
+def test_bias_without_weight_to_second_order(name):
+    fn, shape, param = BIAS_ONLY[name]
+
+    def ours_or_ones(x, b):  # torch's reference: a weight of ones (constant)
+        return fn(x, None if isinstance(x, gg.Tensor) else torch.ones(param, dtype=D), b)
+
+    compare(ours_or_ones, [r(*shape), r(*param, seed=1)])
+    # first order, fused kernels (group_norm's raises for a bias without a weight, torch's too)
+    compare(ours_or_ones, [r(*shape), r(*param, seed=1)], second_order=False)
+    x, b = (gg.as_tensor(t, requires_grad=True) for t in (r(*shape), r(*param, seed=1)))
+    assert gg.gradgradcheck(lambda x, b: fn(x, None, b).pow(2), [x, b])
+
+
+def test_bias_without_weight_issue_example():
+    """Issue 39: d/db of (grad_x.sum() + grad_b.sum()) for y = layer_norm(x, (2,), None, b) and
+    the loss (y * y).sum() is 2N for N rows."""
+    x = gg.as_tensor(r(5, 2), requires_grad=True)
+    b = gg.as_tensor(r(2, seed=1), requires_grad=True)
+    y = F.layer_norm(x, (2,), None, b)
+    gx, gb = gg.grad((y * y).sum(), [x, b], create_graph=True)
+    (gx.sum() + gb.sum()).backward()
+    torch.testing.assert_close(b.grad, torch.full((2,), 10.0, dtype=D), **TOL)
+
+
 @pytest.mark.parametrize("shape,normalized", [((5,), (5,)), ((3, 4), (4,)), ((2, 3, 4), (3, 4))], ids=str)
 @pytest.mark.parametrize("eps", [None, 1e-3])
 @pytest.mark.parametrize("affine", [True, False])

@@ -193,3 +193,25 @@ def test_grid_sample_uses_torch_kernel_without_create_graph():
 def test_native_channel_shuffle():
     """torch has no derivative for native_channel_shuffle; graphgrad's is channel_shuffle's."""
     check(lambda x: torch.native_channel_shuffle(x, 2), r(2, 4, 3), ref=lambda x: torch.channel_shuffle(x, 2))
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+def test_pad_keeps_only_the_shape_so_a_second_backward_runs(mode):
+    """Issue 39 (a documented difference): torch keeps the input of a reflect/replicate pad (a
+    graph of copies for circular) and refuses a second backward without retain_graph; the rule
+    here is linear and reads only the input's shape, keeps no tensor, and a second backward
+    adds the same gradient again."""
+    x = gg.as_tensor(r(1, 2, 5), requires_grad=True)
+    padded = F.pad(x, (2, 1), mode=mode)
+    assert not any(isinstance(v, T) for v in padded.grad_fn.saved_values.values())
+    y = padded.sum()  # (reflected and repeated positions count more than once)
+    y.backward()
+    first = x.grad.clone()
+    y.backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+    t = x.detach().as_subclass(torch.Tensor).clone().requires_grad_()
+    ty = F.pad(t, (2, 1), mode=mode).sum()
+    ty.backward()
+    torch.testing.assert_close(t.grad, first)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        ty.backward()

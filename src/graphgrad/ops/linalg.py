@@ -300,6 +300,21 @@ def _einsum_labels(equation: str, operands) -> tuple[list[list[str]], list[str]]
     return labels, expand(rhs, n_ellipsis + len(rhs.replace("...", "")))
 
 
+def _onto_diagonals(g, have, want):
+    """``g``, one dimension per label of ``have`` (distinct), laid out as ``want``, whose
+    repeated labels are diagonals: zeros off them, as torch's ``diagonal`` backward gives (a
+    product with an identity matrix would turn an infinite gradient into NaN there)."""
+    if len(have) == len(want):
+        return g
+    have = list(have)
+    for pos, c in enumerate(want):
+        if c in want[:pos]:  # one more copy of c's dimension, with c's on a diagonal
+            g = torch.diag_embed(g.movedim(have.index(c), -1))
+            have.remove(c)
+            have += [c, pos]
+    return g.permute([have.index(pos if c in want[:pos] else c) for pos, c in enumerate(want)])
+
+
 def _einsum_saves(values, keep, needs):
     """Operand ``j``'s values only if another operand needs a gradient (they are its factors),
     else its Meta, as torch saves only what the gradients use: an operand changed in place
@@ -316,14 +331,13 @@ def _einsum_saves(values, keep, needs):
 def einsum(grad, equation, *operands, needs_input_grad):
     """Each operand's gradient is another einsum: ``grad`` times the other operands.
 
-    A label repeated within one operand (a diagonal) is split into two labels joined by an
-    identity matrix; a label that only that operand has (summed out) is broadcast back by a
+    A label repeated within one operand (a diagonal) is computed once and written onto the
+    diagonal of zeros; a label that only that operand has (summed out) is broadcast back by a
     vector of ones. Broadcast size-1 dimensions are summed back by the engine.
     """
     if not needs_input_grad[1]:
         return None
     labels, out = _einsum_labels(equation, operands)
-    unused = [c for c in _LETTERS if c not in {c for term in labels for c in term} | set(out)]
     grads = []
     for k, op in enumerate(operands):
         # (every floating operand whose factors were saved: a saved operand's requires_grad
@@ -336,24 +350,16 @@ def einsum(grad, equation, *operands, needs_input_grad):
             continue
         terms = [out] + [labels[j] for j in range(len(operands)) if j != k]
         args = [grad] + [_cj(operands[j]) for j in range(len(operands)) if j != k]
-        target = list(labels[k])
-        for pos, c in enumerate(target):
-            if c in target[:pos]:  # a diagonal: x[i, i] is x[i, j] * eye[i, j]
-                if not unused:
-                    raise NotImplementedError("graphgrad: einsum with more than 52 labels is "
-                                              "not supported")
-                fresh = unused.pop()
-                target[pos] = fresh
-                terms.append([c, fresh])
-                args.append(torch.eye(op.shape[pos], dtype=op.dtype, device=op.device))
+        target = list(dict.fromkeys(labels[k]))  # a repeated label (a diagonal) once
         present = {c for term in terms for c in term}
-        for pos, c in enumerate(target):
+        for c in target:
             if c not in present:  # summed out of this operand only: broadcast it back
                 terms.append([c])
-                args.append(torch.ones(op.shape[pos], dtype=op.dtype, device=op.device))
+                args.append(torch.ones(op.shape[labels[k].index(c)], dtype=op.dtype,
+                                       device=op.device))
                 present.add(c)
         spec = ",".join("".join(term) for term in terms) + "->" + "".join(target)
-        g = torch.einsum(spec, *args)
+        g = _onto_diagonals(torch.einsum(spec, *args), target, labels[k])
         if any(s == 1 and n != 1 for s, n in zip(g.shape, op.shape)):
             # a label this operand has in full but every other operand broadcast (size 1)
             g = g.expand([n if s == 1 else -1 for s, n in zip(g.shape, op.shape)])
@@ -388,8 +394,8 @@ def _svd_backward(gU, gS, gVh, U, S, Vh):
         inner = UhgU * (S.unsqueeze(-2) / E)
     else:
         inner = S.unsqueeze(-1) * (VhgV / E)
-    if gS is not None:
-        inner = inner + gS.unsqueeze(-1) * eye
+    if gS is not None:  # (not gS * eye: an infinite gS would give NaN off the diagonal)
+        inner = inner + torch.diag_embed(gS)
     if m > n and gU is not None:
         gA = U @ inner
         gUSinv = gU / S.unsqueeze(-2)
@@ -500,8 +506,9 @@ def linalg_norm(input, ord=None, dim=None, keepdim=False, *, out=None, dtype=Non
 
 @derivative(torch.trace, T.trace, view=False)
 def trace(grad, input: Meta):
-    """The gradient is ``grad`` on the diagonal of a matrix of the input's shape."""
-    return torch.eye(input.shape[0], input.shape[1], dtype=grad.dtype, device=grad.device) * grad
+    """The gradient is ``grad`` on the diagonal of a matrix of the input's shape, written
+    into zeros (``eye * grad`` would turn an infinite ``grad`` into NaN off the diagonal)."""
+    return torch.diagonal_scatter(grad.new_zeros(input.shape), grad.expand(min(input.shape)))
 
 
 # -- solves, inverses, determinants, factorizations ------------------------------------------

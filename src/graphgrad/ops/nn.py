@@ -337,9 +337,12 @@ decomposition(F.normalize, view=False)(torch_body(F.normalize))
 
 @decomposition(torch.cosine_similarity, view=False)
 def cosine_similarity(x1, x2, dim=1, eps=1e-8):
-    """ATen's formula: each input over its norm, the norms clamped to ``eps`` outside autograd."""
-    shape = torch.broadcast_shapes(x1.shape, x2.shape)
-    x1, x2 = x1.expand(shape), x2.expand(shape)
+    """ATen's formula: each input over its norm, the norms clamped to ``eps`` outside autograd.
+    Inputs of one shape are used as they are (``expand_outplace``), so the nodes save the
+    inputs themselves, not views of them: their ``detach_()`` is then refused, as in torch."""
+    if x1.shape != x2.shape:
+        shape = torch.broadcast_shapes(x1.shape, x2.shape)
+        x1, x2 = x1.expand(shape), x2.expand(shape)
     n1 = torch.linalg.vector_norm(x1, 2, dim, keepdim=True).clone()
     n2 = torch.linalg.vector_norm(x2, 2, dim, keepdim=True).clone()
     with torch.no_grad():

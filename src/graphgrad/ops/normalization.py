@@ -167,7 +167,7 @@ def native_batch_norm_backward(grads, grad_out, input, weight, running_mean, run
         if affine and ggW is not None:
             term = ggW.reshape(shape) * x_mu * invstd
             g_grad_out = term if g_grad_out is None else g_grad_out + term
-        if affine and ggB is not None:
+        if ggB is not None:  # with or without a weight (torch's formula needs one)
             term = ggB.reshape(shape).expand(input.shape)
             g_grad_out = term if g_grad_out is None else g_grad_out + term
     return g_grad_out, g_input, g_weight
@@ -272,7 +272,7 @@ def native_layer_norm_backward(grads, grad_out, input, normalized_shape, mean, r
         if affine and ggW is not None:
             term = ggW.reshape(1, N) * x_mu * invstd
             g_grad_out = term if g_grad_out is None else g_grad_out + term
-        if affine and ggB is not None:
+        if ggB is not None:  # with or without a weight (torch's formula needs one)
             term = ggB.reshape(1, N)
             g_grad_out = term if g_grad_out is None else g_grad_out + term
         if g_grad_out is not None:
@@ -324,15 +324,22 @@ def native_group_norm(grads, input, weight, bias, N, C, HxW, group, eps, *, resu
     if dY is None:
         return None
     fmt = _memory_format(input) if input.device.type == "cpu" else torch.contiguous_format
-    return _native_group_norm_backward_kernel(
+    mask = _mask(needs_input_grad, 0, 1, 2)
+    grad_bias = None
+    if weight is None and mask[2]:  # the kernel raises for a bias without a weight (torch too)
+        grad_bias, mask[2] = _sum_but_channels(dY, keepdim=False), False
+        if not mask[0]:
+            return None, None, grad_bias
+    grads = _native_group_norm_backward_kernel(
         dY.contiguous(memory_format=fmt), input.contiguous(memory_format=fmt), mean, rstd, weight,
-        N, C, HxW, group, _mask(needs_input_grad, 0, 1, 2))
+        N, C, HxW, group, mask)
+    return grads if grad_bias is None else (grads[0], None, grad_bias)
 
 
 def _group_norm_grads(dY, dmean, drstd, input, mean, rstd, weight, N, C, HxW, group, eps, needs):
     """Gradients of (output, mean, rstd) in recorded ops, so that they differentiate again."""
     D = C // group
-    s = 1.0 / (D * HxW)
+    s = 1.0 / (D * HxW) if D * HxW else 0.0  # empty groups: every term s scales is empty
     X = input.reshape(N, group, D, HxW)
     mean4, rstd4 = mean.reshape(N, group, 1, 1), rstd.reshape(N, group, 1, 1)
     dX = dgamma = dbeta = None
