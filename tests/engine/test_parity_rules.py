@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import graphgrad as gg
 from parity import Lib, same_as_torch
 
 A = [[0.5, -1.0, 2.0], [1.5, 0.25, -0.75]]
@@ -377,6 +378,29 @@ def test_documented_differences_in_what_rules_keep(table, torch_raises):
 
 
 
+# Deliberate (issue 39, item 11): a backward through these runs a second time in graphgrad,
+# whose rules keep no tensor for them; torch refuses it as a second backward (its CopySlices
+# drops the op it wraps after one pass). The first pass's gradients are the same.
+SECOND_BACKWARD_ONLY_IN_GRAPHGRAD = {
+    "setitem_slice": (lambda lib: [_pos(lib), lib.leaf([4.0])],
+                      lambda x, z: _set_first(x * 2, z)),
+    "setitem_number": (lambda lib: [_pos(lib)], lambda x: _set_first(x.clone(), 5.0)),
+}
+
+
+def _set_first(y, value):
+    y[:1] = value
+    return y
+
+
+@pytest.mark.parametrize("name", SECOND_BACKWARD_ONLY_IN_GRAPHGRAD)
+def test_documented_second_backwards_that_torch_refuses(name):
+    make, op = SECOND_BACKWARD_ONLY_IN_GRAPHGRAD[name]
+    twice = _changed_in_place(make, op, None, twice=True)
+    assert (_outcome(twice, "torch"), _outcome(twice, "gg")) == ("freed", "ok")
+    same_as_torch(_changed_in_place(make, op, None))
+
+
 def test_fill_zero_and_xlogy_spellings_match_torch():
     """Rules added with this comparison: fill_/zero_ (a zero gradient for the old values, the
     sum for a tensor fill value) and every spelling of xlogy."""
@@ -426,5 +450,88 @@ def test_prod_with_a_zero_and_a_nan_as_torch(dim):
         y = x.prod() if dim is None else x.prod(dim)
         y.sum().backward()
         return g, x.grad
+
+    same_as_torch(program)
+
+
+# -- issue 39, item 1: an output that aliases an input is a view of it -----------------------
+ALIASING_EQUATIONS = {"transpose": "ij->ji", "identity": "ij->ij", "implicit": "ij",
+                      "diagonal": "ii->i", "permute3": "ijk->kji"}
+
+
+def _square(lib, equation):
+    data = [[0.5, -1.0, 2.0], [1.5, 0.25, -0.75], [1.0, 2.0, 3.0]]
+    if equation.count(",") == 0 and len(equation.split("->")[0]) == 3:
+        return lib.leaf([data, [[2 * v for v in row] for row in data]])
+    return lib.leaf(data)
+
+
+@pytest.mark.parametrize("equation", ALIASING_EQUATIONS.values(), ids=ALIASING_EQUATIONS.keys())
+def test_einsum_that_returns_its_operand_is_a_view_of_it(equation):
+    """Found by random programs against torch.autograd: ``einsum('ij->ji', y)`` is ``y``'s
+    transpose in both libraries, but graphgrad did not make it a view for autograd, so an
+    in-place change through one alias missed the other's gradient (x.grad 1 where torch's
+    is 3), and an in-place op on such a view of a leaf was allowed."""
+    def operand_changed(lib):
+        x = _square(lib, equation)
+        y = x * 1
+        e = torch.einsum(equation, y)
+        y.mul_(3)
+        (e * e).sum().backward()
+        return x.grad, e
+
+    def result_changed(lib):
+        x = _square(lib, equation)
+        y = x * 1
+        torch.einsum(equation, y).mul_(3)
+        (y * y).sum().backward()
+        return x.grad, y
+
+    def of_a_leaf(lib):
+        torch.einsum(equation, _square(lib, equation)).relu_()
+
+    def made_under_no_grad(lib):
+        y = _square(lib, equation) * 1
+        with torch.no_grad():
+            e = torch.einsum(equation, y)
+        e.mul_(2)
+
+    same_as_torch(operand_changed)
+    same_as_torch(result_changed)
+    same_as_torch(of_a_leaf, RuntimeError, "a view of a leaf Variable", "view of a leaf Variable")
+    same_as_torch(made_under_no_grad, RuntimeError, "no_grad mode", "no_grad mode")
+
+
+# -- issue 39, item 5: in-place ops on views that overlap themselves --------------------------
+OVERLAPPING = {
+    "unfold": lambda y: y.unfold(0, 2, 1),
+    "as_strided": lambda y: y.as_strided((2, 2), (1, 1)),
+}
+
+
+@pytest.mark.parametrize("make", OVERLAPPING.values(), ids=OVERLAPPING.keys())
+def test_an_in_place_op_on_a_view_that_overlaps_itself_is_refused(make):
+    """``y.unfold(0, 2, 1).lerp_(w, .5)`` writes two elements of the view to one location;
+    the op has no derivative there. torch's overlap check gives up on such layouts and its
+    gradient comes out wrong ([.5, 2, .5] for [.5, .5, .5]); graphgrad refuses it as it
+    refuses an in-place op on an expanded view (a deliberate difference,
+    docs/reliability.md)."""
+    x = gg.as_tensor(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), requires_grad=True)
+    y = x * 1
+    with pytest.raises(RuntimeError, match="single memory location"):
+        make(y).lerp_(torch.ones(2, 2, dtype=torch.float64), 0.5)
+    y.sum().backward()  # nothing changed: the graph is intact
+    assert torch.equal(x.grad, torch.ones(3, dtype=torch.float64))
+
+
+def test_an_in_place_op_on_a_view_that_does_not_overlap_is_recorded():
+    """The exact check: a stepped unfold, and a layout no sort-by-stride test clears."""
+    def program(lib):
+        x = lib.leaf([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+        y = x * 1
+        y.unfold(0, 2, 2).mul_(2)  # windows side by side
+        y.as_strided((3, 2), (2, 3)).mul_(3)  # offsets 0, 3, 2, 5, 4, 7: all distinct
+        (y * y).sum().backward()
+        return x.grad, y
 
     same_as_torch(program)
