@@ -368,6 +368,30 @@ def test_cdist_twice_against_the_norm_of_differences(p):
                         [gg.as_tensor(a, requires_grad=True), gg.as_tensor(b, requires_grad=True)])
 
 
+def _pdist_ref(p):
+    def ref(x):
+        i, j = torch.triu_indices(x.shape[0], x.shape[0], 1)
+        return torch.linalg.vector_norm(x[i] - x[j], p, -1)
+    return ref
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, math.inf])
+def test_pdist_under_create_graph_against_the_norm_of_differences(p):
+    """torch's pdist gradient has no derivative, so torch.autograd raises at a second one and
+    graphgrad raised already at the first backward with create_graph=True (found checking
+    issue 39). graphgrad's first and second derivatives against the same distances written
+    as vector_norm, and the first against torch's kernel."""
+    x = r(5, 3)
+    check(lambda t: torch.pdist(t, p), x, ref=_pdist_ref(p))
+    t = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(torch.pdist(t, p).square().sum(), [t], create_graph=True)
+    g = gg.as_tensor(x.clone(), requires_grad=True)
+    (have,) = gg.grad(torch.pdist(g, p).square().sum(), [g], create_graph=True)
+    torch.testing.assert_close(have.detach().as_subclass(torch.Tensor), want.detach(), **TOL_NAN)
+    if 0 < p < math.inf:
+        assert gg.gradgradcheck(lambda t: torch.pdist(t, p), [gg.as_tensor(x, requires_grad=True)])
+
+
 def test_cdist_first_derivative_with_equal_points_and_p_below_1():
     """Where a distance or a coordinate difference is 0, torch's choice (0) is kept."""
     a = torch.tensor([[0.0, 1.0, 2.0], [1.0, 1.0, 1.0]], dtype=F64)

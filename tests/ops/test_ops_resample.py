@@ -190,6 +190,27 @@ def test_grid_sample_uses_torch_kernel_without_create_graph():
         assert torch.equal(a.detach().as_subclass(torch.Tensor), b)
 
 
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("dims", [2, 3])
+def test_grid_sample_with_a_grid_that_requires_no_grad(create_graph, dims):
+    """Found while checking issue 39: with a plain grid the rule kept only the input's shape,
+    which torch's backward kernel (and the create_graph formula) needs the values of."""
+    x = r(1, 2, 4, 5) if dims == 2 else r(1, 2, 3, 4, 3)
+    grid = r(1, 3, 2, 2) if dims == 2 else r(1, 2, 2, 2, 3)
+    t = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(F.grid_sample(t, grid, align_corners=False).square().sum(), [t],
+                                  create_graph=create_graph)
+    g = gg.as_tensor(x.clone(), requires_grad=True)
+    (have,) = gg.grad(F.grid_sample(g, gg.as_tensor(grid), align_corners=False).square().sum(),
+                      [g], create_graph=create_graph)
+    torch.testing.assert_close(have.detach().as_subclass(torch.Tensor), want.detach(),
+                               rtol=1e-7, atol=1e-7)
+    if create_graph:
+        (want2,) = torch.autograd.grad(want.sum(), [t])
+        (have2,) = gg.grad(have.sum(), [g])
+        torch.testing.assert_close(have2, want2, rtol=1e-7, atol=1e-7)
+
+
 def test_native_channel_shuffle():
     """torch has no derivative for native_channel_shuffle; graphgrad's is channel_shuffle's."""
     check(lambda x: torch.native_channel_shuffle(x, 2), r(2, 4, 3), ref=lambda x: torch.channel_shuffle(x, 2))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..codes import KEEP_META, KEEP_VALUE
 from ..rules import Meta, decomposition, derivative
+from .reduction import vector_norm as _vector_norm_grad
 
 T = torch.Tensor
 
@@ -1325,6 +1326,12 @@ def eigvals(grad, A, *, out=None):
 
 @derivative(torch.pdist, view=False)
 def pdist(grad, input, p=2, *, result):
-    """torch's ``_pdist_backward`` kernel (torch has no second derivative of pdist either: under
-    ``create_graph`` its kernel raises graphgrad's no-rule error)."""
-    return torch.ops.aten._pdist_backward(grad.contiguous(), input, p, result)
+    """torch's ``_pdist_backward`` kernel; under ``create_graph`` (which that kernel cannot
+    serve: torch's own gradient has no derivative) the same gradient in recorded ops, each
+    pair's by ``vector_norm``'s rule, so it differentiates again."""
+    if not torch.is_grad_enabled():
+        return torch.ops.aten._pdist_backward(grad.contiguous(), input, p, result)
+    n = input.shape[0]
+    i, j = torch.triu_indices(n, n, 1, device=input.device)
+    g = _vector_norm_grad(grad, input[i] - input[j], p, -1, result=result)
+    return torch.zeros_like(input).index_add(0, i, g).index_add(0, j, -g)

@@ -161,14 +161,14 @@ def affine_grid_generator(grad, theta: Meta, size, align_corners):
     return linear_adjoint(grad, forward, adjoint)
 
 
-@derivative(torch.grid_sampler, torch.grid_sampler_2d, torch.grid_sampler_3d,
-            saved_for={"input": "grid", "grid": ("input", "grid")}, view=False)
+@derivative(torch.grid_sampler, torch.grid_sampler_2d, torch.grid_sampler_3d, view=False)
 def grid_sampler(grad, input, grid, interpolation_mode, padding_mode, align_corners, *,
                  needs_input_grad):
     """torch's backward kernel (``grid_sampler_2d_backward`` / ``_3d_``) when no higher derivative
     is wanted; under ``create_graph`` the same gradients as a formula in recorded ops (taps read
     with ``gather``, added back with ``scatter_add``, weights as functions of the grid), which
-    graphgrad differentiates again to any order."""
+    graphgrad differentiates again to any order. Keeps the input and the grid, as torch does:
+    the kernel reads the input's values even for the input's own gradient."""
     if torch.is_grad_enabled():
         return _grid_sample_grads(grad, input, grid, interpolation_mode, padding_mode,
                                   align_corners, needs_input_grad)
