@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from .._compat import is_write_argument
 from .errors import CaptureError
 from .plan import Plan
-from .program import Kind, Program, Value
+from .program import Kind, Program, Value, values_in
 from .segments import KernelSegment
 
 __all__ = ["CudaGraphRunner", "graph_segments"]
@@ -104,6 +105,32 @@ def _inputs(k) -> list[Value]:
     return out
 
 
+def _written_storages(seg: KernelSegment) -> set[int]:
+    """The storages the segment's kernels write into (in place, ``out=``)."""
+    written: set[int] = set()
+    for k in seg.kernels:
+        for i, a in enumerate(k.func._schema.arguments):
+            if is_write_argument(a):
+                target = k.kwargs.get(a.name, k.args[i] if i < len(k.args) else None)
+                written.update(v.storage for v in values_in(target))
+    return written
+
+
+def _copied_apart(seg: KernelSegment, fixed: tuple[bool, ...], written: set[int]) -> str:
+    """A graph reads each copied input from a buffer of its own: inputs that share memory (two
+    views of one argument's storage, an argument that views a parameter) would no longer see
+    each other's writes. The argument guard keeps the sharing between arguments as recorded
+    (Note [Argument offsets] in guards.py), so this holds for every replay of the plan; an
+    argument that comes to share a parameter's memory only in a later call is not seen."""
+    on: dict[int, list[bool]] = {}
+    for v, f in zip(seg.inputs, fixed):
+        on.setdefault(v.storage, []).append(f)
+    for storage, fixed_flags in on.items():
+        if len(fixed_flags) > 1 and not all(fixed_flags) and storage in written:
+            return "inputs that share memory, written in place, would be copied apart"
+    return ""
+
+
 def graph_segments(plan: Plan, prog: Program, required: bool) -> None:
     """Wrap each graphable kernel segment of a CUDA plan in a CudaGraphRunner."""
     pool = torch.cuda.graph_pool_handle()
@@ -111,15 +138,17 @@ def graph_segments(plan: Plan, prog: Program, required: bool) -> None:
     for seg in plan.segments:
         if not isinstance(seg, KernelSegment):
             continue
-        why = _why_not(seg)
+        fixed = tuple(v.kind is Kind.EXTERNAL or v in graphed_outputs for v in seg.inputs)
+        written_storages = _written_storages(seg)
+        why = _why_not(seg) or _copied_apart(seg, fixed, written_storages)
         if why:
             if required:
                 raise CaptureError(f"gg.capture(cuda_graph=True): segment {seg.name} cannot run in a "
                                    f"CUDA graph: {why}.")
             warnings.warn(f"gg.capture: segment {seg.name} runs without a CUDA graph ({why})", stacklevel=4)
             continue
-        fixed = tuple(v.kind is Kind.EXTERNAL or v in graphed_outputs for v in seg.inputs)
-        written = tuple(i for i, v in enumerate(seg.inputs) if not fixed[i] and v.written)
+        # (a write into a view of a copied input writes its storage: copy that input back too)
+        written = tuple(i for i, v in enumerate(seg.inputs) if not fixed[i] and v.storage in written_storages)
         seg.fn = CudaGraphRunner(seg.fn, fixed, written, pool, seg.name, required)
         seg.fn.inner = seg.runner
         seg.runner = f"cuda graph ({seg.runner})"

@@ -87,6 +87,12 @@ class Program:
     by_id: dict[int, Value] = field(default_factory=dict)  # id(tensor) -> value (while recorded)
     recorded_calls: int = 0
     dropped: int = 0
+    # storages the step addressed by absolute position (Note [Argument offsets] in guards.py)
+    addressed: set[int] = field(default_factory=set)
+
+    def pinned_arguments(self) -> tuple[int, ...]:
+        """Positions of the arguments on an ``addressed`` storage: their offsets stay guarded."""
+        return tuple(sorted(v.index for v in self.arguments.values() if v.storage in self.addressed))
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -101,6 +107,19 @@ def _nbytes(t: torch.Tensor) -> int:
         return t.untyped_storage().nbytes()
     except Exception:
         return t.numel() * t.element_size()
+
+
+_OFFSET_ARGUMENT: dict[Any, int] = {}
+
+
+def _offset_argument(func: Any) -> int:
+    """The position of an op's ``storage_offset`` argument (an absolute position in the storage
+    of its first argument: ``as_strided``, ``as_strided_scatter``, ``set_``), or -1."""
+    at = _OFFSET_ARGUMENT.get(func)
+    if at is None:
+        at = next((i for i, a in enumerate(func._schema.arguments) if a.name == "storage_offset"), -1)
+        _OFFSET_ARGUMENT[func] = at
+    return at
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -177,6 +196,9 @@ class _Builder:
             return
         args = self.lower(call.args)
         kwargs = {k: self.lower(v) for k, v in call.kwargs.items()}
+        at = _offset_argument(func)
+        if at >= 0 and call.kwargs.get("storage_offset", args[at] if at < len(args) else None) is not None:
+            self.prog.addressed.update(v.storage for v in values_in(args[:1]))  # (self's storage)
         for i, a in enumerate(func._schema.arguments):
             if is_write_argument(a):
                 target = call.kwargs.get(a.name, args[i] if i < len(args) else None)
@@ -234,6 +256,7 @@ class _Builder:
 def build_program(recording: Recording, flat_args: list[Any]) -> Program:
     """Number the step's tensors and keep the calls that compute or write."""
     b = _Builder(recording, flat_args)
+    b.prog.addressed.update(recording.addressed)
     for index, call in enumerate(recording.calls):
         b.add(index, call)
     return b.finish()

@@ -46,6 +46,8 @@ _PYTHON_READS = {
     _T.__bool__: "bool(tensor) (an `if` on a tensor)", _T.__float__: "float(tensor)",
     _T.__int__: "int(tensor)", _T.__index__: "using a tensor as an index", _T.__complex__: "complex(tensor)",
 }
+# Python reads of where a tensor sits in its storage: Note [Argument offsets] in guards.py
+_POSITION_READS = frozenset({_T.storage_offset, _T.data_ptr})
 
 
 @dataclass(eq=False)
@@ -83,6 +85,7 @@ class Recording:
     accumulations: list = field(default_factory=list)  # (call index, leaf, .grad before)
     modules: dict = field(default_factory=dict)  # id -> (module, its training flag when called)
     pristine: dict = field(default_factory=dict)  # call index of lift_fresh -> copy of its constant
+    addressed: set = field(default_factory=set)  # storages whose position Python read (offset, pointer)
 
 
 def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -174,6 +177,8 @@ class _PythonReads(TorchFunctionMode):
         what = _PYTHON_READS.get(func)
         if what is not None and not (args and self.recorder.is_constant(args[0])):
             self.recorder.refuse(what, "it reads a tensor's value into Python")
+        if func in _POSITION_READS and args and isinstance(args[0], torch.Tensor):
+            self.recorder.recording.addressed.add(_storage(args[0]))
         return func(*args, **(kwargs or {}))
 
 

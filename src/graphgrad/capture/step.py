@@ -167,7 +167,8 @@ class CapturedStep:
             result_flat, result_spec = pytree.tree_flatten(out)
         prog = build_program(recording, flat)
         _state_guards(state, prog, recording, known_pre, self._leaves)
-        plan = build_plan(prog, recording.spans, arg_guard=ArgumentGuard(spec, flat), state_guard=state,
+        plan = build_plan(prog, recording.spans, state_guard=state,
+                          arg_guard=ArgumentGuard(spec, flat, pinned=prog.pinned_arguments()),
                           end_grads=end_grads, known_pre=known_pre, autocast_off=autocast_off,
                           results=(result_spec, [(r, type(r) if isinstance(r, torch.Tensor) else None)
                                                  for r in result_flat]),
