@@ -11,6 +11,10 @@ on its first float64 samples (``opdb_harness.classify``) and stored, entry by en
 ``docs/opdb_coverage.json``; docs/ops.md shows the totals, the failures grouped by reason and
 the functions reached through torch's decompositions (``graphgrad.decompose``).
 ``tests/ops/test_opdb_coverage.py`` reruns one sample per entry against that file.
+
+Beside it, the figures of torch.nn's own module database (``module_db``) as
+``tests/api/test_module_db.py`` runs it: its ``FIGURES``, which a whole run of that file checks
+(``python tests/api/test_module_db.py`` measures them from torch's side).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from torch.utils import _pytree as pytree
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "ops.md"
 COVERAGE = ROOT / "docs" / "opdb_coverage.json"
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "ops")]  # the helpers, the op tests
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "ops"),  # the helpers, the op tests,
+                str(ROOT / "tests" / "api")]                         # the module_db test
 
 from graphgrad import decompose, dispatch  # noqa: E402
 from graphgrad.rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name  # noqa: E402
@@ -176,6 +181,55 @@ def render_coverage(report: dict) -> list[str]:
     return lines
 
 
+#: the samples per ModuleInfo and mode in the pure-Python run of scripts/test.sh
+#: (its GRAPHGRAD_OPDB_SAMPLE_CAP)
+PURE_RUN_CAP = 4
+
+
+def _by_module(counts: dict) -> list[str]:
+    """Rows ``| ModuleInfo | samples | reason |`` from {"name: reason": count}."""
+    rows = []
+    for key, count in counts.items():
+        name, reason = key.split(": ", 1)
+        rows.append(f"| {name} | {count} | {reason} |")
+    return ["| ModuleInfo | samples | reason |", "|---|---|---|", *rows] if rows else ["None."]
+
+
+def render_module_db() -> list[str]:
+    from test_module_db import FIGURES, cases
+
+    f = FIGURES
+    declined, skipped = sum(f["declined"].values()), sum(f["skipped"].values())
+    first_only = sum(f["first order only"].values())
+    lines = [
+        "## Coverage over torch.nn's module_db", "",
+        "Every ModuleInfo in `torch.testing._internal.common_modules.module_db` (one per torch.nn",
+        "module), in training and in eval mode, on all its float64 samples",
+        "(`tests/api/test_module_db.py`): the module is built on torch and a deep copy adopted",
+        "with `gg.nn.adopt` (lazy modules before their first forward); both run the sample's",
+        "inputs. Outputs, the state after forward (running statistics, materialized parameters),",
+        "gradients w.r.t. inputs and parameters and, where the ModuleInfo supports gradgrad,",
+        "second derivatives are compared with torch.autograd at rtol=atol=1e-7. A sample torch",
+        "cannot run or differentiate is skipped, never counted as passing. A whole run of the",
+        "file checks these figures; the pure-Python run of `scripts/test.sh` runs the first",
+        f"{PURE_RUN_CAP} samples of each ModuleInfo and mode ({len(cases(PURE_RUN_CAP))} samples).",
+        "",
+        f"**{f['modules']} ModuleInfos, {f['samples']} samples: {f['compared']} match torch.autograd "
+        f"({f['second order']} to second order, {first_only} to first order only), {skipped} "
+        f"skipped, {declined} declined.**",
+        "", "### Compared to first order only", "",
+        "torch.autograd raises on their second derivatives, so there is nothing to compare with.", "",
+        *_by_module(f["first order only"]),
+        "", "### Skipped: torch cannot run or differentiate them", "",
+        *_by_module(f["skipped"]),
+        "", "### Declined", "",
+        "They call a torch function graphgrad has no rule for; each raises graphgrad's",
+        "`NotImplementedError` naming it (checked).", "",
+        *_by_module(f["declined"]),
+    ]
+    return lines
+
+
 def load_coverage() -> dict:
     return json.loads(COVERAGE.read_text())
 
@@ -232,13 +286,19 @@ def render(report: dict | None = None) -> str:
     else:
         lines.append("None.")
     lines += [""] + render_coverage(report)
+    lines += [""] + render_module_db()
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
+    """``python tools/gen_ops_doc.py``: measure the op_db report and write both files;
+    ``--doc-only``: rewrite docs/ops.md from the stored report (no op_db run)."""
     DOC.parent.mkdir(exist_ok=True)
-    report = measure()
-    COVERAGE.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    if "--doc-only" in sys.argv[1:]:
+        report = load_coverage()
+    else:
+        report = measure()
+        COVERAGE.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
     DOC.write_text(render(report))
     print(f"wrote {DOC.relative_to(ROOT)}")
 

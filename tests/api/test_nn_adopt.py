@@ -366,3 +366,111 @@ def test_tied_weights_accumulate_from_both_uses():
     for m in (ours, ref):
         F.cross_entropy(m(t).flatten(0, 1), t.flatten()).backward()
     torch.testing.assert_close(ours.emb.weight.grad, ref.emb.weight.grad, **TOL)
+
+
+# -- lazy modules: adopted before their first forward, which materializes them ---------------
+LAZY = {
+    "LazyLinear": (lambda: nn.LazyLinear(4), (6, 5)),
+    "LazyConv1d": (lambda: nn.LazyConv1d(4, 3), (2, 3, 9)),
+    "LazyConv2d": (lambda: nn.LazyConv2d(4, 3), (2, 3, 7, 6)),
+    "LazyConv3d": (lambda: nn.LazyConv3d(4, 2), (2, 3, 4, 4, 3)),
+    "LazyConvTranspose1d": (lambda: nn.LazyConvTranspose1d(4, 3, stride=2), (2, 3, 5)),
+    "LazyConvTranspose2d": (lambda: nn.LazyConvTranspose2d(4, 3), (2, 3, 4, 5)),
+    "LazyConvTranspose3d": (lambda: nn.LazyConvTranspose3d(4, 2), (2, 3, 3, 3, 2)),
+    "LazyBatchNorm1d": (lambda: nn.LazyBatchNorm1d(), (6, 5)),
+    "LazyBatchNorm2d": (lambda: nn.LazyBatchNorm2d(), (4, 3, 3, 2)),
+    "LazyBatchNorm3d": (lambda: nn.LazyBatchNorm3d(), (4, 3, 2, 2, 2)),
+    "mixed": (lambda: nn.Sequential(
+        nn.LazyConv2d(4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.LazyBatchNorm2d(),
+        nn.Flatten(), nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 3)), (4, 2, 5, 5)),
+}
+
+
+def lazy_pair(make):
+    """The same lazy module twice, unmaterialized: a plain one and an adopted one (built twice
+    from one seed: torch cannot deep-copy an UninitializedBuffer)."""
+    torch.manual_seed(0)
+    ref = make().double()
+    torch.manual_seed(0)
+    return gg.nn.adopt(make().double()), ref
+
+
+@pytest.mark.parametrize("name", LAZY)
+def test_lazy_module_adopted_before_its_first_forward_trains_like_torch(name):
+    make, shape = LAZY[name]
+    ours, ref = lazy_pair(make)
+    assert gg.nn.is_adopted(ours)  # its lazy parameters become graphgrad leaves when real
+    assert [type(v) for v in ours.state_dict().values()] == \
+        [type(v) for v in ref.state_dict().values()]  # UninitializedParameters, as torch's
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(shape, dtype=DT, generator=g) for _ in range(3)]
+    opts = []
+    for step, x in enumerate(xs):
+        losses = []
+        for m in (ours, ref):
+            torch.manual_seed(2)  # the first forward initializes the parameters: the same
+            out = m(x)
+            if step == 0:  # an optimizer made after the first forward: torch's rule
+                opts.append(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+            losses.append(out.square().mean())
+        assert isinstance(losses[0], gg.Tensor) and losses[0].grad_fn is not None
+        if step == 0:
+            assert_adopted(ours)
+            assert type(ours) is type(ref)  # e.g. LazyLinear has become Linear
+            assert not any(m._forward_pre_hooks for m in ours.modules())  # no hook left
+        torch.testing.assert_close(plain(losses[0]), plain(losses[1]), **TOL)
+        for loss, opt in zip(losses, opts):
+            opt.zero_grad()
+            loss.backward()
+        for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=n)
+        for opt in opts:
+            opt.step()
+        assert_same_state(ours, ref)  # parameters and running statistics
+
+
+def test_lazy_state_dicts_before_and_after_materialization():
+    ours, ref = lazy_pair(lambda: nn.LazyLinear(3))
+    assert all(type(v) is nn.UninitializedParameter for v in ours.state_dict().values())
+    ours.load_state_dict(ref.state_dict())  # a lazy state into a lazy module: still lazy
+    assert type(ours.weight) is nn.UninitializedParameter and type(ours) is nn.LazyLinear
+    # a materialized state loads into an adopted lazy module: graphgrad leaves at once
+    torch.manual_seed(3)
+    full = nn.Linear(5, 3).double()
+    for m in (ours, ref):
+        m.load_state_dict(full.state_dict())
+    assert_adopted(ours)
+    assert_same_state(ours, full)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    assert_same_training_step(ours, ref)
+    assert type(ours) is nn.Linear
+    opt.step()
+    # after: plain tensors, loadable into a plain nn.Linear
+    sd = ours.state_dict()
+    assert all(type(v) is torch.Tensor for v in sd.values())
+    fresh = nn.Linear(5, 3).double()
+    fresh.load_state_dict(sd)
+    assert_same_state(fresh, ours)
+
+
+@pytest.mark.parametrize("clone", [_clone_deepcopy, _clone_pickle, _clone_torch_save],
+                         ids=["deepcopy", "pickle", "torch_save"])
+def test_copies_of_an_unmaterialized_adopted_lazy_module(clone):
+    ours, ref = lazy_pair(lambda: nn.LazyLinear(3))
+    twin = clone(ours).double()  # (a pickled UninitializedParameter forgets its dtype: torch's)
+    for m in (twin, ref):
+        torch.manual_seed(2)
+        m(batch()[0])
+    assert_adopted(twin)
+    assert_same_state(twin, ref)
+    assert type(ours.weight) is nn.UninitializedParameter  # the original is still lazy
+    assert_same_training_step(twin, ref)
+
+
+def test_adopting_a_materialized_lazy_module():
+    torch.manual_seed(0)
+    ref = nn.LazyLinear(3).double()
+    ref(batch()[0])
+    ours = gg.nn.adopt(copy.deepcopy(ref))
+    assert_adopted(ours)
+    assert_same_training_step(ours, ref)
