@@ -12,7 +12,7 @@ from graphgrad.views cimport (bind, function_view_changed, is_inplace, keep_for,
                               kernel_for, needs_of,
                               no_grad_op, no_grad_view_op, node_of, note_view_outputs,
                               record_inplace, revived, slots, stamp_view, unrecorded_view_op,
-                              views_an_input)
+                              aliased_input)
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython

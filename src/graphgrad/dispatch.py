@@ -58,7 +58,7 @@ from .views import (
     slots,
     stamp_view,
     unrecorded_view_op,
-    views_an_input,
+    aliased_input,
 )
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 
@@ -369,8 +369,9 @@ def _attach(out, node, rule, parts, args, kwargs):
     """
     if type(out) is _PlainTensor:
         if not rule.may_view and not rule.elementwise and _is_view(out):
-            if views_an_input(out, args, kwargs):
-                note_view_outputs(node, out, rule, args, kwargs)
+            source = aliased_input(out, args, kwargs)
+            if source is not None:  # (tagged as views of source are)
+                note_view_outputs(node, out, rule, (source,), _NO_KWARGS)
             else:
                 out = _not_a_view(out)
         if rule.saves_result and parts != ():
@@ -402,7 +403,7 @@ def _attach_tuple(out, node, rule, parts, args, kwargs):
         o = items[i]
         if type(o) is _PlainTensor:
             if not rule.may_view and _is_view(o):
-                if views_an_input(o, args, kwargs):
+                if aliased_input(o, args, kwargs) is not None:
                     stamp_view(node, o)
                 else:
                     o = _not_a_view(o)

@@ -69,7 +69,7 @@ cpdef object unrecorded_view_op(object func, Rule rule, tuple args, dict kwargs)
 cdef bint _may_view_a_temporary(Rule rule) except -1
 cpdef object note_view_outputs(Node node, object out, Rule rule, tuple args, dict kwargs)
 cpdef object stamp_view(Node node, object out)
-cpdef bint views_an_input(object out, tuple args, dict kwargs) except -1
+cpdef object aliased_input(object out, tuple args, dict kwargs)
 cpdef bint revived(object t) except -1
 cpdef bint function_view_changed(object t) except -1
 cdef object _tag_views(object out, tuple args, dict kwargs, int tag)

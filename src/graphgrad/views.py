@@ -64,7 +64,7 @@ from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 __all__ = ["node_of", "torch_node", "current_node", "function_view_changed", "is_inplace", "slots",
            "bind", "keep_for", "needs_of", "kernel", "kernel_for", "record_inplace", "check_inplace",
            "view_target", "into_base", "rebase_history", "note_reshaped", "note_view_outputs", "stamp_view",
-           "views_an_input",
+           "aliased_input",
            "no_grad_op", "no_grad_view_op", "unrecorded_view_op", "view_tag_message", "base_requires_grad",
            "revived"]
 
@@ -800,31 +800,33 @@ def note_view_outputs(node, out, rule, args, kwargs):
         _tag_views(out, args, kwargs, MULTI_OUTPUT_VIEW if rule.multi_output else tag)
 
 
-def views_an_input(out, args, kwargs) -> bool:
-    """Is ``out``, a view, a view of one of the op's tensor arguments (directly or inside a
-    list), rather than of a temporary of the kernel's own?
+def aliased_input(out, args, kwargs):
+    """The tensor argument (directly or inside a list) that ``out``, a view, is a view of, or
+    None when it views a temporary of the kernel's own.
 
     Note [an op that returns a view of its input]: a rule that declares no views (einsum,
     whose kernel permutes, squeezes or takes a diagonal of its operand) still gets an alias of
     an input back for some arguments: ``einsum('ij->ji', y)`` is ``y``'s transpose. For
     autograd it is a view of ``y`` (in torch the composite's own view ops make it one), so
-    in-place changes through either alias must reach the other's gradient. ``_attach`` asks
-    this of every view such a rule returns, so the check is systematic, not a list of ops.
+    in-place changes through either alias must reach the other's gradient, and it inherits
+    how ``y`` was made (a view made under no_grad, an output of split, a custom Function's
+    view). Every view such a rule returns is asked this, so the check is systematic, not a
+    list of ops.
     """
     base = _get_base(out)
     for a in args:
         if isinstance(a, TensorBase):
             if a is base or _get_base(a) is base:
-                return True
+                return a
         elif type(a) is list or type(a) is tuple:
             for b in a:
                 if isinstance(b, TensorBase) and (b is base or _get_base(b) is base):
-                    return True
+                    return b
     if kwargs:
         for a in kwargs.values():
             if isinstance(a, TensorBase) and (a is base or _get_base(a) is base):
-                return True
-    return False
+                return a
+    return None
 
 
 def current_node(t):
@@ -963,7 +965,12 @@ def unrecorded_view_op(func, rule, args, kwargs):
             tag = PLAIN_VIEW
         _tag_views(out, args, kwargs, tag)
     elif _may_view_a_temporary(rule):
-        _tag_views(out, args, kwargs, PLAIN_VIEW)
+        # a view of an input (Note [an op that returns a view of its input]) is tagged as a
+        # view of that input would be; one of the kernel's temporary is a plain view
+        source = aliased_input(out, args, kwargs) if isinstance(out, TensorBase) and \
+            _is_view(out) else None
+        tag = getattr(source, "_gg_view_tag", NO_VIEW_TAG) if source is not None else NO_VIEW_TAG
+        _tag_views(out, args, kwargs, PLAIN_VIEW if tag == NO_VIEW_TAG else tag)
     return wrap_plain(out, args, kwargs)
 
 

@@ -112,8 +112,48 @@ def _functions(base):
             x, y = ctx.saved_tensors
             return g1 * y + g2, g1 * x - g2
 
+    class KeepMask(base):
+        """Two outputs, the second (a sign mask) marked non-differentiable AND saved with
+        save_for_backward beside the input; the backward uses both (under create_graph the
+        saved mask is unpacked into a recorded backward)."""
+
+        @staticmethod
+        def forward(ctx, x):
+            m = (x > 0).to(x.dtype) * 2 - 1
+            ctx.mark_non_differentiable(m)
+            ctx.save_for_backward(x, m)
+            return x * x.sin(), m
+
+        @staticmethod
+        def backward(ctx, g, gm):
+            x, m = ctx.saved_tensors
+            # (not the true derivative: the Function's own.) The saved mask must come back
+            # without grad, also when backward records (create_graph): were it re-attached to
+            # this Function, the result would say so, and a gradient for it would be used
+            scale = 3.0 if m.requires_grad or m.grad_fn is not None else 1.0
+            return (g * m * x.cos() + g * x + gm * x) * scale
+
+    class KeepOut(base):
+        """Saves its differentiable output, its non-differentiable one (returned first) and an
+        integer one."""
+
+        @staticmethod
+        def forward(ctx, x):
+            y = x.tanh()
+            m = x.abs().floor()
+            n = (x > 0).sum().view(1)  # an integer output: never differentiable
+            ctx.mark_non_differentiable(m)
+            ctx.save_for_backward(y, m, n)
+            return m, y, n
+
+        @staticmethod
+        def backward(ctx, gm, g, gn):
+            y, m, n = ctx.saved_tensors
+            scale = 3.0 if m.requires_grad or n.requires_grad else 1.0  # (see KeepMask)
+            return g * (1 - y * y) * (m + n) * scale
+
     return {"Square": Square, "Exp": Exp, "Dirty": Dirty, "Identity": Identity, "View": View,
-            "Two": Two, "Pair": Pair}
+            "Two": Two, "Pair": Pair, "KeepMask": KeepMask, "KeepOut": KeepOut}
 
 
 FUNCTIONS = {"gg": _functions(gg.Function), "torch": _functions(torch.autograd.Function)}

@@ -388,6 +388,16 @@ SECOND_BACKWARD_ONLY_IN_GRAPHGRAD = {
 }
 
 
+def test_as_strided_keeps_its_input_so_a_second_backward_is_refused():
+    """Deliberate (found by the extended fuzzer): torch's AsStridedBackward keeps the input's
+    geometry, graphgrad's rule the input itself, which a pass without retain_graph frees: a
+    second backward runs in torch only. The first pass's gradients are the same."""
+    make, op = (lambda lib: [_pos(lib)]), (lambda x: x.as_strided((2,), (0,)))
+    twice = _changed_in_place(make, op, None, twice=True)
+    assert (_outcome(twice, "torch"), _outcome(twice, "gg")) == ("ok", "freed")
+    same_as_torch(_changed_in_place(make, op, None))
+
+
 def _set_first(y, value):
     y[:1] = value
     return y
@@ -500,6 +510,38 @@ def test_einsum_that_returns_its_operand_is_a_view_of_it(equation):
     same_as_torch(result_changed)
     same_as_torch(of_a_leaf, RuntimeError, "a view of a leaf Variable", "view of a leaf Variable")
     same_as_torch(made_under_no_grad, RuntimeError, "no_grad mode", "no_grad mode")
+
+
+def test_einsum_of_a_view_inherits_how_that_view_was_made():
+    """Found by the extended fuzzer: einsum's view of a view made under no_grad, of an output
+    of unbind, or of a custom Function's output returned as is, may not be changed in place,
+    as that view itself may not (torch refuses each)."""
+    def no_grad_view(lib):
+        a = lib.leaf([[1.0, 2.0], [3.0, 4.0]]) * 1
+        with torch.no_grad():
+            v = a.view_as(a)
+        torch.einsum("ii->i", v).add_(1)
+
+    def unbound(lib):
+        a = lib.leaf([[1.0, 2.0], [3.0, 4.0]]) * 1
+        torch.einsum("i->i", a.unbind(0)[-1]).add_(1)
+
+    def function_output(lib):
+        class Identity(lib.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x
+
+            @staticmethod
+            def backward(ctx, g):
+                return g
+
+        a = lib.leaf([[1.0, 2.0], [3.0, 4.0]]) * 1
+        torch.einsum("ij->ji", Identity.apply(a)).add_(1)
+
+    same_as_torch(no_grad_view, RuntimeError, "no_grad mode", "no_grad mode")
+    same_as_torch(unbound, RuntimeError, "modified inplace", "multiple views")
+    same_as_torch(function_output, RuntimeError, "modified inplace", "custom Function")
 
 
 # -- issue 39, item 5: in-place ops on views that overlap themselves --------------------------

@@ -253,7 +253,7 @@ def native_layer_norm_backward(grads, grad_out, input, normalized_shape, mean, r
             ggI_sum = ggI.sum(1, keepdim=True)
             ggI_x_mu_sum = (ggI * x_mu).sum(1, keepdim=True)
             all_sub = (ggI_sum * gxhat_sum / N - (ggI * gxhat).sum(1, keepdim=True)
-                       + invstd2 * gxhat_x_mu_sum * ggI_x_mu_sum * (3.0 / N))
+                       + invstd2 * gxhat_x_mu_sum * ggI_x_mu_sum * (3.0 / N if N else 0.0))
             g_input = ((x_mu * invstd3) * all_sub / N
                        + (ggI_x_mu_sum * invstd3 / N) * (gxhat_sum / N - gxhat)
                        + (gxhat_x_mu_sum * invstd3 / N) * (ggI_sum / N - ggI))
