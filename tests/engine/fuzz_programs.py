@@ -585,6 +585,13 @@ class Interpreter:
                 # an earlier pass or changed in place since
                 STATS["stopped_where_graphgrad_kept_an_as_strided_input"] += 1
                 raise StopProgram from e
+            if self.created_graph and "graphgrad: RuntimeError('One of the differentiated" in text \
+                    and "torch: RuntimeError('Trying to backward through the graph a second time" in text:
+                # a gradient made with create_graph whose formula reads an input in one library
+                # only (documented): torch's graph reached a node an earlier pass freed, where
+                # graphgrad's does not reach that input at all
+                STATS["stopped_where_a_created_graph_reached_other_inputs"] += 1
+                raise StopProgram from e
             if "did not raise where" not in text:
                 raise
             if "second time" in text:

@@ -3,7 +3,8 @@
 weight gradients, torch.* spellings, nn.Module losses, ctc_loss's target layouts and
 zero_infinity), plus finite-difference checks."""
 
-from types import SimpleNamespace
+import copy
+import itertools
 
 import pytest
 import torch
@@ -13,8 +14,8 @@ from torch.testing._internal.opinfo.core import SampleInput
 from torch.utils import _pytree as pytree
 
 import graphgrad as gg
-from helpers import F64
-from opdb_harness import check_sample, opdb_test
+from helpers import F64, DispatchLog
+from opdb_harness import unchunked, check_sample, opdb_test, with_reference
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Using a target size:UserWarning"),
@@ -49,19 +50,9 @@ REFERENCE = {
                                       "(test_ctc_loss_second_order_raises)"},
 }
 
-def unsupported(op, sample):
-    """linear_cross_entropy's chunked path runs torch custom ops, which have no graphgrad rule
-    (torch takes it for options=... unless it falls back to the reference path, as here)."""
-    if op.name != "nn.functional.linear_cross_entropy" or sample.kwargs.get("options") is None:
-        return None
-    weight, target = sample.args[0], sample.args[1]
-    if (weight.dim() == 2 and target.dtype == torch.int64 and sample.kwargs.get("label_smoothing", 0.0) == 0.0
-            and sample.kwargs.get("reduction", "mean") in ("mean", "sum", "none")):
-        return "the chunked path (options=...)"
-    return None
 
 
-test_opdb = opdb_test(REFERENCE, unsupported)
+test_opdb = opdb_test(REFERENCE)  # (the chunked variants' second order: SECOND_ORDER_REFERENCE)
 
 
 # -- hand-written cases ---------------------------------------------------------------------
@@ -303,11 +294,117 @@ case("linear_cross_entropy_kdim_probs", lambda x, w, t: F.linear_cross_entropy(x
      r(3, 5), r(4, 2, 5), dist(3, 4, 2))
 case("module_LinearCrossEntropyLoss", nn.LinearCrossEntropyLoss(5, 4, bias=True).double(), r(6, 5), lce_t)
 
+# the chunked path (options=...): 7 rows in chunks of 3, 3 and 1; first order against torch's
+# chunked path, and to second order against its unchunked one (unchunked)
+CHUNKS = nn.LinearCrossEntropyOptions(batch_chunk_size=3)
+lce_ignored = ints(4, 7)
+lce_ignored[[1, 5]] = 2  # ignore_index=2, in range, in two chunks
+lce_out_of_range = ints(4, 7)
+lce_out_of_range[[0, 6]] = -100  # the default ignore_index, out of range
+lce_weight = pos(4)
+LCE_CHUNKED = {"plain": (ints(4, 7), {}),
+               "weight_ignore": (lce_ignored, {"weight": lce_weight, "ignore_index": 2}),
+               "weight_ignore_out_of_range": (lce_out_of_range, {"weight": lce_weight})}
 
-def test_linear_cross_entropy_chunked_path_raises():
-    x = gg.as_tensor(r(6, 5, grad=False), requires_grad=True)
-    with pytest.raises(NotImplementedError, match="no derivative rule .*_linear_cross_entropy_batch_chunked"):
-        F.linear_cross_entropy(x, r(4, 5), ints(4, 6), options=nn.LinearCrossEntropyOptions())
+
+def lce_chunked(target, red, options=CHUNKS, **kwargs):
+    return lambda x, w, b=None, options=options: F.linear_cross_entropy(
+        x, w, target, linear_bias=b, reduction=red, options=options, **kwargs)
+
+
+for red, (config, (target, kwargs)), bias in itertools.product(RED, LCE_CHUNKED.items(), (False, True)):
+    fn, args = lce_chunked(target, red, **kwargs), (r(7, 5), r(4, 5)) + ((r(4),) if bias else ())
+    name = f"linear_cross_entropy_chunked_{config}{'_bias' if bias else ''}_{red}"
+    case(name, fn, *args, second_order=False)
+    case(f"{name}_vs_unchunked", fn, *args, ref=unchunked(fn))
+lce_module = nn.LinearCrossEntropyLoss(5, 4, bias=True, ignore_index=2, options=CHUNKS).double()
+lce_reference = copy.copy(lce_module)  # the same parameters
+lce_reference.options = None
+case("module_LinearCrossEntropyLoss_chunked", lce_module, r(7, 5), lce_ignored, second_order=False)
+case("module_LinearCrossEntropyLoss_chunked_vs_unchunked", lce_module, r(7, 5), lce_ignored,
+     ref=lce_reference)
+
+
+def _lce_leaves(n=7, features=5, classes=4):
+    x, w = r(n, features, grad=False), r(classes, features, grad=False)
+    return ((x, w), [gg.as_tensor(t.clone(), requires_grad=True) for t in (x, w)],
+            [t.clone().requires_grad_() for t in (x, w)])
+
+
+@pytest.mark.parametrize("red, allow_retain_graph", [("mean", False), ("mean", True), ("none", False)])
+def test_linear_cross_entropy_chunked_retain_graph(red, allow_retain_graph):
+    """graphgrad's node scales a copy of the precomputed gradients ("mean", "sum"), so a second
+    backward works whatever ``allow_retain_graph`` says; torch's consumes them in place unless it
+    is True. ("none" recomputes from the saved inputs, which stay unchanged.)"""
+    options = nn.LinearCrossEntropyOptions(batch_chunk_size=3, allow_retain_graph=allow_retain_graph)
+    _, (gx, gw), (tx, tw) = _lce_leaves()
+    loss = F.linear_cross_entropy(gx, gw, lce_ignored, reduction=red, options=options).sum()
+    loss.backward(retain_graph=True)
+    first = gx.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(gx.grad, 2 * first)
+    t_loss = F.linear_cross_entropy(tx, tw, lce_ignored, reduction=red, options=options).sum()
+    t_loss.backward(retain_graph=True)
+    torch.testing.assert_close(first, tx.grad)
+    if allow_retain_graph or red == "none":
+        t_loss.backward()
+        torch.testing.assert_close(gx.grad, tx.grad)
+    else:
+        with pytest.raises(RuntimeError, match="called twice"):
+            t_loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+class _Sizes(DispatchLog):
+    """Notes the largest tensor any ATen op returns."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        sizes = [t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.largest = max([self.largest, *sizes])
+        return out
+
+
+@pytest.mark.parametrize("red", RED)
+def test_linear_cross_entropy_chunked_keeps_no_logits(red):
+    """First order as torch's chunked path computes it: no op makes a tensor the size of the
+    (N, C) logits (torch's kernel counts as one op), and the node keeps far less."""
+    n, classes, chunk = 64, 1000, 8
+    (x, w), (gx, gw), _ = _lce_leaves(n, 4, classes)
+    t = ints(classes, n)
+    options = nn.LinearCrossEntropyOptions(batch_chunk_size=chunk)
+    with _Sizes() as sizes:
+        loss = F.linear_cross_entropy(gx, gw, t, reduction=red, options=options)
+        gg.grad(loss.sum(), [gx, gw])
+    assert sizes.largest <= max(chunk * classes, w.numel())
+    assert _saved_bytes(lambda a, b: F.linear_cross_entropy(a, b, t, reduction=red, options=options),
+                        gx, gw) < n * classes * 8 / 4
+
+
+def test_linear_cross_entropy_chunked_recomputes_a_gradient_not_precomputed():
+    """Called directly with its compute flags off (here for a weight torch's autograd tracks),
+    the op's rule recomputes the gradients in chunks."""
+    (x, w), (gx, _), (tx, tw) = _lce_leaves()
+    w = w.clone().requires_grad_()
+    out = torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default(
+        gx, w, lce_ignored, None, None, "mean", 2, 0.0, 3, "accurate", F64, False, False, False, False)
+    have = gg.grad(out[0], [gx, w])
+    want = torch.autograd.grad(F.cross_entropy(F.linear(tx, tw), lce_ignored, ignore_index=2), [tx, tw])
+    for h, g in zip(have, want):
+        torch.testing.assert_close(h.as_subclass(torch.Tensor), g)
+
+
+@pytest.mark.parametrize("red", RED)
+def test_linear_cross_entropy_chunked_class_weight_grad_raises(red):
+    """torch's chunked path drops the class weight's gradient; graphgrad says so."""
+    _, (gx, gw), _ = _lce_leaves()
+    weight = gg.as_tensor(pos(4), requires_grad=True)
+    loss = F.linear_cross_entropy(gx, gw, lce_ignored, weight=weight, reduction=red, options=CHUNKS)
+    with pytest.raises(NotImplementedError, match="chunked path .* class 'weight'"):
+        gg.grad(loss.sum(), [gx, weight])
 
 
 def test_margin_losses_second_order_raises():
@@ -327,19 +424,11 @@ def test_margin_losses_second_order_raises():
             gg.grad((g_first * g_first).sum(), g_x)
 
 
-def _oracle_op(fn, ref):
-    """An op_db-like op: ``fn`` on graphgrad tensors, ``ref`` (default ``fn``) on torch's."""
-    def call(*args, **kwargs):
-        on_gg = any(isinstance(t, gg.Tensor) for t in pytree.tree_leaves((args, kwargs)))
-        return (fn if on_gg or ref is None else ref)(*args, **kwargs)
-    return SimpleNamespace(op=call, name="hand-written")
-
-
 @pytest.mark.parametrize("fn, args, ref, second_order", C)
 def test_hand_written(fn, args, ref, second_order):
     """Values, gradients (every input that requires grad) and second derivatives vs torch."""
     sample = SampleInput(args[0], args=args[1:])
-    assert check_sample(_oracle_op(fn, ref), sample, torch.Generator().manual_seed(0), second_order)
+    assert check_sample(with_reference(fn, ref), sample, torch.Generator().manual_seed(0), second_order)
 
 
 def _gg(*ts):
@@ -363,11 +452,17 @@ GRADCHECK = [
      r(2, 2), prob(2, 2), pos(2, 2, grad=True), pos(2, grad=True)),
     ("kl_div_batchmean", lambda x, t: F.kl_div(x, t, reduction="batchmean"), r(2, 3), prob(2, 3)),
     ("margin_ranking", lambda a, b, t: F.margin_ranking_loss(a, b, t, 0.1), r(4), r(4), r(4)),
+    ("lce_chunked_weight_ignore", lambda x, w, b: F.linear_cross_entropy(
+        x, w, lce_ignored, linear_bias=b, weight=lce_weight, ignore_index=2, options=CHUNKS),
+     r(7, 5), r(4, 5), r(4)),
+    ("lce_chunked_none", lambda x, w, b: F.linear_cross_entropy(
+        x, w, lce_out_of_range, linear_bias=b, reduction="none", options=CHUNKS), r(7, 5), r(4, 5), r(4)),
 ]
 
 
 # second derivatives by finite differences where no torch composite above already checks them
-GRADGRAD = {"smooth_l1", "ce_smooth_weight", "kl_div_batchmean", "margin_ranking"}
+GRADGRAD = {"smooth_l1", "ce_smooth_weight", "kl_div_batchmean", "margin_ranking",
+            "lce_chunked_weight_ignore", "lce_chunked_none"}
 
 
 @pytest.mark.parametrize("name, fn, args", [pytest.param(g[0], g[1], g[2:], id=g[0]) for g in GRADCHECK])

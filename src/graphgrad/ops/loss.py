@@ -15,7 +15,9 @@ Where torch's backward is one fused kernel (``mse_loss_backward``, ``smooth_l1_l
 ``huber_loss_backward``, ``nll_loss_backward``), the rule calls it, and the kernel has a rule of
 its own for ``create_graph`` (torch's double-backward formulas). nll_loss records the op torch's
 ``nll_loss_nd`` reaches (``nll_loss_forward`` or ``nll_loss2d_forward``), whose total weight is
-what its backward kernel reads.
+what its backward kernel reads. linear_cross_entropy's chunked path (``options=...``) is torch's
+two custom ops, whose chunked gradients graphgrad uses to first order and replaces under
+``create_graph`` by a recorded formula (torch's are constants there: wrong second derivatives).
 """
 
 from __future__ import annotations
@@ -669,6 +671,133 @@ def multilabel_margin_loss_backward(grad, grad_output, input, target, reduction,
 
 
 # -- linear_cross_entropy: torch's own code, recorded ------------------------------------------
-# The reference path (options=None) is cross_entropy(linear(...)); the chunked path calls torch
-# custom ops, which have no graphgrad rule and raise graphgrad's error naming them.
+# The reference path (options=None) is cross_entropy(linear(...)); the chunked path calls torch's
+# custom ops, whose rules follow.
 decomposition(F.linear_cross_entropy, view=False, family="loss")(torch_body(F.linear_cross_entropy))
+
+
+# -- linear_cross_entropy's chunked path (options=...): torch's custom ops ----------------------
+# F.linear_cross_entropy imports the module that defines them only when first called.
+try:
+    import torch.nn.modules.linear_cross_entropy  # noqa: F401  (torch >= 2.13)
+except ImportError:
+    pass
+
+
+def _lce_row_factors(grad, target, weight, reduction, ignore_index, dtype):
+    """Each row's factor in the gradient of the loss: the upstream gradient (the row's own for
+    "none") times the class weight of its target, 0 where ignored, over the total weight for
+    "mean" (NaN when every row is ignored, as torch's kernel gives). Also the target with
+    ignored rows pointing at class 0, so that it indexes safely (their factor is 0)."""
+    keep = target != ignore_index
+    safe = target.masked_fill(~keep, 0)
+    w = keep.to(dtype) if weight is None else weight.index_select(0, safe).to(dtype) * keep
+    if reduction == "mean":
+        w = w / w.sum()
+    return grad.to(dtype) * w, safe
+
+
+def _lce_chunked_grads(factor, input, linear_weight, target, linear_bias, chunk, acc_dtype,
+                       needs):
+    """The (input, linear_weight, linear_bias) gradients of ``sum_n factor[n] * CE_n`` with
+    ``CE_n = -log_softmax(input W^T + b)[n, target[n]]``, ``chunk`` rows at a time as torch's
+    kernel computes them: the (N, C) logits are never whole. d/dlogits is
+    ``factor * (softmax - onehot(target))``; the one-hot part is W's target rows (index_select,
+    index_add). In ``acc_dtype`` (torch's accumulation dtype; the input's unless float16 or
+    bfloat16 input asked for float32), then in the input's dtype, as torch returns them."""
+    weight = linear_weight.to(acc_dtype)
+    bias = None if linear_bias is None else linear_bias.to(acc_dtype)
+    g_input = torch.empty(input.shape, dtype=input.dtype, device=input.device) if needs[0] else None
+    g_weight = torch.zeros_like(weight) if needs[1] else None
+    g_bias = torch.zeros(weight.shape[:1], dtype=acc_dtype, device=weight.device) if needs[2] else None
+    for start in range(0, input.shape[0], chunk):
+        x = input[start:start + chunk].to(acc_dtype)
+        f = factor[start:start + chunk].unsqueeze(1)
+        t = target[start:start + chunk]
+        g = torch.softmax(F.linear(x, weight, bias), 1).mul_(f)  # d/dlogits, less the one-hot
+        if needs[0]:
+            g_input[start:start + chunk] = torch.mm(g, weight).sub_(weight.index_select(0, t).mul_(f))
+        if needs[1]:
+            g_weight.addmm_(g.T, x).index_add_(0, t, x * f, alpha=-1)
+        if needs[2]:
+            g_bias.add_(g.sum(0)).index_add_(0, t, f.squeeze(1), alpha=-1)
+    dtype = input.dtype
+    return g_input, *(None if g is None else g.to(dtype) for g in (g_weight, g_bias))
+
+
+def _lce_recorded_grads(factor, input, linear_weight, target, linear_bias, needs):
+    """The same gradients in recorded ops over the whole batch, for ``create_graph``: they
+    differentiate again by the rules of linear and softmax (torch's own chunked gradients are
+    constants, so its second derivatives w.r.t. the inputs are zero). The (N, C) logits are then
+    kept, as torch's unchunked path keeps them."""
+    probs = torch.softmax(F.linear(input, linear_weight, linear_bias), 1)
+    onehot = F.one_hot(target, linear_weight.shape[0]).to(probs.dtype)
+    g = (probs - onehot) * factor.unsqueeze(1)
+    return (g @ linear_weight if needs[0] else None, g.T @ input if needs[1] else None,
+            g.sum(0) if needs[2] else None)
+
+
+def _lce_no_class_weight_grad(needs_input_grad):
+    if needs_input_grad[4]:
+        raise NotImplementedError(
+            "graphgrad has no derivative of linear_cross_entropy's chunked path (options=...) "
+            "for the class 'weight' (torch's gives none: it drops it); pass options=None, "
+            "whose cross_entropy gives it, or a weight that does not require grad")
+
+
+def linear_cross_entropy_batch_chunked(
+        grads, input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+        label_smoothing, batch_chunk_size, acc_policy, acc_dtype, allow_retain_graph,
+        compute_input_grad, compute_linear_weight_grad, compute_linear_bias_grad, *, result,
+        needs_input_grad):
+    """reduction "mean"/"sum": the forward kernel already computed the gradients, chunk by
+    chunk, for the arguments F.linear_cross_entropy saw require grad (graphgrad's flag and grad
+    mode: those the graph needs); the rule scales them by the upstream gradient. It scales a
+    copy, so ``retain_graph`` works whatever ``allow_retain_graph`` says (torch's node consumes
+    them in place unless it is True: one gradient-sized allocation fewer, and a second backward
+    raises). A gradient not precomputed (the op called directly with its flag off, for a tensor
+    torch's autograd tracks: for a graphgrad one the kernel raises) is recomputed in chunks. Under ``create_graph``, the recorded formula. The node also keeps the
+    inputs (torch's keeps only the gradients), which that formula reads."""
+    grad = grads[0]  # the precomputed gradients carry none, as in torch
+    _lce_no_class_weight_grad(needs_input_grad)
+    needs = (needs_input_grad[0], needs_input_grad[1], needs_input_grad[3])
+    if torch.is_grad_enabled():
+        factor, safe = _lce_row_factors(grad, target, weight, reduction, ignore_index, input.dtype)
+        g = _lce_recorded_grads(factor, input, linear_weight, safe, linear_bias, needs)
+    elif (needs[0] and not compute_input_grad or needs[1] and not compute_linear_weight_grad
+          or needs[2] and not compute_linear_bias_grad):
+        factor, safe = _lce_row_factors(grad, target, weight, reduction, ignore_index, acc_dtype)
+        g = _lce_chunked_grads(factor, input, linear_weight, safe, linear_bias, batch_chunk_size,
+                               acc_dtype, needs)
+    else:
+        g = tuple(grad * result[i] if need else None for i, need in zip((1, 2, 3), needs))
+    return g[0], g[1], None, g[2]
+
+
+def linear_cross_entropy_batch_chunked_no_reduction(
+        grad, input, linear_weight, target, linear_bias, weight, ignore_index, batch_chunk_size,
+        acc_policy, acc_dtype, *, needs_input_grad):
+    """reduction "none": the gradients recomputed chunk by chunk from the saved inputs, as
+    torch's backward does (its node keeps the same). Under ``create_graph``, the recorded
+    formula."""
+    _lce_no_class_weight_grad(needs_input_grad)
+    needs = (needs_input_grad[0], needs_input_grad[1], needs_input_grad[3])
+    if torch.is_grad_enabled():
+        factor, safe = _lce_row_factors(grad, target, weight, "none", ignore_index, input.dtype)
+        g = _lce_recorded_grads(factor, input, linear_weight, safe, linear_bias, needs)
+    else:
+        factor, safe = _lce_row_factors(grad, target, weight, "none", ignore_index, acc_dtype)
+        g = _lce_chunked_grads(factor, input, linear_weight, safe, linear_bias, batch_chunk_size,
+                               acc_dtype, needs)
+    return g[0], g[1], None, g[2]
+
+
+if hasattr(torch.ops.torch_nn, "_linear_cross_entropy_batch_chunked"):
+    # of the outputs (loss, grad_input, grad_linear_weight, grad_linear_bias) only the loss
+    # carries a gradient; the backward reads the other three
+    derivative(torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default, multi_output=True,
+               differentiable_outputs=1, saved_outputs=(1, 2, 3), view=False)(
+        linear_cross_entropy_batch_chunked)
+if hasattr(torch.ops.torch_nn, "_linear_cross_entropy_batch_chunked_no_reduction"):
+    derivative(torch.ops.torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default,
+               view=False)(linear_cross_entropy_batch_chunked_no_reduction)
