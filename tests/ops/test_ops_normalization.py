@@ -217,6 +217,15 @@ def test_group_norm_of_an_empty_input_to_second_order(shape, groups, affine):
     compare_leaves(lambda x, *p: F.group_norm(x, groups, *p), [r(*shape)] + wb)
 
 
+@pytest.mark.parametrize("shape, normalized, affine", [((0,), (0,), False), ((3, 0), (3, 0), True),
+                                                       ((2, 0), (0,), True), ((0, 3), (3,), True)])
+def test_layer_norm_of_no_elements_to_second_order(shape, normalized, affine):
+    """Found by the extended fuzzer: the double backward divided by the number of normalized
+    elements as a Python number (ZeroDivisionError); torch gives empty gradients."""
+    weight = [r(*normalized, seed=1)] if affine else []
+    compare_leaves(lambda x, *w: F.layer_norm(x, normalized, *w), [r(*shape)] + weight)
+
+
 # A bias and no weight: torch's double-backward formulas add the bias term only with a weight
 # (torch raises there), and its group_norm kernel raises for the bias's first derivative;
 # graphgrad's derivatives equal torch's with a weight of ones.
