@@ -11,7 +11,7 @@ The timed steps run inside one ``functools.reduce`` call, so callgrind can colle
 
 ``plain``: plain tensors, forward only (the kernels and Python's loop); ``torch``: torch.autograd,
 forward and backward; ``graphgrad``: the same on graphgrad. Divide by ``steps * 200`` for a
-per-op figure (docs/performance.md has the table).
+per-op figure (docs/performance.md gives the current totals).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GraphExecutor: the backward pass.
+"""The backward pass (``run_backward``).
 
 From the root nodes, one iterative depth-first walk over ``next_functions`` finds the nodes
 that lead to the wanted inputs and counts, for each, the edges that will bring it a

@@ -1,4 +1,4 @@
-"""ReferenceManager: what the graph keeps alive for backward, and the checks on it.
+"""Saved values: what the graph keeps alive for backward, and the checks on it.
 
 A node saves exactly the arguments its rule reads (see ``rules.py``), each with the tensor's
 version counter at the time; saved outputs are kept as plain aliases of the output's data, so

@@ -1,4 +1,5 @@
-"""Every example of seeds/003 ("Computational Graphs"), run on graphgrad.
+"""Every example of the chapter "Computational Graphs" (the project's seed document 003, kept
+beside the repository in shared/seeds/, not in it), run on graphgrad.
 
 Each test asserts what the chapter says happens; where a value is involved it is compared
 with plain torch.autograd on the same inputs (float64).

@@ -493,8 +493,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
     # full collection (_gc_run), which also empties CPython's free lists: the count includes
     # refilling them (a tuple allocated new and then kept in a free list counts as an
     # allocation, for torch as for graphgrad: about one per W2 step in each engine until a list
-    # holds 2,000), as after any full collection in a long run (performance.md, "The cyclic GC
-    # in steady training" and "Nodes from a free list").
+    # holds 2,000), as after any full collection in a long run (Note [Counted allocations after
+    # a full collection] in scratch.py).
     n_gc, warm_gc = (100, 200) if quick else (2000, 3000)
     steps, _ = _mlp_steps(64, device)
     for _ in range(warm_gc):

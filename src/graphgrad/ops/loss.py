@@ -268,11 +268,16 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
                         ignore_index)
 
 
+# Note [One loss, two nodes]: cross_entropy is recorded as torch records it, log_softmax then
+# nll_loss (two nodes, the graph and its hooks as torch's), although one fused rule would save a
+# node; what is saved instead is Python work: both losses go through one shared helper
+# (_nll_loss_nd) straight to torch's kernels, because the loss runs right after the matrix
+# products, with cold caches, where each Python layer costs several times its warm price.
 def _nll_loss_nd(input, target, weight, enum, ignore_index):
     """torch's ``nll_loss_nd``: 1-d and 2-d inputs through ``nll_loss_forward``, 4-d ones
     through ``nll_loss2d_forward``, the others viewed as 4-d. Shared by nll_loss and
     cross_entropy: one Python layer fewer for the loss of nearly every classifier, which runs
-    right after the matrix products, with cold caches (docs/performance.md)."""
+    right after the matrix products, with cold caches (Note [One loss, two nodes])."""
     # sizes and dtypes read from the C++ tensors (tensor_ndim...): through graphgrad.Tensor's
     # attributes each read is a call of its own (the device has no such reader)
     ndim = tensor_ndim(input)
