@@ -19,8 +19,11 @@ before it (``torch.profiler`` memory events). ``LAYERS``: single layers, forward
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 import graphgrad as gg
 
@@ -217,10 +221,24 @@ def layer(name):
 
 
 # ------------------------------------------------------------------------------ measuring
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Standard error (the file descriptor, where torch's C++ profiler logs its start and stop
+    lines) sent to /dev/null for the block; what Python writes is flushed first."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _peak_bytes(fn) -> int:
     """Most CPU-allocator bytes live at once during fn() beyond what was live at its start."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
