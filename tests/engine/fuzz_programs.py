@@ -257,7 +257,7 @@ USES_OTHER = {"add_", "mul_", "sub_", "setitem", "iadd", "copy_"}
 HOOK_KINDS = ("tensor", "post_acc", "pre", "post")
 MULTI_OUTPUT_VIEWS = {"split", "unbind", "chunk"}
 FUNCTION_VIEWS = {"fn_identity", "fn_view"}  # views a custom Function returned
-KEPT_ONLY_BY_TORCH = {"avg_pool"}  # torch keeps the input, graphgrad its shape (documented)
+KEPT_ONLY_BY_TORCH = {"avg_pool", "cummax"}  # torch keeps the input, graphgrad its shape (documented)
 # graphgrad's as_strided rule keeps its input, torch its geometry (documented)
 KEPT_ONLY_BY_GRAPHGRAD = {"as_strided", "as_strided_zero", "as_strided_same", "as_strided_rows"}
 ERROR_KINDS = ("second time", "modified by an inplace operation", "leaf Variable that requires grad",
@@ -613,7 +613,8 @@ class Interpreter:
                 # torch refuses may leave graphgrad's created graph valid (documented)
                 STATS["stopped_where_a_created_graph_saved_other_tensors"] += 1
                 raise StopProgram from e
-            if "modified by an inplace operation" in text and self.kept_only_by_torch:
+            if ("modified by an inplace operation" in text or "detached in-place" in text) and \
+                    self.kept_only_by_torch:
                 # an op whose input torch keeps for its shape only (KEPT_ONLY_BY_TORCH in
                 # tests/engine/test_parity_rules.py) had that input changed in place
                 STATS["stopped_where_torch_kept_a_shape_only_input"] += 1

@@ -349,6 +349,8 @@ KEPT_ONLY_BY_TORCH = {  # name: (inputs, op, which input torch keeps)
     "pad_replicate": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]])],
                       lambda x: F.pad(x, (1, 1), "replicate"), 0),
     "avg_pool1d": (lambda lib: [lib.leaf([[[0.5, 1.0, 2.0]]])], lambda x: F.avg_pool1d(x, 2), 0),
+    "cummax": (lambda lib: [_pos(lib)], lambda x: x.cummax(0).values, 0),
+    "cummin": (lambda lib: [_pos(lib)], lambda x: x.cummin(0).values, 0),
     "lerp_weight_alone": (lambda lib: [lib.const([1.0, 2.0]), lib.const([3.0, 4.0]), lib.leaf([0.3, 0.6])],
                           torch.lerp, 2),
 }
