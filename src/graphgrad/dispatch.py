@@ -265,10 +265,7 @@ def call(func, args, kwargs):
             return wrap_plain(kernel(func, args, kwargs, silent), args, kwargs)
         if kind is not DECOMPOSITION:
             if kwargs and kwargs.get("out") is not None:
-                raise RuntimeError(
-                    f"{qualified_name(func)}(): functions with out=... arguments don't support "
-                    "automatic differentiation, but one of the arguments requires grad. Call "
-                    "it without out=, or under gg.no_grad().")
+                raise _out_refused(func)
             writes = rule.writes  # (None: its functions differ, ask about this one)
             if rule.inplace_of is not None or (is_inplace(func) if writes is None else writes):
                 return record_inplace(func, rule, args, kwargs, silent)
@@ -422,13 +419,16 @@ def _not_a_view(t):
     return t.detach()
 
 
+def _out_refused(func):
+    return RuntimeError(
+        f"{qualified_name(func)}(): functions with out=... arguments don't support automatic "
+        "differentiation, but one of the arguments requires grad. Call it without out=, or "
+        "under gg.no_grad().")
+
+
 def _no_rule(func, args, kwargs, silent):
     if "out" in kwargs and kwargs["out"] is not None:
-        name = qualified_name(func)
-        raise RuntimeError(
-            f"{name}(): functions with out=... arguments don't support automatic "
-            "differentiation, but one of the arguments requires grad. Call it without out=, "
-            "or under gg.no_grad().")
+        raise _out_refused(func)
     if is_inplace(func):
         name = qualified_name(func)
         self = args[0] if args else None

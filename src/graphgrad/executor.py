@@ -355,10 +355,6 @@ def _is_bridge(node):
     return type(node) is AccumulateGrad and node.torch_kind == TORCH_BRIDGE
 
 
-def _is_torch_leaf(node):
-    return node.torch_kind == TORCH_LEAF
-
-
 def _into_torch(bridges, inputs, deps, retain_graph, accumulate, captured):
     """Hand the gradients of tensors that torch's own autograd computed to torch's backward,
     in one call (torch sums what reaches a tensor twice, and frees its graph once).

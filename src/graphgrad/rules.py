@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from .codes import PARAM_KEYWORD_ONLY, PARAM_POSITIONAL, PARAM_VAR_KEYWORD, PARAM_VAR_POSITIONAL
+from .codes import (KEEP_META, KEEP_NOTHING, KEEP_VALUE, PARAM_KEYWORD_ONLY, PARAM_POSITIONAL,
+                    PARAM_VAR_KEYWORD, PARAM_VAR_POSITIONAL)
 
 __all__ = ["Meta", "Rule", "RuleKind", "derivative", "node_name", "decomposition",
            "nondifferentiable", "RULES", "DIFFERENTIABLE", "DECOMPOSITION", "NONDIFFERENTIABLE",
@@ -63,12 +64,6 @@ class RuleKind(IntEnum):
 DIFFERENTIABLE = RuleKind.DIFFERENTIABLE
 DECOMPOSITION = RuleKind.DECOMPOSITION
 NONDIFFERENTIABLE = RuleKind.NONDIFFERENTIABLE
-
-# What a node saves of one rule parameter: the codes in ``Rule.keep`` (plain ints: the
-# engine reads them per saved argument).
-KEEP_NOTHING = 0  # the body never reads it
-KEEP_VALUE = 1    # the value (a tensor is version-checked when unpacked)
-KEEP_META = 2     # its Meta: shape, dtype, device
 
 
 # the base class's getters (graphgrad.Tensor's own properties add a check per read)

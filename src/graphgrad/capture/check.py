@@ -10,16 +10,13 @@ state the step changes, constants made from Python data that changes between ste
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .._compat import NoTorchFunction, get_grad, pytree, set_grad
 from .errors import CaptureMismatch
-
-if TYPE_CHECKING:
-    from .plan import Plan
-    from .step import CapturedStep
+from .plan import Plan
 
 __all__ = ["checked_replay"]
 
@@ -68,8 +65,9 @@ def _differs(what: str, a: Any, b: Any) -> str:
     return f"{what}: {a!r} (replay) != {b!r} (eager)"
 
 
-def checked_replay(step: CapturedStep, plan: Plan, args: tuple, kwargs: dict, flat: list) -> Any:
-    """Replay, then run eagerly from the same state; raise CaptureMismatch if they differ."""
+def checked_replay(step: Any, plan: Plan, args: tuple, kwargs: dict, flat: list) -> Any:
+    """Replay, then run eagerly from the same state; raise CaptureMismatch if they differ.
+    ``step`` is the CapturedStep (not imported: step.py imports this module)."""
     written = list(plan.written) + [flat[i] for i in plan.written_args]
     leaves = list(step._leaves.values())
     saved = [_clone(t) for t in written]

@@ -21,6 +21,8 @@ import torch
 
 from .._compat import get_grad, pytree
 from .build import build_plan
+from .check import checked_replay
+from .cuda import graph_segments
 from .errors import CaptureError
 from .guards import ArgumentGuard, StateGuard, flatten, modes
 from .plan import Plan
@@ -81,7 +83,6 @@ class CapturedStep:
             self.replays += 1
             if self.check_left > 0:
                 self.check_left -= 1
-                from .check import checked_replay
                 return checked_replay(self, plan, args, kwargs, flat)
             out = plan.replay(flat)
             if plan.rerecord:
@@ -187,7 +188,6 @@ class CapturedStep:
                     "or (for optimizer state created on the first step) use warmup >= 1.")
             return returned  # an eager call: record again on the next one
         if self.cuda_graph is not False and on_cuda:
-            from .cuda import graph_segments
             graph_segments(plan, prog, required=self.cuda_graph is True)
         self.plans.append(plan)
         self._last = plan

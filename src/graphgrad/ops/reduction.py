@@ -8,6 +8,7 @@ zeros and NaNs are treated alike and second derivatives agree.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -663,8 +664,6 @@ def corrcoef(input):
 @decomposition(torch.combinations, view=False)
 def combinations(input, r=2, with_replacement=False):
     """The index tuples (itertools' order, as torch's) picked out with ``take``."""
-    import itertools
-
     if input.dim() != 1:
         raise RuntimeError(f"Expect a 1D vector, but got shape {list(input.shape)}")
     if r < 0:
