@@ -944,6 +944,12 @@ class Interpreter:
         (k,), (g,), (t,) = picked
         if form == "py":
             sg = st_ = num
+            if name == "rpow" and type(num) is bool:
+                # torch 2.13 bug: the backward of a Python bool to a tensor's power fails ("unknown
+                # ivalue tag 4" INTERNAL ASSERT); graphgrad's True ** t is compared with
+                # torch's 1.0 ** t
+                st_ = float(num)
+                STATS["torch_bug_bool_base_of_pow_stepped_around"] += 1
         elif form == "t0":  # a plain torch tensor mixes in on graphgrad's side
             sg, st_ = torch.tensor(num, dtype=DT), torch.tensor(num, dtype=DT)
         elif form == "t0_gg":

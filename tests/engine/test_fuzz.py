@@ -114,7 +114,9 @@ Left out:
 - ``requires_grad_()`` on a tensor that has views: torch's views then require grad without a
   grad_fn (a saved one may even raise when backward unpacks it): the program ends there;
 - an in-place op on the second output of ``std_mean`` while it retains its grad: a torch 2.13
-  bug ("out != nullptr INTERNAL ASSERT FAILED", or a crash);
+  bug ("out != nullptr INTERNAL ASSERT FAILED", or a crash); and a Python ``bool`` raised to
+  a tensor's power (``True ** t``), whose backward fails in torch 2.13 ("unknown ivalue tag
+  4"): torch's side computes ``1.0 ** t`` instead;
 - ``detach_()`` of a tensor that has views (torch's views keep the old history): the
   program ends there; ``detach_()`` of an output that is a view of a kernel temporary in
   torch only; ``instance_norm`` over no elements; ``detach_()`` of an input that
