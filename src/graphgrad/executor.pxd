@@ -4,6 +4,7 @@
 from graphgrad._torch_types cimport TensorBase
 cimport cython
 from graphgrad.node cimport AccumulateGrad, Node, edge_at, edge_count, meta_at
+from graphgrad.rules cimport Rule
 from graphgrad.scratch cimport give_back, spare_dict, spare_list
 from graphgrad.fastcalls cimport accumulate_in_place as _accumulate_in_place
 
@@ -29,6 +30,8 @@ cdef class _Ready:
     cdef public long long key
     cdef public object node
 cdef bint _all_none(object grads) except -1
+@cython.locals(rule=Rule)
+cdef bint _declares_known_zeros(Node node) except -1
 cdef bint _any_known_zero(object grads) except -1
 cdef bint _all_known_zero(object grads) except -1
 cdef object _pick(object outs, object pos)

@@ -295,7 +295,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             outs = _apply_checked(node, grads, create_graph)
         else:
             outs = node.apply(grads, create_graph)
-        if node.rule.known_zeros:
+        if not zeros and _declares_known_zeros(node):
             zeros = True
         slot_pos = node.slot_pos
         edge_grads = None
@@ -500,6 +500,15 @@ def _all_none(grads):
 # the rules compute, where torch's stays zero only through ops with ZeroTensor kernels (its
 # reciprocal, div's divisor give NaN, its remainder raises): a deliberate difference. The
 # check costs nothing until a rule declared ``known_zeros`` has run in the pass (``zeros``).
+def _declares_known_zeros(node):
+    """Does ``node``'s rule declare known zeros? (A Node's rule is a Rule, read as a C field
+    when compiled; a custom Function's never does.)"""
+    if type(node) is not Node:
+        return False
+    rule = node.rule
+    return rule.known_zeros
+
+
 def _any_known_zero(grads):
     for g in grads:
         if g is not None and g._is_zerotensor():
