@@ -579,3 +579,19 @@ def test_an_in_place_op_on_a_view_that_does_not_overlap_is_recorded():
         return x.grad, y
 
     same_as_torch(program)
+
+
+@pytest.mark.parametrize("mode", ["floor", "trunc"])
+def test_a_rounding_division_gives_its_divisor_a_zero_gradient(mode):
+    """Found by the extended fuzzer (a 0-d leaf as divisor): torch's formula gives both inputs
+    of a floor/trunc division zeros; graphgrad gave the divisor None (its .grad stayed None,
+    Node hooks saw None)."""
+    def program(lib):
+        x, d = lib.leaf([[0.5], [1.5]]), lib.leaf(2.0)
+        y = x.abs().div(d, rounding_mode=mode)
+        seen = []
+        y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: seen.append(grad_inputs))
+        (y * 3).sum().backward()
+        return x.grad, d.grad, seen
+
+    same_as_torch(program)

@@ -72,8 +72,9 @@ def mul(grad, input, other, *, needs_input_grad):
             T.true_divide, inplace=(T.div_, T.divide_, T.true_divide_),
             saved_for={"input": "other"}, elementwise=True)
 def div(grad, input, other, *, rounding_mode=None, needs_input_grad):
-    if rounding_mode is not None:  # floor/trunc division is piecewise constant
-        return torch.zeros_like(grad), None
+    if rounding_mode is not None:  # floor/trunc division is piecewise constant: zeros for both,
+        zeros = torch.zeros_like(grad)  # as torch's (a divisor's .grad is zero, not None)
+        return (zeros if needs_input_grad[0] else None, zeros if needs_input_grad[1] else None)
     return (grad / _cj(other) if needs_input_grad[0] else None,
             -grad * _cj(input / (other * other)) if needs_input_grad[1] else None)
 
