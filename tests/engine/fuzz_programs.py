@@ -731,6 +731,12 @@ class Interpreter:
             number is not None and isinstance(go, torch.Tensor) and go.requires_grad)
         if k in self.no_grad_views and torch.is_grad_enabled() and (
                 other or (base is not None and base.requires_grad)):
+            if k in self.overlapping:
+                # an overlapping view of a tensor made from a no_grad view (reshape copied it):
+                # torch's side requires grad and runs the op (its overlap check gives up),
+                # graphgrad's refuses it for the overlap (documented). The program ends here
+                STATS["stopped_at_inplace_on_self_overlapping_view"] += 1
+                raise StopProgram
             if name == "fn_dirty" and k in self.detached_on_torch:
                 # (the Function changes its input before refusing; torch's side is a copy)
                 STATS["dirty_no_grad_views_left_out"] += 1
