@@ -550,6 +550,12 @@ class Interpreter:
         (torch's node keeps an expanded view of it, documented) torch's graph has ExpandBackward
         nodes graphgrad's lacks, which changes when the nodes after them become ready: then
         each hook's calls are compared in order, not how they interleave with other hooks'."""
+        if self.empty_created_graph and self.created_graph and \
+                [e[:2] for e in self.G.log] != [e[:2] for e in self.T.log]:
+            # a hook on a tensor that a graph created over no elements reaches in graphgrad
+            # only (see call_backward): the program ends here
+            STATS["stopped_where_an_empty_created_graph_ran_other_hooks"] += 1
+            raise StopProgram
         if self.broadcast_by_a_loss and [e[:2] for e in self.G.log] != [e[:2] for e in self.T.log]:
             STATS["hook_orders_compared_per_hook_after_a_broadcasting_loss"] += 1
             assert_same_log(_by_hook(self.G.log), _by_hook(self.T.log), TOL)
@@ -596,6 +602,18 @@ class Interpreter:
             ok, got_g, got_t, kind = run_both(fn_g, fn_t, backward=True)
         except AssertionError as e:
             text = str(e)
+            if "torch: RuntimeError('ZeroTensors are immutable" in text:
+                # torch's .grad holds sgn's immutable zero tensor (documented), and both raised
+                STATS["stopped_where_torch_kept_an_immutable_zero_grad"] += 1
+                raise StopProgram from e
+            if self.empty_created_graph and self.created_graph and (
+                    "not have been used in the graph" in text
+                    or "modified by an inplace operation" in text):
+                # over no elements torch's double-backward formulas leave gradients undefined
+                # (no edge, see told_apart) where graphgrad's compute empty ones: the graph
+                # created reaches inputs and saved results in graphgrad only (documented)
+                STATS["stopped_where_an_empty_created_graph_reached_more"] += 1
+                raise StopProgram from e
             if "raised where torch did not" in text and "second time" in text and self.empty_created_graph:
                 # graphgrad's double-backward graphs over no elements have edges torch's lack
                 # (see told_apart): a pass without retain_graph freed nodes torch's never
