@@ -558,9 +558,9 @@ class Interpreter:
             raise StopProgram
         if self.broadcast_by_a_loss and [e[:2] for e in self.G.log] != [e[:2] for e in self.T.log]:
             STATS["hook_orders_compared_per_hook_after_a_broadcasting_loss"] += 1
-            assert_same_log(_by_hook(self.G.log), _by_hook(self.T.log), TOL)
+            assert_same_log(_by_hook(self.G.log), _by_hook(self.T.log), TOL, self.created_graph)
             return
-        assert_same_log(self.G.log, self.T.log, TOL)
+        assert_same_log(self.G.log, self.T.log, TOL, self.created_graph)
 
     def check_grads(self):
         self.check_logs()
