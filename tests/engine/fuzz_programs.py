@@ -455,6 +455,7 @@ class Interpreter:
         self.hooks = 0  # hooks registered so far (their ids in the logs)
         self.kept_only_by_torch = False  # see call_backward
         self.kept_only_by_graphgrad = False  # see call_backward
+        self.known_zeros = False  # see check_grads: a sgn op ran (its known-zero gradient)
         self.ckpt_inputs_without_grad = set()  # see op(): torch's checkpoint recomputes with them
         self.created_graph = False  # see call_backward: a create_graph=True pass ran
         self.overlapping = set()  # views made by OVERLAP (and views of them)
@@ -578,6 +579,16 @@ class Interpreter:
                 STATS["zero_grads_through_empty_created_graphs"] += 1
                 continue
             flags = id(t) not in self.stale_grad_graph
+            if self.known_zeros and g.grad is not None and t.grad is not None and \
+                    g.grad.shape == t.grad.shape:
+                # sgn's known-zero gradient stays exactly zero through every rule in graphgrad,
+                # through ops with ZeroTensor kernels only in torch, which gives NaN elsewhere
+                # (0 * inf in a custom Function's backward, reciprocal...: documented)
+                kept = torch.isnan(plain(t.grad)) & (plain(g.grad) == 0)
+                if bool(kept.any()):
+                    STATS["known_zeros_where_torch_gives_nan"] += 1
+                    torch.testing.assert_close(plain(g.grad)[~kept], plain(t.grad)[~kept], **TOL)
+                    continue
             assert_same_tensor(g.grad, t.grad, f".grad of tensor {k}", flags)
 
     def call_backward(self, fn_g, fn_t, create):
@@ -697,6 +708,7 @@ class Interpreter:
         fn = table[name]
         self.kept_only_by_torch |= name in KEPT_ONLY_BY_TORCH
         self.kept_only_by_graphgrad |= name in KEPT_ONLY_BY_GRAPHGRAD
+        self.known_zeros |= "sgn" in name
         if name.startswith("ckpt") and torch.is_grad_enabled():
             self.ckpt_inputs_without_grad |= {k for k, t in zip(ks, ts) if not t.requires_grad}
         ok, out_g, out_t, _ = run_both(lambda: fn(*gs), lambda: fn(*ts))
