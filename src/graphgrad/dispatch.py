@@ -42,6 +42,7 @@ from .references import save_arguments, saved_output
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 from .scratch import give_back, spare_list
 from .views import (
+    aliased_input,
     bind,
     function_view_changed,
     is_inplace,
@@ -58,7 +59,6 @@ from .views import (
     slots,
     stamp_view,
     unrecorded_view_op,
-    aliased_input,
 )
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 

@@ -38,8 +38,15 @@ from typing import Any
 
 import torch
 
-from .codes import (KEEP_META, KEEP_NOTHING, KEEP_VALUE, PARAM_KEYWORD_ONLY, PARAM_POSITIONAL,
-                    PARAM_VAR_KEYWORD, PARAM_VAR_POSITIONAL)
+from .codes import (
+    KEEP_META,
+    KEEP_NOTHING,
+    KEEP_VALUE,
+    PARAM_KEYWORD_ONLY,
+    PARAM_POSITIONAL,
+    PARAM_VAR_KEYWORD,
+    PARAM_VAR_POSITIONAL,
+)
 
 __all__ = ["Meta", "Rule", "RuleKind", "derivative", "node_name", "decomposition",
            "nondifferentiable", "RULES", "DIFFERENTIABLE", "DECOMPOSITION", "NONDIFFERENTIABLE",

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 import graphgrad as gg
 from helpers import F64, DispatchLog
-from opdb_harness import unchunked, check_sample, opdb_test, with_reference
+from opdb_harness import check_sample, opdb_test, unchunked, with_reference
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Using a target size:UserWarning"),

@@ -761,8 +761,9 @@ def linear_cross_entropy_batch_chunked(
     copy, so ``retain_graph`` works whatever ``allow_retain_graph`` says (torch's node consumes
     them in place unless it is True: one gradient-sized allocation fewer, and a second backward
     raises). A gradient not precomputed (the op called directly with its flag off, for a tensor
-    torch's autograd tracks: for a graphgrad one the kernel raises) is recomputed in chunks. Under ``create_graph``, the recorded formula. The node also keeps the
-    inputs (torch's keeps only the gradients), which that formula reads."""
+    torch's autograd tracks: for a graphgrad one the kernel raises) is recomputed in chunks.
+    Under ``create_graph``, the recorded formula. The node also keeps the inputs (torch's keeps
+    only the gradients), which that formula reads."""
     grad = grads[0]  # the precomputed gradients carry none, as in torch
     _lce_no_class_weight_grad(needs_input_grad)
     needs = (needs_input_grad[0], needs_input_grad[1], needs_input_grad[3])
