@@ -88,3 +88,16 @@ def same_as_torch(program, raises: type | None = None, torch_says: str = "",
     assert type(have_error) is type(want_error), f"graphgrad: {have_error!r}, torch: {want_error!r}"
     assert gg_says in str(have_error), f"graphgrad said: {have_error}"
     return have_error
+
+
+def identity(lib, factor=3.0):
+    """Returns its input as is; backward ``g * factor``."""
+    class Identity(lib.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * factor
+    return Identity

@@ -7,7 +7,7 @@ zero, hook calls, versions and errors must agree.
 import pytest
 import torch
 
-from parity import Lib, same_as_torch
+from parity import Lib, identity, same_as_torch
 
 
 def dirty(lib, factor=2.0):
@@ -23,19 +23,6 @@ def dirty(lib, factor=2.0):
         def backward(ctx, g):
             return g * factor
     return Dirty
-
-
-def identity(lib, factor=3.0):
-    """Returns its input as is; backward ``g * factor``."""
-    class Identity(lib.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * factor
-    return Identity
 
 
 def first_row(lib):

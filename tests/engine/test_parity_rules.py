@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
-from parity import Lib, same_as_torch
+from parity import Lib, identity, same_as_torch
 
 A = [[0.5, -1.0, 2.0], [1.5, 0.25, -0.75]]
 B = [[1.0, 0.5], [-2.0, 1.5], [0.25, -0.5]]
@@ -529,17 +529,8 @@ def test_einsum_of_a_view_inherits_how_that_view_was_made():
         torch.einsum("i->i", a.unbind(0)[-1]).add_(1)
 
     def function_output(lib):
-        class Identity(lib.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x
-
-            @staticmethod
-            def backward(ctx, g):
-                return g
-
         a = lib.leaf([[1.0, 2.0], [3.0, 4.0]]) * 1
-        torch.einsum("ij->ji", Identity.apply(a)).add_(1)
+        torch.einsum("ij->ji", identity(lib).apply(a)).add_(1)
 
     same_as_torch(no_grad_view, RuntimeError, "no_grad mode", "no_grad mode")
     same_as_torch(unbound, RuntimeError, "modified inplace", "multiple views")
