@@ -14,6 +14,11 @@ import sys
 
 import torch
 
+from .apps.bench import BenchConfig
+from .apps.bench import main as run_bench
+from .apps.demo import DemoConfig, missing_extras, run_demo
+from .apps.tour import run_tour
+
 
 class CommandError(Exception):
     """A problem the user fixes on the command line: reported as one line, exit status 2."""
@@ -152,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
-        from .apps.demo import DemoConfig, run_demo
-
+        missing = missing_extras()
+        if missing:
+            raise CommandError(f"needs {', '.join(missing)}, not installed here: "
+                               "pip install 'graphgrad[demo]'")
         _check_device(args.device)
         _check_folder(args.out, "--out")
         if args.capture and args.distributed:
@@ -166,14 +173,9 @@ def _run(args: argparse.Namespace) -> int:
                                       capture=args.capture))
         return 0 if summary["parity"]["max_relative_gradient_difference_one_batch"] < 1e-4 else 1
     if args.command == "tour":
-        from .apps.tour import run_tour
-
         result = run_tour(steps=args.steps)
         return 0 if result["max_rel_grad_diff"] < 1e-4 else 1
     if args.command == "bench":
-        from .apps.bench import BenchConfig
-        from .apps.bench import main as run_bench
-
         _check_device(args.device)
         if args.json:
             if os.path.isdir(args.json):

@@ -5,6 +5,7 @@
 - ``bench``: graphgrad against torch.autograd on the benchmark workloads
   (``bench_distributed``: the data-parallel workloads, ``python -m graphgrad.apps.bench_distributed``).
 
-They use only graphgrad's public API. The library never imports this package: ``__main__`` imports
-each program when its command runs.
+They use only graphgrad's public API. The library never imports this package; ``__main__`` does.
+The demo's optional dependencies (the ``[demo]`` extra) are imported where found: without them the
+demo says what to install.
 """

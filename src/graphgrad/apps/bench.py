@@ -48,6 +48,7 @@ import torch.nn.functional as F
 import graphgrad as gg
 
 from .bench_capture import capture_rows
+from .bench_distributed import run_distributed_bench
 from .workloads import Phases, chain, chain_bound, clock, mlp, mlp_bound_grads, sync
 
 W1_OPS = 200
@@ -517,8 +518,6 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
 
     # data-parallel: 2 processes on CPU (gloo), step time with and without overlap (full run only)
     if not quick and device.type == "cpu":
-        from .bench_distributed import run_distributed_bench
-
         ddp = run_distributed_bench(world_size=2)
         if ddp.get("error"):
             extra["DDP_error"] = ddp["error"]

@@ -32,6 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import graphgrad as gg
+from graphgrad.distributed import destroy_process_group, init_process_group
+
 __all__ = ["run_distributed_bench", "format_rows"]
 
 VARIANTS = ("overlap", "no overlap", "torch DDP", "local")
@@ -46,9 +49,6 @@ def _model(widths: list[int]) -> torch.nn.Module:
 
 def _worker(task: dict[str, Any]) -> dict[str, Any]:
     """One rank: time every variant; rank 0 gets the slowest rank's time of each step."""
-    import graphgrad as gg
-    from graphgrad.distributed import destroy_process_group, init_process_group
-
     torch.set_num_threads(1)
     init_process_group("gloo", timeout=timedelta(seconds=task["timeout"]))
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -23,26 +23,59 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import platform
 import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import graphgrad as gg
+from graphgrad.distributed import init_process_group
 
-if TYPE_CHECKING:
-    import matplotlib.figure
+# the [demo] extra: each is None when it is not installed, and what needs it says so
+try:
+    from sklearn.datasets import load_digits as sk_digits
+except ImportError:
+    sk_digits = None
+try:
+    import matplotlib
 
-__all__ = ["DemoConfig", "run_demo", "build_model", "load_digits", "loss_figure"]
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+except ImportError:
+    matplotlib = plt = Figure = FuncFormatter = LogLocator = NullFormatter = None
+try:
+    from tqdm.auto import tqdm
+except ImportError:
+    tqdm = None
+
+__all__ = ["DemoConfig", "run_demo", "build_model", "load_digits", "loss_figure", "missing_extras"]
 
 MODELS = ("mlp", "cnn", "transformer")
+
+
+def missing_extras() -> list[str]:
+    """The [demo] extra's packages that are not installed."""
+    found = {"scikit-learn": sk_digits, "matplotlib": plt, "tqdm": tqdm}
+    return [name for name, module in found.items() if module is None]
+
+
+def _require(*names: str) -> None:
+    """Raise ModuleNotFoundError naming the extra to install if any of ``names`` is missing."""
+    missing = [name for name in missing_extras() if name in names]
+    if missing:
+        raise ModuleNotFoundError(f"the demo needs {', '.join(missing)}, not installed here: "
+                                  "pip install 'graphgrad[demo]'")
 
 
 @dataclass
@@ -62,8 +95,7 @@ class DemoConfig:
 
 def load_digits(device: str, seed: int = 0):
     """scikit-learn's 8x8 digits (shipped with the package: no network), 80/20 split."""
-    from sklearn.datasets import load_digits as sk_digits
-
+    _require("scikit-learn")
     data = sk_digits()
     x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8)
     y = torch.tensor(data.target, dtype=torch.long)
@@ -171,7 +203,7 @@ def _draw_step(model, x, y, out: pathlib.Path) -> str:
 
 
 def loss_figure(losses_ours: list[float], losses_theirs: list[float],
-                steps_per_epoch: int) -> matplotlib.figure.Figure:
+                steps_per_epoch: int) -> Figure:
     """Both engines' training losses on a log axis whose ticks read as plain numbers.
 
     matplotlib's default log axis labels only powers of ten (10^-1, 10^0) and leaves the ticks
@@ -179,12 +211,7 @@ def loss_figure(losses_ours: list[float], losses_theirs: list[float],
     Ticks at 1, 2 and 5 times each power of ten (more within a short range), written as
     decimals, fix that.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
+    _require("matplotlib")
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([i / steps_per_epoch for i in range(len(losses_theirs))], losses_theirs,
             label="torch.autograd", color="tab:orange", linewidth=3, alpha=0.5)
@@ -207,8 +234,6 @@ def loss_figure(losses_ours: list[float], losses_theirs: list[float],
 
 
 def _plot(losses_ours, losses_theirs, steps_per_epoch, path: pathlib.Path) -> None:
-    import matplotlib.pyplot as plt
-
     fig = loss_figure(losses_ours, losses_theirs, steps_per_epoch)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -221,6 +246,7 @@ def run_demo(config: DemoConfig) -> dict:
     if config.capture and config.distributed:
         raise ValueError("capture and distributed cannot be combined: gg.capture records one "
                          "process's step; run the captured demo without --distributed")
+    _require("scikit-learn", "matplotlib", "tqdm")  # before training, not at its end
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device here")
     threads_before = torch.get_num_threads()
@@ -332,13 +358,6 @@ def _run(config: DemoConfig) -> dict:
 
 def _init_distributed(device: str) -> tuple[int, int, str]:
     """Join the process group torchrun describes, or make a group of one; return rank, size, device."""
-    import os
-    import tempfile
-
-    import torch.distributed as dist
-
-    from ..distributed import init_process_group
-
     if device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
@@ -412,8 +431,7 @@ def _sync(device: str) -> None:
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
+    _require("tqdm")
     return tqdm(total=total, desc="training (graphgrad + torch.autograd)", unit="step",
                 disable=not enabled, leave=False)
 

@@ -11,7 +11,7 @@ gives what ``plan.summary()`` says of the plan's size and memory.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .._compat import is_write_argument
 from ..dot import Html as _Html
@@ -23,10 +23,18 @@ from .program import Kind, Value
 from .program import values_in as _values
 from .segments import OBJECT, SLOT, EagerSegment, KernelSegment
 
-if TYPE_CHECKING:
-    from .plan import Plan
+__all__ = ["Drawable", "plan_to_dot"]
 
-__all__ = ["plan_to_dot"]
+
+class Drawable(Protocol):
+    """What the picture reads of a plan (``plan.Plan`` is one)."""
+
+    segments: list
+    effects: list
+    result_refs: list
+
+    def summary(self) -> Any: ...
+
 
 _FONT = "Helvetica"
 _KERNEL_FILL = "#f4f4f4"
@@ -71,7 +79,7 @@ def _roles(k) -> tuple[list[Value], list[Value], list[Value]]:
     return reads, inplace, buffers
 
 
-def _names(plan: Plan, params: Any) -> dict[int, str]:
+def _names(plan: Drawable, params: Any) -> dict[int, str]:
     """{id(tensor): name}: the user's names, then the optimizers' state and ``.grad`` under them."""
     names: dict[int, str] = {}
     if params:
@@ -96,7 +104,7 @@ def _names(plan: Plan, params: Any) -> dict[int, str]:
 
 
 class _Drawing:
-    def __init__(self, plan: Plan, params: Any):
+    def __init__(self, plan: Drawable, params: Any):
         self.plan = plan
         self.names = _names(plan, params)
         self.lines: list[str] = []
@@ -232,6 +240,6 @@ class _Drawing:
         return "\n".join(head + self.input_lines + self.lines + [f"  label={_quote(caption)};", "}"]) + "\n"
 
 
-def plan_to_dot(plan: Plan, params: Any = None) -> str:
+def plan_to_dot(plan: Drawable, params: Any = None) -> str:
     """The Graphviz DOT text of a plan (``gg.viz.draw(plan, path)`` renders it)."""
     return _Drawing(plan, params).to_dot()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,14 +21,18 @@ from .._compat import set_grad, set_grad_enabled
 from .program import Kernel, Kind, Value
 from .recorder import OptimizerSpan, hyperparameters
 
-if TYPE_CHECKING:
-    from .plan import Plan
-
-__all__ = ["Effect", "KernelSegment", "EagerSegment", "NONE", "SLOT", "OBJECT", "ARGUMENT",
-           "CONSTANT", "ref", "deref"]
+__all__ = ["Effect", "KernelSegment", "EagerSegment", "Replay", "NONE", "SLOT", "OBJECT",
+           "ARGUMENT", "CONSTANT", "ref", "deref"]
 
 # how an effect or a result refers to a tensor
 NONE, SLOT, OBJECT, ARGUMENT, CONSTANT = range(5)
+
+
+class Replay(Protocol):
+    """What a segment reads and sets on the plan replaying it (``plan.Plan`` is one)."""
+
+    outer_modes: tuple  # (grad mode, ((device, autocast on), ...)) of the caller
+    rerecord: str  # set to ask the captured step to record again
 
 
 def ref(v: Value | None, slots: dict[Value, int], obj: Any = None) -> tuple[int, Any]:
@@ -94,7 +98,7 @@ class KernelSegment:
         ins += [env[k] for k in self.env_in]
         return ins
 
-    def run(self, flat: list, env: list, plan: Plan) -> None:
+    def run(self, flat: list, env: list, plan: Replay) -> None:
         if self.span is not None:
             now = hyperparameters(self.span.optimizer)
             if now != self.hyper and self.fallback is not None:  # (without one: Plan.check)
@@ -120,7 +124,7 @@ class EagerSegment:
     why: str
     release: tuple = ()
 
-    def run(self, flat: list, env: list, plan: Plan) -> None:
+    def run(self, flat: list, env: list, plan: Replay) -> None:
         for e in self.effects:
             e.apply(flat, env)
         grad_mode, autocast = plan.outer_modes

@@ -30,10 +30,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+if dist.is_available():
+    # its functions take ``group=group.WORLD`` as a default, evaluated when it is imported: imported
+    # after init_process_group (torch._dynamo imports it, and the first torch.optim optimizer imports
+    # torch._dynamo), it keeps the default group, and gloo's threads, alive after destroy_process_group
+    import torch.distributed.nn.functional  # noqa: F401
+
 from .._compat import DisableTorchFunctionSubclass as _Disable
 from .._compat import flatten_dense_tensors as _flatten_dense_tensors
 from .._compat import unflatten_dense_tensors as _unflatten_dense_tensors
-from ..graph import reachable
+from ..graph import topo_order
 from .adoption import adopt
 
 __all__ = ["DataParallel", "init_process_group", "destroy_process_group"]
@@ -42,14 +48,14 @@ _FIRST_BUCKET_BYTES = 1 << 20  # like torch DDP: a small first bucket starts com
 
 
 def init_process_group(*args: Any, **kwargs: Any) -> None:
-    """``torch.distributed.init_process_group``, after importing ``torch._dynamo``.
+    """``torch.distributed.init_process_group``, with ``torch.distributed.nn.functional`` imported first.
 
-    Imported later (the first ``torch.optim`` optimizer does), ``torch._dynamo`` keeps the process
-    group alive after ``destroy_process_group``: gloo's threads then outlive it and can abort the
-    interpreter's exit ("terminate called without an active exception").
+    Imported later (``torch._dynamo`` imports it, and the first ``torch.optim`` optimizer imports
+    ``torch._dynamo``), that module's default arguments keep the process group alive after
+    ``destroy_process_group``: gloo's threads then outlive it and can abort the interpreter's exit
+    ("terminate called without an active exception"). This module imports it at its own import, before
+    any group exists, so this function only calls torch's.
     """
-    import torch._dynamo  # noqa: F401
-
     dist.init_process_group(*args, **kwargs)
 
 
@@ -124,7 +130,7 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
 
 def _reachable_nodes(output: Any) -> set:
     """Every graph node the tensors in ``output`` lead to (their leaves' AccumulateGrads included)."""
-    return set(reachable(getattr(t, "_gg_node", None) for t in _tensors_in(output)))
+    return set(topo_order(getattr(t, "_gg_node", None) for t in _tensors_in(output)))
 
 
 def _on_leaf_node(ref: weakref.ref, index: int) -> Callable[[tuple, tuple], None]:
