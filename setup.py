@@ -3,10 +3,12 @@
 Both are optional. Without Cython or a C compiler, graphgrad installs as pure Python and runs the
 same code, more slowly (``graphgrad.compiled`` is then False). The C++ module
 (``graphgrad._tensor_meta``, src/graphgrad/csrc/tensor_meta.cpp) is built against the torch
-installed in the building environment (its headers and libraries): it needs torch importable at
-build time (``pip install --no-build-isolation``, as scripts/setup_env.sh does) and a C++20
-compiler; without them graphgrad reads tensor metadata through torch's getters
-(``graphgrad.native_meta`` is then False).
+installed in the building environment (its headers and libraries) when torch is importable at
+build time (``pip install --no-build-isolation``, as scripts/setup_env.sh does). A plain
+``pip install .`` builds in an isolated environment without torch: the source is then shipped as
+package data and graphgrad/native_build.py compiles it once, at first import, against the torch
+the user has (cached). Without a C++20 compiler graphgrad reads tensor metadata through torch's
+getters (``graphgrad.native_meta`` is then False).
 """
 
 import os
@@ -65,19 +67,18 @@ def native_extensions():
         from torch.utils.cpp_extension import include_paths, library_paths
     except ImportError:
         print("graphgrad: torch is not importable while building (build isolation?): the C++ "
-              "metadata reader is not built; torch's getters are used instead")
+              "metadata reader will be built at first import, against the torch installed then")
         return []
     libs = library_paths()
     return [Extension(
         "graphgrad._tensor_meta",
-        ["src/graphgrad/csrc/tensor_meta.cpp"],
+        [f"src/graphgrad/{_CONFIG['NATIVE_SOURCE']}"],
         include_dirs=include_paths(),
         library_dirs=libs,
         runtime_library_dirs=libs,
-        libraries=["c10", "torch", "torch_cpu", "torch_python"],
-        define_macros=[("GRAPHGRAD_TORCH_VERSION", f'"{torch.__version__}"'),
-                       ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI)))],
-        extra_compile_args=["-std=c++20", "-O2", "-w"],
+        libraries=list(_CONFIG["NATIVE_LIBRARIES"]),
+        define_macros=_CONFIG["native_macros"](torch.__version__, torch._C._GLIBCXX_USE_CXX11_ABI),
+        extra_compile_args=list(_CONFIG["NATIVE_COMPILE_ARGS"]),
         language="c++",
         optional=True,  # a failed compile leaves torch's getters in use
     )]

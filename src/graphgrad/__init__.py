@@ -49,7 +49,8 @@ compiled: bool = _engine_is_compiled(__name__)
 #: module built against this torch (src/graphgrad/csrc/tensor_meta.cpp), False: through torch's getters
 native_meta: bool = _compat.native_meta is not None
 #: which engine runs: "compiled+native" (Cython, C++ metadata reads), "compiled" (Cython, torch's
-#: getters) or "python" (the pure-Python reference: GRAPHGRAD_PURE_PYTHON=1, or no compiler)
+#: getters), "python+native" (no compiler for Cython) or "python" (the pure-Python reference:
+#: GRAPHGRAD_PURE_PYTHON=1)
 engine: str = ("compiled" if compiled else "python") + ("+native" if native_meta else "")
 
 __version__ = "0.1.0"

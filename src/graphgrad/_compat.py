@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree  # flattens a captured step's arguments (wh
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import native_build
 from ._config import env_flag
 
 __all__ = [
@@ -117,14 +118,16 @@ tensor_has_meta = _getter_has_meta
 
 #: graphgrad._tensor_meta (src/graphgrad/csrc/tensor_meta.cpp), built against this torch: the same
 #: reads from the C++ TensorImpl, without torch's getters' Python objects. Not used by the
-#: pure-Python engine (the reference), nor with ``GRAPHGRAD_NO_NATIVE=1``; None when not built
-#: (no compiler, build isolation) or built for another torch (it refuses to load).
+#: pure-Python engine (the reference), nor with ``GRAPHGRAD_NO_NATIVE=1``. The installed module
+#: when setup.py built it; else (build isolation, or built for another torch: it refuses to load)
+#: native_build.py compiles it at first import, cached; None when that fails (no compiler).
 native_meta = None
 if not (env_flag("GRAPHGRAD_PURE_PYTHON") or env_flag("GRAPHGRAD_NO_NATIVE")):
     try:
         from . import _tensor_meta as native_meta
     except ImportError:
-        native_meta = None
+        # torch's C++ ABI flag, the JIT build's -D_GLIBCXX_USE_CXX11_ABI (checked on torch 2.13)
+        native_meta = native_build.load(cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI))
 
 
 def _never_in_place(buf, nr, g) -> bool:
