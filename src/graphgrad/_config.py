@@ -15,8 +15,8 @@ __all__ = ["ENGINE_MODULES", "env_flag", "NATIVE_SOURCE", "NATIVE_LIBRARIES", "N
            "native_macros"]
 
 #: the hot path: compiled together, in import order (lowest first)
-ENGINE_MODULES = ("scratch", "fastcalls", "rules", "wrap", "references", "node", "graph", "views",
-                  "dispatch", "fastpaths", "executor")
+ENGINE_MODULES = ("scratch", "fastcalls", "rules", "wrap", "references", "node", "graph", "binding",
+                  "edges", "views", "dispatch", "fastpaths", "executor")
 
 _FALSE = ("", "0", "false", "no", "off")
 

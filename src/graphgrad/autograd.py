@@ -15,8 +15,8 @@ from torch.autograd.grad_mode import enable_grad, no_grad, set_grad_enabled
 
 from . import _compat
 from .dispatch import route
+from .edges import current_node
 from .executor import run_backward
-from .views import current_node
 from .wrap import wrap_output
 
 __all__ = ["backward", "grad", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",

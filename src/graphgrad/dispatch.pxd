@@ -8,11 +8,11 @@ from graphgrad.node cimport Node, new_node
 from graphgrad.rules cimport Rule
 from graphgrad.references cimport save_arguments, saved_output
 from graphgrad.scratch cimport give_back, spare_list
-from graphgrad.views cimport (bind, function_view_changed, is_inplace, keep_for, kernel,
-                              kernel_for, needs_of,
-                              no_grad_op, no_grad_view_op, node_of, note_view_outputs,
-                              record_inplace, revived, slots, stamp_view, unrecorded_view_op,
-                              aliased_input)
+from graphgrad.binding cimport bind
+from graphgrad.edges cimport function_view_changed, keep_for, needs_of, node_of, revived, slots
+from graphgrad.views cimport (aliased_input, is_inplace, kernel, kernel_for, no_grad_op,
+                              no_grad_view_op, note_view_outputs, record_inplace, stamp_view,
+                              unrecorded_view_op)
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 
 cimport cython

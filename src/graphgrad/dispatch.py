@@ -22,9 +22,11 @@ try:
 except ImportError:  # Cython is needed only to build the compiled engine
     from . import _no_cython as cython
 
+from .binding import bind
 from .codes import CUSTOM_FUNCTION_VIEW, KEEP_VALUE, NEEDS_GRAD, NO_GRAD, PLAIN_VIEW, TORCH_TRACKED
 from .decompose import find as find_decomposition
 from .decompose import no_rule_error
+from .edges import function_view_changed, keep_for, needs_of, node_of, revived, slots
 from .fastcalls import autocast_enabled as _autocast_enabled
 from .fastcalls import grad_enabled as _grad_enabled
 from .fastcalls import kernel_below_autograd as _kernel_below_autograd
@@ -43,20 +45,13 @@ from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name
 from .scratch import give_back, spare_list
 from .views import (
     aliased_input,
-    bind,
-    function_view_changed,
     is_inplace,
-    keep_for,
     kernel,
     kernel_for,
-    needs_of,
     no_grad_op,
     no_grad_view_op,
-    node_of,
     note_view_outputs,
     record_inplace,
-    revived,
-    slots,
     stamp_view,
     unrecorded_view_op,
 )

@@ -28,11 +28,12 @@ from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when
 
 from . import _compat
 from .codes import GG_LEAF, RELEASED_AFTER_BACKWARD, RELEASED_WITH_GRAPH, TORCH_BRIDGE, TORCH_LEAF
+from .edges import current_node
 from .fastcalls import accumulate_in_place as _accumulate_in_place
+from .graph import topo_order
 from .node import AccumulateGrad, Node, edge_at, edge_count, meta_at
 from .scratch import give_back, spare_dict, spare_list
 from .view_rules import COPY_SLICES_RULE
-from .views import current_node
 
 # needed[node] for an in-place op's node that leads to no wanted input but runs all the same:
 # its CopySlices runs (torch's CopySlices calls the op's node it wraps whenever it runs, so
@@ -121,46 +122,19 @@ def _walk(root_nodes, targets, into_torch, accumulate):
     """Dependency counts over the nodes needed to reach the targets (all nodes if none;
     ``into_torch``: bridges into torch's own graph count as targets too). A CopySlices that
     runs needs the in-place op's node it stands for run too (see ``_INSIDE_COPY_SLICES``).
-
-    The post-order is ``graph.topo_order``'s (the same iterative depth-first search), written
-    out here with typed locals and the ``deps`` dict as its visited set, so the walk that runs
-    on every backward pass builds no second set and makes no extra call per node (viz and
-    distributed walk with graph.py's)."""
-    deps = spare_dict()
-    order = spare_list()  # post-order: a node after all of its inputs
-    count = targets is None and not into_torch  # every node is needed: count edges as walked
-    stack = spare_list()  # the path being walked, and how far each node's inputs were seen:
-    at = spare_list()  # two lists, not a (node, i) tuple per level, which in a long chain
-    for root, _ in root_nodes:  # would outlive enough collections to trigger a full one
-        if root in deps:  # reached from an earlier root
-            continue
-        deps[root] = 0
-        stack.append(root)
-        at.append(0)
-        while stack:
-            node = stack.pop()
-            i = at.pop()
-            n = edge_count(node)
-            while i < n:
+    The nodes are ``graph.topo_order``'s post-order."""
+    roots = spare_list()
+    for root, _ in root_nodes:
+        roots.append(root)
+    deps = spare_dict()  # the walk puts each node in at 0
+    order = topo_order(roots, None, deps)  # post-order: a node after all of its inputs
+    give_back(roots)
+    if targets is None and not into_torch:  # every node is needed: count every edge
+        for node in order:
+            for i in range(edge_count(node)):
                 parent = edge_at(node, i)
-                i += 1
-                if parent is None:
-                    continue
-                if parent in deps:
-                    if count:
-                        deps[parent] += 1
-                    continue
-                deps[parent] = 1 if count else 0
-                stack.append(node)
-                at.append(i)
-                stack.append(parent)
-                at.append(0)
-                break
-            else:
-                order.append(node)
-    give_back(stack)
-    give_back(at)
-    if count:
+                if parent is not None:
+                    deps[parent] += 1
         return deps, None, order
     if targets is None:
         needed = None
@@ -191,19 +165,10 @@ def _walk(root_nodes, targets, into_torch, accumulate):
 
 def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, accumulate,
          allow_unused, into_torch):
+    """The pass in its stages: walk, validate, then run each node as it becomes ready (its
+    tensor hooks, its rule or its leaf's accumulation, its hooks) and send its gradients on."""
     deps, needed, order = _walk(root_nodes, targets, into_torch, accumulate)
-    for node in order:  # everything that can fail, before anything changes
-        if node.released == RELEASED_WITH_GRAPH or needed is None or (
-                needed[node] and _runs(node, needed, targets, accumulate)):
-            node.check_saved()
-            if type(node) is AccumulateGrad and node.torch_kind == GG_LEAF:
-                _check_still_a_leaf(node)
-        if create_graph and _is_bridge(node) and (needed is None or needed[node]):
-            raise NotImplementedError(
-                "create_graph=True through a tensor that torch's own autograd computed (a plain "
-                "torch tensor with a torch grad_fn, used in graphgrad ops) is not supported: "
-                "its torch graph cannot be differentiated twice by graphgrad. Compute it with "
-                "graphgrad tensors (gg.as_tensor / gg.nn.adopt) instead.")
+    _validate(order, needed, targets, accumulate, create_graph)
     bridges = None  # [(node, gradient)] for the tensors handed to torch's backward at the end
     buffers = spare_dict()  # node -> its gradient (one output) or a list of them
     for (node, nr), g in zip(root_nodes, root_grads):
@@ -238,14 +203,8 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         grads = buffers.pop(node, None)
         if grads is not None and type(grads) is not list:  # one output's gradient
             grads = [grads]
-        if needed is not None and not needed[node]:  # a root that leads to no input: torch
-            if len(root_nodes) == 1:  # runs the tensor hooks of a single one, nothing else
-                if grads is None:
-                    grads = [None] * node.num_outputs
-                if node.tensor_hooks is not None:
-                    _run_tensor_hooks(node, grads, handed)
-                if node.retained is not None:
-                    _retain(node, grads)
+        if needed is not None and not needed[node]:  # a root that leads to no input
+            _unneeded_root(node, grads, len(root_nodes) == 1, handed)
             continue
         if grads is None:
             grads = [None] * node.num_outputs
@@ -259,12 +218,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             into_torch and _is_bridge(node)) or needed[node] is _INSIDE_COPY_SLICES
         if is_target and not accumulate and runs:  # read before its tensor hooks (torch)
             _capture(targets[node], grads, captured)
-        if node.tensor_hooks is not None:
-            _run_tensor_hooks(node, grads, handed)
-        elif type(node) is AccumulateGrad and node.torch_kind == TORCH_LEAF:
-            _run_torch_hooks(node, grads, handed)
-        if node.retained is not None:
-            _retain(node, grads)
+        _before_node(node, grads, handed)
         if not runs:
             if is_target and not accumulate:  # read after its tensor hooks (torch)
                 _capture(targets[node], grads, captured)
@@ -272,32 +226,13 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         if node.prehooks is not None:
             grads = _run_prehooks(node, grads, handed)
         if type(node) is AccumulateGrad:
-            if node.torch_kind == TORCH_BRIDGE:
-                if grads[0] is not None and (targets is None or into_torch):
-                    if bridges is None:
-                        bridges = []
-                    bridges.append((node, grads[0]))
-                if accumulate and is_target:
-                    _accumulate(node, grads[0], create_graph, handed)
-            elif accumulate:
-                _accumulate(node, grads[0], create_graph, handed)
-            if node.hooks is not None:
-                _run_hooks(node, (), grads, handed)
+            bridges = _accumulate_leaf(node, grads, create_graph, handed, accumulate and is_target,
+                                       accumulate, targets is None or into_torch, bridges)
             continue
-        nrs = node.next_nrs
-        known_zero = False
-        if _all_none(grads):
-            outs = ()
-        elif zeros and _all_known_zero(grads):
-            known_zero = True
-            outs = _apply_to_zeros(node, grads)
-        elif anomaly:
-            outs = _apply_checked(node, grads, create_graph)
-        else:
-            outs = node.apply(grads, create_graph)
+        known_zero = zeros and not _all_none(grads) and _all_known_zero(grads)
+        outs = _run_node(node, grads, create_graph, anomaly, known_zero)
         if not zeros and _declares_known_zeros(node):
             zeros = True
-        slot_pos = node.slot_pos
         edge_grads = None
         if node.hooks is not None:  # hooks see (and may replace) one gradient per input
             edge = _edge_grads(node, outs)
@@ -308,33 +243,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             node.release()
             if node.rule is COPY_SLICES_RULE:  # it saved no tensor, yet never runs again:
                 node.released = RELEASED_AFTER_BACKWARD  # torch's drops the op it wraps
-        for j in range(edge_count(node)):
-            parent = edge_at(node, j)
-            if parent is None or (needed is not None and not needed[parent]):
-                continue
-            if edge_grads is not None:
-                g = edge_grads[j]
-            else:
-                g = _pick(outs, slot_pos[j])
-                if g is not None:
-                    meta = meta_at(node, j)
-                    if meta is not None:
-                        g = _fit(g, meta, node, j)
-                    elif not isinstance(g, TensorBase):
-                        _not_a_tensor(g, node, j)
-                    if known_zero:
-                        g = _known_zero(g)
-            if g is not None:
-                _add_to_buffer(buffers, parent, nrs[j], g)
-            deps[parent] -= 1
-            if deps[parent] == 0:
-                if alone is None and not ready:
-                    alone = parent
-                else:
-                    if alone is not None:
-                        _heappush(ready, _Ready(_order(alone), alone))
-                        alone = None
-                    _heappush(ready, _Ready(_order(parent), parent))
+        alone = _send_on(node, outs, edge_grads, known_zero, needed, buffers, deps, ready, alone)
     if bridges is not None:
         _into_torch(bridges, inputs, deps, retain_graph, accumulate, captured)
     give_back(ready)
@@ -349,6 +258,112 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
         if g is None and not allow_unused:
             _unused(k)
     return tuple(captured)
+
+
+def _validate(order, needed, targets, accumulate, create_graph):
+    """Everything that can fail, for every node that will run, before anything changes."""
+    for node in order:
+        if node.released == RELEASED_WITH_GRAPH or needed is None or (
+                needed[node] and _runs(node, needed, targets, accumulate)):
+            node.check_saved()
+            if type(node) is AccumulateGrad and node.torch_kind == GG_LEAF:
+                _check_still_a_leaf(node)
+        if create_graph and _is_bridge(node) and (needed is None or needed[node]):
+            raise NotImplementedError(
+                "create_graph=True through a tensor that torch's own autograd computed (a plain "
+                "torch tensor with a torch grad_fn, used in graphgrad ops) is not supported: "
+                "its torch graph cannot be differentiated twice by graphgrad. Compute it with "
+                "graphgrad tensors (gg.as_tensor / gg.nn.adopt) instead.")
+
+
+def _unneeded_root(node, grads, single, handed):
+    """A root that leads to no wanted input: torch runs the tensor hooks of a single one
+    (and its retain_grad), nothing else."""
+    if not single:
+        return
+    if grads is None:
+        grads = [None] * node.num_outputs
+    if node.tensor_hooks is not None:
+        _run_tensor_hooks(node, grads, handed)
+    if node.retained is not None:
+        _retain(node, grads)
+
+
+def _before_node(node, grads, handed):
+    """What sees a node's incoming gradients before it runs: its outputs' tensor hooks (a
+    plain torch leaf's own hooks), then retain_grad."""
+    if node.tensor_hooks is not None:
+        _run_tensor_hooks(node, grads, handed)
+    elif type(node) is AccumulateGrad and node.torch_kind == TORCH_LEAF:
+        _run_torch_hooks(node, grads, handed)
+    if node.retained is not None:
+        _retain(node, grads)
+
+
+def _accumulate_leaf(node, grads, create_graph, handed, wanted, accumulate, into_torch, bridges):
+    """An AccumulateGrad runs: its gradient goes into the leaf's ``.grad`` (``accumulate``;
+    for a bridge into torch's graph, only a ``wanted`` one), or a bridge's onto ``bridges``
+    for torch's backward (``into_torch``); then its hooks. Returns ``bridges``."""
+    if node.torch_kind == TORCH_BRIDGE:
+        if grads[0] is not None and into_torch:
+            if bridges is None:
+                bridges = []
+            bridges.append((node, grads[0]))
+        if wanted:
+            _accumulate(node, grads[0], create_graph, handed)
+    elif accumulate:
+        _accumulate(node, grads[0], create_graph, handed)
+    if node.hooks is not None:
+        _run_hooks(node, (), grads, handed)
+    return bridges
+
+
+def _run_node(node, grads, create_graph, anomaly, known_zero):
+    """The node's rule on its incoming gradients: one result per rule parameter (none when
+    no gradient arrived; on plain zeros for known zeros; checked under anomaly mode)."""
+    if _all_none(grads):
+        return ()
+    if known_zero:
+        return _apply_to_zeros(node, grads)
+    if anomaly:
+        return _apply_checked(node, grads, create_graph)
+    return node.apply(grads, create_graph)
+
+
+def _send_on(node, outs, edge_grads, known_zero, needed, buffers, deps, ready, alone):
+    """Each input's gradient (fitted to the input's shape and dtype) into its node's buffer;
+    a node whose last gradient arrived becomes ready. Returns the node that waits ``alone``
+    (the only ready one: it skips the heap)."""
+    nrs = node.next_nrs
+    slot_pos = node.slot_pos
+    for j in range(edge_count(node)):
+        parent = edge_at(node, j)
+        if parent is None or (needed is not None and not needed[parent]):
+            continue
+        if edge_grads is not None:
+            g = edge_grads[j]
+        else:
+            g = _pick(outs, slot_pos[j])
+            if g is not None:
+                meta = meta_at(node, j)
+                if meta is not None:
+                    g = _fit(g, meta, node, j)
+                elif not isinstance(g, TensorBase):
+                    _not_a_tensor(g, node, j)
+                if known_zero:
+                    g = _known_zero(g)
+        if g is not None:
+            _add_to_buffer(buffers, parent, nrs[j], g)
+        deps[parent] -= 1
+        if deps[parent] == 0:
+            if alone is None and not ready:
+                alone = parent
+            else:
+                if alone is not None:
+                    _heappush(ready, _Ready(_order(alone), alone))
+                    alone = None
+                _heappush(ready, _Ready(_order(parent), parent))
+    return alone
 
 
 def _is_bridge(node):

@@ -19,13 +19,14 @@ from torch._C import TensorBase  # isinstance(x, TensorBase): a C type test when
 
 from . import _compat
 from .dispatch import call, note_call, route
+from .edges import current_node, node_of
 from .fastcalls import protocol_off as _protocol_off  # (no context-manager objects)
 from .fastcalls import protocol_on as _protocol_on  # on, and no torch-function mode: one C call
 from .fastcalls import protocol_restore as _protocol_restore
 from .fastcalls import tensor_shape as _shape
 from .node import AccumulateGrad
 from .rules import RULES
-from .views import current_node, node_of, note_reshaped
+from .views import note_reshaped
 from .wrap import on_tensor_class
 
 __all__ = ["install_fast_paths"]

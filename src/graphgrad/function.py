@@ -48,6 +48,7 @@ from .codes import (
     RELEASED_AFTER_BACKWARD,
     RELEASED_WITH_GRAPH,
 )
+from .edges import base_requires_grad, current_node, node_of, torch_node
 from .graph import current_graph
 from .node import Node
 from .references import (
@@ -59,17 +60,7 @@ from .references import (
     unpack_saved,
 )
 from .tensor import Tensor
-from .views import (
-    base_requires_grad,
-    check_inplace,
-    current_node,
-    into_base,
-    node_of,
-    rebase_history,
-    torch_node,
-    view_tag_message,
-    view_target,
-)
+from .views import check_inplace, into_base, rebase_history, view_tag_message, view_target
 from .wrap import wrap_output
 
 _torch_requires_grad = _compat.torch_requires_grad
@@ -308,7 +299,7 @@ _compat.set_torch_function_apply(_apply_torch_function)
 def _node_of(value):
     """The current node of an argument: a graphgrad tensor's own (a view's grad_fn rebuilt
     if its base changed since), a torch-tracked plain tensor's leaf or bridge (see
-    ``dispatch.torch_node``), None for the rest."""
+    ``edges.torch_node``), None for the rest."""
     if not isinstance(value, torch.Tensor):
         return None
     if _torch_requires_grad(value):

@@ -2,17 +2,16 @@
 # the recording step (dispatch._record) notes each node with a C call of record(), which puts
 # it in the graph's PendingNodes (node.pxd) without an object the cyclic GC counts.
 
-from graphgrad.node cimport Node, PendingNodes, note_pending, pending_count, take_pending
+from graphgrad.node cimport (Node, PendingNodes, compact_soon, new_pending, note_pending,
+                             pending_count, take_pending)
 
 cdef class AutogradGraph:
     cdef public object id, is_default, active, _rx, _leaves
     cdef public object pending
-    cdef public Py_ssize_t _prune_at, _compact_at
+    cdef public Py_ssize_t _prune_at
     cdef object __weakref__
     cpdef record(self, node)
-    cpdef _compact(self)
 
-cdef Py_ssize_t _COMPACT_AT
 cdef Py_ssize_t _graphs_made
 
 cimport cython
@@ -25,7 +24,7 @@ cdef extern from "Python.h":
     PyObject* PyThreadState_GetDict()
 
 
-cdef inline dict thread_dict():
+cdef inline dict thread_state():
     """This thread's state dict (borrowed; never NULL while the GIL is held)."""
     return <dict>PyThreadState_GetDict()
 
@@ -33,3 +32,10 @@ cdef inline dict thread_dict():
 cpdef AutogradGraph current_graph()
 @cython.locals(stack=list, state=dict)
 cpdef list _stack()
+
+from graphgrad.node cimport edge_at, edge_count
+from graphgrad.scratch cimport give_back, spare_dict, spare_list
+
+@cython.locals(order=list, stack=list, at=list, node=Node, parent=Node, i=Py_ssize_t,
+               n=Py_ssize_t, mine=bint)
+cpdef list topo_order(object roots, object gate=*, dict seen=*)

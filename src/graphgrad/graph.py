@@ -1,21 +1,19 @@
 """AutogradGraph: the explicit, queryable view of what was recorded, on rustworkx.
 
-Recording appends a weak reference to each new Node to a pending list (cheap); the
-rustworkx ``PyDiGraph`` is brought up to date in bulk (``add_nodes_from`` / ``add_edges_from``)
-when someone looks at it. While nobody looks, the pending list is compacted (dead entries
-dropped) whenever it has doubled, so recording costs one weak reference per node. Payloads
-are weak references, so the graph never keeps a Node alive; dead entries are pruned when the
-graph has doubled since the last prune, so a loop that records without backward stays flat.
-Edges run from input to output
-(data flow), so ``rustworkx.ancestors`` of a node is everything it depends on.
+Recording notes each new Node in the graph's pending registry (cheap: node_parts.py, or the
+compiled engine's C array); the rustworkx ``PyDiGraph`` is brought up to date in bulk
+(``add_nodes_from`` / ``add_edges_from``) when someone looks at it. Payloads are weak
+references, so the graph never keeps a Node alive; dead entries are pruned when the graph has
+doubled since the last prune, so a loop that records without backward stays flat. Edges run
+from input to output (data flow), so ``rustworkx.ancestors`` of a node is everything it
+depends on.
 
-Without a ``with AutogradGraph():`` block, ops record into a per-thread default graph; the
-thread-local stack of graphs is the only module-level mutable state in graphgrad.
+Without a ``with AutogradGraph():`` block, ops record into a per-thread default graph, kept
+in this thread's state dict. ``topo_order`` is the library's one walk over ``next_functions``.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Iterator
 
@@ -28,47 +26,42 @@ except ImportError:  # Cython is needed only to build the compiled engine
 
 from . import _compat
 from .codes import RELEASED_WITH_GRAPH
-from .node import Node, PendingNodes
+from .node import Node, edge_at, edge_count
 from .references import node_saved_bytes, saved_bytes, saved_tensors, storage_of, weak_ref
+from .scratch import give_back, spare_dict, spare_list
 
-__all__ = ["AutogradGraph", "current_graph", "default_graph", "reachable", "topo_order"]
+if not cython.compiled:  # the pending registry as weak references; compiled, node.pxd's C array
+    from .node_parts import (
+        compact_soon,
+        new_pending,
+        note_pending,
+        pending_count,
+        take_pending,
+        thread_state,
+    )
 
-# Compact the pending list when it reaches this many entries (or twice the live ones): dead
-# weak references are freed soon enough that they never pile up to the cyclic GC's
-# generation-0 threshold (700 net allocations), which would trigger collections.
-_COMPACT_AT = 64
-_local = threading.local()
-#: compiled, each thread's stack is kept in its thread state's dict (where threading.local keeps
-#: its data too), read with one C call per recorded op instead of a threading.local lookup
+__all__ = ["AutogradGraph", "current_graph", "default_graph", "topo_order"]
+
+#: each thread's stack of graphs, in its thread state's dict (compiled: read with one C call per
+#: recorded op)
 _STACK_KEY = "graphgrad.graph_stack"
 _graphs_made = 0  # numbers the graphs (their ``id``)
 
 
 def _stack() -> list:
-    if cython.compiled:
-        state = thread_dict()  # noqa: F821 (graph.pxd)
-        stack = state.get(_STACK_KEY)
-        if stack is None:
-            stack = state[_STACK_KEY] = [AutogradGraph(_default=True)]
-        return stack
-    try:
-        return _local.stack
-    except AttributeError:
-        _local.stack = [AutogradGraph(_default=True)]
-        return _local.stack
+    state = thread_state()
+    stack = state.get(_STACK_KEY)
+    if stack is None:
+        stack = state[_STACK_KEY] = [AutogradGraph(_default=True)]
+    return stack
 
 
 def current_graph() -> AutogradGraph:
     """The graph new ops record into on this thread (innermost ``with`` or the default)."""
-    if cython.compiled:
-        stack = thread_dict().get(_STACK_KEY)  # noqa: F821 (graph.pxd)
-        if stack is not None:
-            return stack[-1]
-        return _stack()[-1]
-    try:
-        return _local.stack[-1]
-    except AttributeError:
-        return _stack()[-1]
+    stack = thread_state().get(_STACK_KEY)
+    if stack is not None:
+        return stack[-1]
+    return _stack()[-1]
 
 
 def default_graph() -> AutogradGraph:
@@ -90,13 +83,11 @@ class AutogradGraph:
         self.id = _graphs_made
         self.is_default = _default
         self.active = _default
-        # the nodes recorded since the rustworkx graph last caught up: weak references (the
-        # compiled engine: a PendingNodes, see node.pxd)
-        self.pending = PendingNodes() if cython.compiled else []
+        # the nodes recorded since the rustworkx graph last caught up (node_parts.py)
+        self.pending = new_pending()
         self._rx = rx.PyDiGraph(check_cycle=False, multigraph=True)
         self._leaves: dict[int, int] = {}
         self._prune_at = 1024
-        self._compact_at = _COMPACT_AT
 
     # -- context -----------------------------------------------------------------------
     def __enter__(self) -> AutogradGraph:
@@ -127,43 +118,20 @@ class AutogradGraph:
 
     # -- recording ---------------------------------------------------------------------
     def record(self, node) -> None:
-        """Note a new node (a weak reference; compiled, its entry in a C array: no object for
-        the cyclic GC to count); the rustworkx graph catches up when queried."""
-        if cython.compiled:
-            note_pending(node, self.pending)  # noqa: F821 (graph.pxd)
-            return
-        pending = self.pending
-        pending.append(weak_ref(node))
-        if len(pending) >= self._compact_at:
-            self._compact()
+        """Note a new node (pure Python: a weak reference; compiled, its entry in a C array:
+        no object for the cyclic GC to count); the rustworkx graph catches up when queried."""
+        note_pending(node, self.pending)
 
     def expect_deaths(self) -> None:
-        """A backward pass freed what it ran: compact soon, not at a threshold set when the
-        graph was larger (dead weak references would otherwise pile up and wake the GC)."""
-        if cython.compiled:  # (a node's death empties its entry itself)
-            return
-        self._compact_at = min(self._compact_at, len(self.pending) + _COMPACT_AT)
-
-    def _compact(self) -> None:
-        """Drop pending entries whose Node has died, so recording without queries stays flat
-        (compiled, a node's death takes its entry out)."""
-        if cython.compiled:
-            return
-        live = [ref for ref in self.pending if ref() is not None]
-        self.pending = live
-        self._compact_at = max(_COMPACT_AT, 2 * len(live))
+        """A backward pass freed what it ran: let the registry drop the dead soon (compiled,
+        a node's death empties its entry itself)."""
+        compact_soon(self.pending)
 
     def flush(self) -> None:
         """Bring the rustworkx graph up to date with the pending nodes, in bulk."""
-        if cython.compiled:
-            if not pending_count(self.pending):  # noqa: F821 (graph.pxd)
-                return
-            live = [(weak_ref(node), node) for node in take_pending(self.pending)]  # noqa: F821
-        else:
-            if not self.pending:
-                return
-            pending, self.pending = self.pending, []
-            live = [(ref, node) for ref in pending if (node := ref()) is not None]
+        if not pending_count(self.pending):
+            return
+        live = [(weak_ref(node), node) for node in take_pending(self.pending)]
         g = self._rx
         indices = g.add_nodes_from([ref for ref, _ in live])
         for (_, node), index in zip(live, indices):
@@ -344,51 +312,41 @@ def _node_of(obj):
     return node
 
 
-# -- the one traversal of next_functions ---------------------------------------------------
-def reachable(roots) -> list:
-    """Every node reachable from ``roots`` (Nodes; None entries are skipped) through
-    ``next_functions``, each once, in depth-first preorder from the first root (a node before
-    its inputs; inputs in ``next_functions`` order). Iterative: graphs of millions of nodes
-    need no recursion limit."""
-    seen = set()
-    order = []
-    stack = [r for r in reversed(list(roots)) if r is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        order.append(node)
-        nexts = node.next_nodes
-        for i in range(len(nexts) - 1, -1, -1):
-            parent = nexts[i]
-            if parent is not None and id(parent) not in seen:
-                stack.append(parent)
-    return order
+# -- the one walk over next_functions ------------------------------------------------------
+def topo_order(roots, gate=None, seen=None) -> list:
+    """The nodes reachable from ``roots`` (Nodes; None entries are skipped), each once, in
+    post-order: a node after all of its inputs (reversed, the order backward runs them).
+    ``gate(node)`` False keeps a node but does not walk on into its inputs (as tinygrad's
+    ``toposort(gate)``). Iterative depth-first search, inputs in ``next_functions`` order:
+    graphs of millions of nodes need no recursion limit. ``seen``: a dict the walk marks each
+    node in (value 0), for a caller that counts something per node (the executor's
+    dependency counts start from it); by default a scratch one.
 
-
-def topo_order(roots) -> list:
-    """The nodes reachable from ``roots`` in post-order: each node after all of its inputs
-    (reverse it for the order backward runs them). Iterative depth-first search, the walk the
-    executor's ``_walk`` makes with typed locals."""
-    done = set()
-    order = []
-    for root in roots:
-        if root is None or id(root) in done:
+    The one walk of the library: the executor's dependency count, viz's pictures, the tour and
+    ``DataParallel``'s unused-parameter check all walk with it. The list is a scratch list
+    (scratch.py): a caller that is done with it may ``give_back`` it."""
+    mine = seen is None
+    if mine:
+        seen = spare_dict()  # visited, as a dict (no set made per walk: see scratch.py)
+    order = spare_list()
+    stack = spare_list()  # the path being walked, and how far each node's inputs were seen:
+    at = spare_list()  # two lists, not a (node, i) tuple per level, which in a long chain
+    for root in roots:  # would outlive enough collections to trigger a full one
+        if root is None or root in seen:
             continue
-        done.add(id(root))
-        stack = [root]  # as the executor's walk: the path, and how far each node's
-        at = [0]  # inputs were seen, in two lists (no tuple per level for the GC to keep)
+        seen[root] = 0
+        stack.append(root)
+        at.append(0)
         while stack:
             node = stack.pop()
             i = at.pop()
-            nexts = node.next_nodes
-            while i < len(nexts):
-                parent = nexts[i]
+            n = edge_count(node) if gate is None or gate(node) else 0
+            while i < n:
+                parent = edge_at(node, i)
                 i += 1
-                if parent is None or id(parent) in done:
+                if parent is None or parent in seen:
                     continue
-                done.add(id(parent))
+                seen[parent] = 0
                 stack.append(node)
                 at.append(i)
                 stack.append(parent)
@@ -396,4 +354,8 @@ def topo_order(roots) -> list:
                 break
             else:
                 order.append(node)
+    give_back(stack)
+    give_back(at)
+    if mine:
+        give_back(seen)
     return order

@@ -68,24 +68,20 @@ cdef int TORCH_BRIDGE, PARAM_POSITIONAL, PARAM_VAR_POSITIONAL, PARAM_KEYWORD_ONL
 cdef long long NOT_A_VIEW
 from graphgrad.fastcalls cimport anomaly_enabled as _anomaly_enabled
 
-cdef object _PlainTensor
+cdef object _PlainTensor, PackedSaved
 cdef dict _NO_EXTRA
 cdef Py_ssize_t _next_sequence_nr()
 cdef object _setup(Node node, object rule, tuple next_nodes, tuple next_nrs, tuple slot_pos,
                    tuple input_meta, object saved, object versions, object graph)
 cdef bint _holds_tensors(object saved) except -1
 cdef bint _holds_tensor(object v) except -1
-@cython.locals(i=Py_ssize_t, start=Py_ssize_t)
+@cython.locals(i=Py_ssize_t, n=Py_ssize_t)
 cdef bint _saved_holds_tensors(Node node) except -1
 @cython.locals(j=Py_ssize_t, n=Py_ssize_t, m=Py_ssize_t, slot_pos=tuple, needs=list,
                mask=cython.ulonglong, key=cython.ulonglong, one=cython.ulonglong,
                p=Py_ssize_t)
 cdef tuple _needs_input_grad(Node node)
 cdef dict _NEEDS
-cdef object _set_all(Node node, tuple next_nodes, tuple input_meta, object saved, object versions)
-cdef object _set_saved(Node node, object saved, object versions)
-cdef bint _versions_kept(Node node) except -1
-cdef bint _saved_packed(Node node) except -1
 
 
 # A node's parts (compiled engine): its edges (next_nodes), the metadata of its inputs
@@ -97,7 +93,7 @@ cdef bint _saved_packed(Node node) except -1
 # references, then ``n_vers`` flat versions as C integers. Saved values that are not a plain
 # tuple (PackedSaved: hooks packed some), or versions that are not all integers (an item of a
 # list argument: a position pair), stay objects (_saved_obj, _versions_obj; their count -1).
-# Callers hand tuples in (new_node, set_saved); they die with the op that made them, back to
+# Callers hand tuples in (new_node, Node.set_saved); they die with the op that made them, back to
 # the free list at once. The properties build tuples for Python readers.
 #
 # The traverse visits only what can lead back to a Python object able to close a cycle, and
@@ -156,18 +152,18 @@ cdef clearfunc _cython_clear  # Cython's own clear of Node's object fields
 
 
 cdef inline int _clear_node(PyObject* o) noexcept:
-    _drop_parts(<Node><object>o)
+    drop_parts(<Node><object>o)
     return _cython_clear(o) if _cython_clear is not NULL else 0
 
 
-cdef inline void _install_traverse() noexcept:
+cdef inline void install_layout() noexcept:
     global _cython_clear
     _cython_clear = <clearfunc><void*>(<PyTypeObject*>Node).tp_clear
     (<PyTypeObject*>Node).tp_traverse = _traverse_node
     (<PyTypeObject*>Node).tp_clear = <inquiry><void*>_clear_node
 
 
-cdef inline void _drop_parts(Node node) noexcept:
+cdef inline void drop_parts(Node node) noexcept:
     """Release the block (a node's dealloc and clear; before new parts are set)."""
     cdef PyObject** parts = node._parts
     cdef Py_ssize_t i, n
@@ -183,7 +179,7 @@ cdef inline void _drop_parts(Node node) noexcept:
     PyMem_Free(parts)
 
 
-cdef inline int _set_parts(Node node, tuple edges, tuple metas, object saved,
+cdef inline int set_parts(Node node, tuple edges, tuple metas, object saved,
                            object versions) except -1:
     """Take the items of the four tuples (or objects) into a new block."""
     cdef Py_ssize_t i, ne = len(edges), ns = -1, nv = -1, n
@@ -220,7 +216,7 @@ cdef inline int _set_parts(Node node, tuple edges, tuple metas, object saved,
         vers = <Py_ssize_t*>(parts + n)
         for i in range(nv):
             vers[i] = (<tuple>versions)[i]
-    _drop_parts(node)
+    drop_parts(node)
     node._parts = parts
     node._n_edges = ne
     node._n_saved = ns
@@ -241,13 +237,50 @@ cdef inline tuple _parts_tuple(Node node, Py_ssize_t start, Py_ssize_t n):
     return out
 
 
-cdef inline object _saved_of(Node node):
+cdef inline Py_ssize_t n_edges(Node node) noexcept:
+    return node._n_edges
+
+
+cdef inline object edge(Node node, Py_ssize_t j):
+    return <object>node._parts[j]
+
+
+cdef inline object meta(Node node, Py_ssize_t j):
+    return <object>node._parts[node._n_edges + j]
+
+
+cdef inline tuple edges_of(Node node):
+    return _parts_tuple(node, 0, node._n_edges)
+
+
+cdef inline tuple metas_of(Node node):
+    return _parts_tuple(node, node._n_edges, node._n_edges)
+
+
+cdef inline Py_ssize_t saved_count(Node node) noexcept:
+    """How many saved values the block holds; -1 when they are another object (_saved_obj)."""
+    return node._n_saved
+
+
+cdef inline object saved_at(Node node, Py_ssize_t i):
+    return <object>node._parts[_saved_start(node) + i]
+
+
+cdef inline bint saved_packed(Node node) except -1:
+    return node._n_saved < 0 and type(node._saved_obj) is PackedSaved
+
+
+cdef inline int replace_saved(Node node, object saved, object versions) except -1:
+    return set_parts(node, edges_of(node), metas_of(node), saved, versions)
+
+
+cdef inline object saved_of(Node node):
     if node._n_saved < 0:
         return node._saved_obj
     return _parts_tuple(node, _saved_start(node), node._n_saved)
 
 
-cdef inline object _versions_of(Node node):
+cdef inline object versions_of(Node node):
     cdef Py_ssize_t i
     cdef Py_ssize_t* vers
     if node._n_vers < 0:
@@ -256,18 +289,20 @@ cdef inline object _versions_of(Node node):
     return tuple([vers[i] for i in range(node._n_vers)])
 
 
-cdef inline bint _has_versions(Node node) noexcept:
+cdef inline bint has_versions(Node node) noexcept:
     if node._n_vers < 0:
         return bool(node._versions_obj)
     return node._n_vers > 0
 
 
-cdef inline bint _versions_hold(Node node) except -1:
+cdef inline bint versions_hold(Node node) except -1:
     """Is every saved tensor still at its saved version (integer positions only)? False
     also when the answer needs the general check (which then raises the error)."""
     cdef Py_ssize_t k, pos, ns = node._n_saved
     cdef Py_ssize_t* vers
     cdef object value
+    if not has_versions(node):
+        return True
     if node._n_vers <= 0 or ns < 0:
         return node._n_vers == 0
     vers = <Py_ssize_t*>(node._parts + _n_objects(node))
@@ -283,7 +318,7 @@ cdef inline bint _versions_hold(Node node) except -1:
     return True
 
 
-cdef inline void _drop_saved(Node node) noexcept:
+cdef inline void drop_saved(Node node) noexcept:
     """Release the saved values and versions in place, keeping the edges and metas."""
     cdef Py_ssize_t i, start = _saved_start(node), ns = node._n_saved
     node._n_saved = 0  # (first: a release may run other code, which sees none)
@@ -301,11 +336,21 @@ cdef extern from "Python.h":
 cdef tuple _KW_RESULT, _KW_NEEDS, _KW_BOTH
 
 
-cdef inline object _call_rule(Node node, object fn, object grad, bint has_result, object result,
-                              bint has_needs, object needs):
+# call_rule's argument buffer: grad, the saved values, result and needs_input_grad
+cdef enum:
+    CALL_BUFFER = 12
+
+
+cdef inline bint fits_call(Node node) noexcept:
+    """Can ``call_rule`` call this node's rule: a plain saved tuple that fits its buffer?"""
+    return 0 <= node._n_saved <= CALL_BUFFER - 3
+
+
+cdef inline object call_rule(Node node, object fn, object grad, bint has_result, object result,
+                             bint has_needs, object needs):
     """``fn(grad, *saved, result=..., needs_input_grad=...)`` straight from the block: no saved
-    tuple, argument tuple or keyword dict made (a node with 0 to 9 saved values)."""
-    cdef PyObject* buf[12]
+    tuple, argument tuple or keyword dict made (a node that ``fits_call``)."""
+    cdef PyObject* buf[CALL_BUFFER]
     cdef Py_ssize_t i, n = node._n_saved, start = _saved_start(node), nargs = 1 + n
     cdef object kwnames = None
     buf[0] = <PyObject*>grad
@@ -415,6 +460,14 @@ cdef inline list take_pending(PendingNodes reg):
 
 cdef inline Py_ssize_t pending_count(PendingNodes reg) noexcept:
     return reg.n - reg.dead
+
+
+cdef inline PendingNodes new_pending():
+    return PendingNodes()
+
+
+cdef inline void compact_soon(PendingNodes reg) noexcept:
+    """(a node's death empties its entry itself: nothing to compact)"""
 
 
 cdef inline void free_pending(PendingNodes reg) noexcept:

@@ -43,6 +43,28 @@ from .references import (
     unpack_saved,
 )
 
+if not cython.compiled:  # a node's parts as attributes; compiled, inline in node.pxd
+    from .node_parts import (
+        call_rule,
+        drop_saved,
+        edge,
+        edges_of,
+        fits_call,
+        has_versions,
+        install_layout,
+        meta,
+        metas_of,
+        n_edges,
+        replace_saved,
+        saved_at,
+        saved_count,
+        saved_of,
+        saved_packed,
+        set_parts,
+        versions_hold,
+        versions_of,
+    )
+
 __all__ = ["Node", "AccumulateGrad", "RemovableHandle", "new_node", "split_edges",
            "output_numbers", "interned", "current_sequence_nr", "edge_count", "edge_at",
            "meta_at"]
@@ -70,13 +92,14 @@ class Node:
     The node keeps the edges as two flat tuples, ``next_nodes`` and ``next_nrs`` (the latter
     shared between nodes), not one ``(node, nr)`` pair per edge: a pair would be one more
     object per edge for the cyclic GC to track; ``next_functions`` builds the pairs on demand.
-    Compiled, ``next_nodes``, ``input_meta``, ``saved`` and ``versions`` are C fields
-    (node.pxd, "A node's parts"): the properties make tuples of them for Python readers.
+    ``next_nodes``, ``input_meta``, ``saved`` and ``versions`` are the node's parts, read and
+    written only through the functions of node_parts.py (attributes; compiled, one C block:
+    node.pxd, "A node's parts", the same functions inline).
     """
 
     def __dealloc__(self):  # (compiled only) its entry in its graph's pending registry empties
         forget_pending(self)  # noqa: F821 (node.pxd)
-        _drop_parts(self)  # noqa: F821 (node.pxd)
+        drop_parts(self)  # noqa: F821 (node.pxd)
 
     def __init__(self, rule, next_functions, slot_pos, input_meta, saved, versions, graph):
         nodes, nrs = split_edges(next_functions)
@@ -85,30 +108,22 @@ class Node:
     @property
     def next_nodes(self) -> tuple:
         """The node of each input (None: no gradient flows there), in slot order."""
-        if cython.compiled:
-            return _parts_tuple(self, 0, self._n_edges)  # noqa: F821 (node.pxd)
-        return self._next_nodes
+        return edges_of(self)
 
     @property
     def input_meta(self) -> tuple:
         """Per input, the (size, dtype, device) its gradient is fitted to, or None."""
-        if cython.compiled:
-            return _parts_tuple(self, self._n_edges, self._n_edges)  # noqa: F821 (node.pxd)
-        return self._input_meta
+        return metas_of(self)
 
     @property
     def saved(self):
         """What the rule kept, one entry per rule parameter (``saved_values`` names them)."""
-        if cython.compiled:
-            return _saved_of(self)  # noqa: F821 (node.pxd)
-        return self._saved
+        return saved_of(self)
 
     @property
     def versions(self):
         """The flat ``(position, version, ...)`` of the saved tensors (None once released)."""
-        if cython.compiled:
-            return _versions_of(self)  # noqa: F821 (node.pxd)
-        return self._versions
+        return versions_of(self)
 
     @property
     def next_functions(self) -> tuple:
@@ -126,8 +141,8 @@ class Node:
     def set_saved(self, saved, versions) -> None:
         """Replace what the node keeps (a custom Function saves after its forward ran).
         ``saved`` and ``versions`` are read-only properties: this copies the values into the
-        node (C fields when compiled)."""
-        _set_saved(self, saved, versions)
+        node."""
+        replace_saved(self, saved, versions)
 
     @property
     def saved_values(self) -> dict:
@@ -164,11 +179,7 @@ class Node:
                 f"second time or if you need to access saved tensors after calling backward. "
                 f"(node: {self.rule.name})"
             )
-        if cython.compiled:
-            if _has_versions(self) and not _versions_hold(self):  # noqa: F821 (node.pxd)
-                check_saved_versions(self.rule.name, self.rule.params, self.saved, self.versions,
-                                     self.sequence_nr)
-        elif self.versions:
+        if not versions_hold(self):
             check_saved_versions(self.rule.name, self.rule.params, self.saved, self.versions,
                                  self.sequence_nr)
         if type(self.saved) is PackedSaved:
@@ -180,9 +191,9 @@ class Node:
         """Run the rule on the gradients of this node's outputs; return one per rule param."""
         rule = self.rule
         grad = grads if rule.multi_output else grads[0]
-        if cython.compiled and rule.all_positional and 0 <= self._n_saved <= 9:
+        if rule.all_positional and fits_call(self):
             has_result = self.result is not None
-            out = _call_rule(  # noqa: F821 (node.pxd)
+            out = call_rule(
                 self, rule.fn, grad, has_result,
                 unpack_result(self, create_graph) if has_result else None,
                 rule.wants_needs, _needs_input_grad(self) if rule.wants_needs else None)
@@ -193,8 +204,8 @@ class Node:
         return out
 
     def _apply_general(self, rule, grad, create_graph):
-        """``apply``'s call of the rule through a saved tuple and a keyword dict (the pure
-        engine; keyword-only parameters, packed or many saved values)."""
+        """``apply``'s call of the rule through a saved tuple and a keyword dict: keyword-only
+        or variadic parameters, packed saved values, more than ``call_rule`` takes."""
         if self.result is None and not rule.wants_needs:
             extra = _NO_EXTRA
         else:
@@ -216,16 +227,16 @@ class Node:
         A node that kept tensors can never run again, so everything goes; one that kept
         only numbers and shapes may run again (as in torch) and keeps them.
         """
-        if how == RELEASED_WITH_GRAPH or self.result is not None or _versions_kept(self) or \
-                _saved_packed(self):
+        if how == RELEASED_WITH_GRAPH or self.result is not None or has_versions(self) or \
+                saved_packed(self):
             self.released = how
-            _set_saved(self, (), None)
+            drop_saved(self)
         elif _saved_holds_tensors(self):  # saved by other means (e.g. gg.Function)
             self.released = how
-            _set_saved(self, _drop_tensors(self.saved), None)
+            replace_saved(self, _drop_tensors(self.saved), None)
         self.result = None
         if how == RELEASED_WITH_GRAPH:
-            _set_all(self, (), (), self.saved, None)
+            set_parts(self, (), (), self.saved, None)
             self.next_nrs = ()
 
     # -- hooks -------------------------------------------------------------------------
@@ -260,19 +271,19 @@ def _needs_input_grad(node):
     """``node.needs_input_grad`` (a C function when compiled: apply calls it per node), one
     shared tuple per pattern: no list and tuple made for each node that backward runs."""
     n = len(node.rule.params)
-    m = edge_count(node)
+    m = n_edges(node)
     slot_pos = node.slot_pos
     if n > 48:
         needs = [False] * n
         for j in range(m):
-            if edge_at(node, j) is not None:
+            if edge(node, j) is not None:
                 pos = slot_pos[j]
                 needs[pos[0] if type(pos) is tuple else pos] = True
         return tuple(needs)
     mask = 0
     one = 1
     for j in range(m):
-        if edge_at(node, j) is not None:
+        if edge(node, j) is not None:
             pos = slot_pos[j]
             p = pos[0] if type(pos) is tuple else pos
             mask |= one << p
@@ -334,53 +345,17 @@ def new_node(rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, 
 
 def edge_count(node):
     """``len(node.next_nodes)`` without making the tuple (the executor's loops)."""
-    if cython.compiled:
-        return node._n_edges
-    return len(node._next_nodes)
+    return n_edges(node)
 
 
 def edge_at(node, j):
     """``node.next_nodes[j]`` without making the tuple."""
-    if cython.compiled:
-        return cython.cast(object, node._parts[j])
-    return node._next_nodes[j]
+    return edge(node, j)
 
 
 def meta_at(node, j):
     """``node.input_meta[j]`` without making the tuple."""
-    if cython.compiled:
-        return cython.cast(object, node._parts[node._n_edges + j])
-    return node._input_meta[j]
-
-
-def _set_all(node, next_nodes, input_meta, saved, versions):
-    """Set the four parts (C fields when compiled)."""
-    if cython.compiled:
-        _set_parts(node, next_nodes, input_meta, saved, versions)  # noqa: F821 (node.pxd)
-    else:
-        node._next_nodes = next_nodes
-        node._input_meta = input_meta
-        node._saved = saved
-        node._versions = versions
-
-
-def _set_saved(node, saved, versions):
-    if cython.compiled and type(saved) is tuple and not len(saved) and versions is None:
-        _drop_saved(node)  # noqa: F821 (node.pxd): in place, the common release
-    else:
-        _set_all(node, node.next_nodes, node.input_meta, saved, versions)
-
-
-def _versions_kept(node):
-    if cython.compiled:
-        return _has_versions(node)  # noqa: F821 (node.pxd)
-    return bool(node._versions)
-
-
-def _saved_packed(node):
-    if cython.compiled:
-        return node._n_saved < 0 and type(node._saved_obj) is PackedSaved
-    return type(node._saved) is PackedSaved
+    return meta(node, j)
 
 
 def split_edges(next_functions):
@@ -421,7 +396,7 @@ def interned(key):
 def _setup(node, rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, graph):
     """Every field of a new Node (shared by ``Node.__init__`` and ``new_node``)."""
     node.rule = rule
-    _set_all(node, next_nodes, input_meta, saved, versions)
+    set_parts(node, next_nodes, input_meta, saved, versions)
     node.next_nrs = next_nrs
     node.slot_pos = slot_pos
     node.result = None
@@ -480,13 +455,13 @@ def _holds_tensor(v):
 
 def _saved_holds_tensors(node):
     """``_holds_tensors(node.saved)`` without making the tuple."""
-    if cython.compiled and node._n_saved >= 0:
-        start = _saved_start(node)  # noqa: F821 (node.pxd)
-        for i in range(node._n_saved):
-            if _holds_tensor(cython.cast(object, node._parts[start + i])):
-                return True
-        return False
-    return _holds_tensors(node.saved)
+    n = saved_count(node)
+    if n < 0:
+        return _holds_tensors(node.saved)
+    for i in range(n):
+        if _holds_tensor(saved_at(node, i)):
+            return True
+    return False
 
 
 def _drop_tensors(saved):
@@ -509,9 +484,9 @@ class _Strong:
 
 
 class PendingNodes:
-    """A graph's registry of the nodes recorded since its rustworkx graph last caught up
-    (compiled engine; node.pxd says how it works). The pure-Python engine's graph keeps weak
-    references in a list instead."""
+    """The compiled engine's registry of a graph's nodes recorded since its rustworkx graph
+    last caught up (node.pxd says how it works; graph.py makes one with ``new_pending``). The
+    pure-Python engine's is node_parts.PendingRefs."""
 
     def __dealloc__(self):  # (compiled only)
         free_pending(self)  # noqa: F821 (node.pxd)
@@ -592,5 +567,4 @@ class RemovableHandle:
         self.remove()
 
 
-if cython.compiled:
-    _install_traverse()  # noqa: F821 (node.pxd): Node's traverse and clear see its C parts
+install_layout()  # (compiled: Node's traverse and clear see its C parts)

@@ -20,8 +20,10 @@ cdef object _Disable, _EnableTorchFunction
 cdef list _NONES
 cdef int KEEP_NOTHING, KEEP_META
 
-@cython.locals(k=int, n=Py_ssize_t)
+@cython.locals(n=Py_ssize_t)
 cpdef tuple save_arguments(object keep, tuple values)
+@cython.locals(k=int, n=Py_ssize_t)
+cdef tuple _save_general(object keep, tuple values)
 @cython.locals(i=Py_ssize_t, c=int, kept=bint)
 cdef tuple _save_few(object keep, tuple values, Py_ssize_t n)
 cdef tuple _flat_versions(object v0, object v1, object v2)

@@ -281,6 +281,12 @@ def save_arguments(keep, values):
         answer = _save_few(keep, values, n)
         if answer is not None:
             return answer
+    return _save_general(keep, values)
+
+
+def _save_general(keep, values):
+    """``save_arguments`` for any call (saved-tensor hooks, list arguments, many parameters)."""
+    n = len(values)
     saved = None
     versions = spare_list()
     hooks = None
@@ -339,7 +345,7 @@ def _nones_list(n):
 def _save_few(keep, values, n):
     """``save_arguments`` for a call of one to three parameters, with no saved-tensor hooks
     active and no list argument kept whole: in locals instead of lists (most ops, linear with
-    its bias); None for any other call. Answers exactly as the general loop would."""
+    its bias); None for any other call (Note [small calls in locals], edges.py)."""
     s0 = s1 = s2 = None
     v0 = v1 = v2 = None  # the version of each saved tensor
     kept = False

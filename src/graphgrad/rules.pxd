@@ -3,7 +3,7 @@
 # op), not through Python attribute lookup.
 
 cdef class Rule:
-    cdef public object fn, name, kind, bind, keep, saves, kinds, saved_for, family, keep_cache
+    cdef public object fn, name, kind, keep, saves, kinds, saved_for, family, keep_cache
     cdef public object differentiable_outputs, view, inplace_of, params, writes
     cdef public object kernel, saved_outputs, shaped, param_defaults, keyword_index, bind_tails
     cdef public Py_ssize_t n_required, kernel_ndim, n_positional

@@ -10,10 +10,11 @@ functions it serves, with the traits the engine relies on::
     def sin(grad, input):
         return grad * input.cos()
 
-Its parameters after ``grad`` mirror the torch signature, so Python itself binds a call's
-positional and keyword arguments to names. What a rule keeps alive is what its body reads:
-a parameter the body never uses is not saved, a parameter annotated ``Meta`` is saved as its
-shape/dtype/device only, and a keyword-only ``result`` parameter asks for the op's output.
+Its parameters after ``grad`` mirror the torch signature: a call's positional and keyword
+arguments bind to them as Python would bind them (binding.py). What a rule keeps alive is
+what its body reads: a parameter the body never uses is not saved, a parameter annotated
+``Meta`` is saved as its shape/dtype/device only, and a keyword-only ``result`` parameter
+asks for the op's output.
 What the body reads is found by disassembling it; an opcode this module cannot classify
 raises at registration (declare ``reads=`` then), so a new Python never makes a rule keep
 too little. A keyword-only ``needs_input_grad`` receives one bool per parameter, so a rule
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import dis
 import inspect
-import linecache
 import sys
 from collections.abc import Callable
 from enum import IntEnum
@@ -195,10 +195,8 @@ class Rule:
     ``codes.NodeRule``, the interface the engine reads, as the custom-Function and
     AccumulateGrad rules do).
 
-    ``bind(*args, **kwargs)`` returns the call's arguments as a tuple in the rule's parameter
-    order (Python does the binding; the engine binds from ``kinds``, ``param_defaults``,
-    ``n_positional`` and ``keyword_index`` itself, in C when compiled, and calls ``bind`` only
-    for a call it cannot bind, which raises Python's own error); ``keep[i]`` says what is
+    A call binds to the parameters by the rule's binding plan (``kinds``, ``param_defaults``,
+    ``n_positional``, ``keyword_index``, ``bind_tails``: binding.py); ``keep[i]`` says what is
     saved of parameter ``i`` (``KEEP_NOTHING``, ``KEEP_VALUE`` or ``KEEP_META``);
     ``n_required`` parameters are the op's inputs for ``next_functions`` (those without
     defaults; later ones only when a tensor is passed).
@@ -210,7 +208,7 @@ class Rule:
     ``family`` is display only (docs/ops.md's grouping).
     """
 
-    __slots__ = ("fn", "name", "kind", "bind", "keep", "n_required", "saves_result",
+    __slots__ = ("fn", "name", "kind", "keep", "n_required", "saves_result",
                  "wants_needs", "multi_output", "inplace_of", "params", "kinds", "saved_for",
                  "family", "keep_cache", "elementwise", "all_positional", "may_view", "saves",
                  "differentiable_outputs", "view", "inplace_view", "writes", "kernel",
@@ -238,7 +236,7 @@ class Rule:
         self.saves = saves
         self._set_traits(view, elementwise, inplace_view, family)
         if kind != DIFFERENTIABLE:  # nothing is bound, saved or called at backward
-            self.bind = self.kinds = self.saved_for = None
+            self.kinds = self.saved_for = None
             self.all_positional = False
             self.param_defaults = self.keyword_index = self.bind_tails = None
             self.n_positional = 0
@@ -262,7 +260,7 @@ class Rule:
 
     def _bind_signature(self, fn: Callable) -> list[inspect.Parameter]:
         """The rule's parameters after ``grad``, less the engine-given keyword-only ``result``
-        and ``needs_input_grad``; compiles the binder for them and sets the binding plan."""
+        and ``needs_input_grad``; sets the binding plan."""
         params = list(inspect.signature(fn).parameters.values())[1:]  # drop grad
         engine_given = {p.name for p in params if p.kind is p.KEYWORD_ONLY
                         and p.name in ("result", "needs_input_grad")}
@@ -275,12 +273,11 @@ class Rule:
             if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY):
                 break
             self.n_required += 1
-        self.bind = _make_binder(fn, params)
         self._set_plan(params)
         return params
 
     def _set_plan(self, params: list[inspect.Parameter]) -> None:
-        """How a call binds to the parameters, for the engine's own binding (``views.bind``)
+        """How a call binds to the parameters, for the engine's binding (``binding.bind``)
         and its call of the rule in backward (``Node.apply``): each parameter's kind
         (``PARAM_*``), its default (``inspect.Parameter.empty`` for none; ``()`` and
         ``NO_KEYWORDS`` for ``*args`` and ``**kwargs``), how many take positional arguments,
@@ -356,41 +353,6 @@ def _saved_for_positions(fn: Callable, params: tuple[str, ...], saved_for: dict 
         raise ValueError(f"{fn.__name__}: saved_for names unknown parameters {unknown}")
     return tuple((index[name], tuple(index[u] for u in users_of(users)))
                  for name, users in saved_for.items())
-
-
-def _compile(src: str, filename: str, namespace: dict, name: str) -> Callable:
-    """Compile generated source under ``filename``, kept in linecache so tracebacks show it."""
-    exec(compile(src, filename, "exec"), namespace)  # noqa: S102 - built from a signature
-    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    return namespace[name]
-
-
-def _make_binder(fn: Callable, params: list[inspect.Parameter]) -> Callable:
-    """Compile ``def bind(<the rule's parameters>): return (<them>,)`` once per rule."""
-    namespace: dict[str, Any] = {}
-    parts, names = [], []
-    seen_kwonly = False
-    for i, p in enumerate(params):
-        text = p.name
-        if p.kind is p.VAR_POSITIONAL:
-            text = "*" + p.name
-            seen_kwonly = True
-        elif p.kind is p.VAR_KEYWORD:
-            text = "**" + p.name
-        elif p.kind is p.KEYWORD_ONLY and not seen_kwonly:
-            parts.append("*")
-            seen_kwonly = True
-        if p.default is not p.empty:
-            namespace[f"_default{i}"] = p.default
-            text += f"=_default{i}"
-        parts.append(text)
-        names.append(p.name)
-        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params) or
-                                            params[i + 1].kind is not p.POSITIONAL_ONLY):
-            parts.append("/")
-    name = f"bind_{fn.__name__}"
-    src = f"def {name}({', '.join(parts)}):\n    return ({''.join(n + ', ' for n in names)})\n"
-    return _compile(src, f"<graphgrad binder for rule {_rule_path(fn)}>", namespace, name)
 
 
 _INPLACE_DUNDERS = frozenset({

@@ -20,8 +20,8 @@ from . import _compat, fastpaths  # noqa: F401  (fastpaths routes .grad, .data, 
 from .autograd import backward as _backward
 from .codes import NEVER_SEEN, NO_VIEW_TAG, PLAIN_VIEW
 from .dispatch import torch_function
+from .edges import current_node as _current_node  # a view's grad_fn, rebuilt if its base changed
 from .node import AccumulateGrad, Node, RemovableHandle, current_sequence_nr
-from .views import current_node as _current_node  # a view's grad_fn, rebuilt if its base changed
 from .wrap import set_tensor_class
 
 __all__ = ["Tensor", "tensor", "as_tensor"]

@@ -34,7 +34,7 @@ from .dot import attributes as _attrs
 from .dot import escape as _esc
 from .dot import human_bytes as _bytes
 from .dot import quote as _quote
-from .graph import AutogradGraph, reachable
+from .graph import AutogradGraph, topo_order
 from .node import AccumulateGrad, Node
 from .references import saved_tensors, storage_of
 
@@ -179,7 +179,7 @@ def _collect(obj):
             roots.append(node)
             if not isinstance(node, AccumulateGrad):
                 outputs.append((t, node))
-    return reachable(roots), outputs
+    return topo_order(roots)[::-1], outputs  # a node before its inputs
 
 
 def _names(params):

@@ -1,4 +1,4 @@
-"""graph.reachable / graph.topo_order (the one walk over next_functions) and the one byte counter."""
+"""graph.topo_order (the one walk over next_functions) and the one byte counter."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import torch
 
 import graphgrad as gg
-from graphgrad.graph import reachable, topo_order
+from graphgrad.graph import topo_order
 from graphgrad.references import storage_bytes, storage_of
 
 F64 = torch.float64
@@ -20,14 +20,25 @@ def _diamond():
     return x, (a * b).sum()
 
 
-def test_reachable_visits_each_node_once_inputs_after_their_users():
+def test_topo_order_visits_each_node_once_in_post_order():
     x, y = _diamond()
-    nodes = reachable([y.grad_fn])
+    nodes = topo_order([y.grad_fn])
     assert len(nodes) == len({id(n) for n in nodes}) == 5  # sum, mul, sin, cos, x's AccumulateGrad
-    assert nodes[0] is y.grad_fn
-    assert [n.name() for n in nodes] == ["SumBackward", "MulBackward", "SinBackward",
-                                         "AccumulateGrad", "CosBackward"]
-    assert reachable([None]) == []
+    assert [n.name() for n in nodes] == ["AccumulateGrad", "SinBackward", "CosBackward",
+                                         "MulBackward", "SumBackward"]
+    assert topo_order([None]) == []
+    assert topo_order([y.grad_fn, None, y.grad_fn]) == nodes  # each root once
+
+
+def test_topo_order_gate_keeps_a_node_but_not_its_inputs():
+    x, y = _diamond()
+    mul = y.grad_fn.next_functions[0][0]
+    nodes = topo_order([y.grad_fn], gate=lambda n: n is not mul)
+    assert [n.name() for n in nodes] == ["MulBackward", "SumBackward"]
+    sin = mul.next_functions[0][0]
+    nodes = topo_order([y.grad_fn], gate=lambda n: n is not sin)
+    assert [n.name() for n in nodes] == ["SinBackward", "AccumulateGrad", "CosBackward",
+                                         "MulBackward", "SumBackward"]
 
 
 def test_topo_order_puts_every_node_after_its_inputs():
@@ -49,7 +60,6 @@ def test_the_walks_need_no_recursion():
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(200)
     try:
-        assert len(reachable([y.grad_fn])) == 5001
         assert len(topo_order([y.grad_fn])) == 5001
     finally:
         sys.setrecursionlimit(limit)

@@ -1,5 +1,5 @@
 """The engine binds a call to a rule's parameters, and calls the rule in backward, exactly as
-Python would (``views._bind_by_plan``, ``node._call_by_kinds``), for every shape of signature
+Python would (``binding.bind``, ``node._call_by_kinds``), for every shape of signature
 a rule may have: positional parameters with and without defaults, ``*args``, keyword-only
 ones with and without defaults, ``**kwargs``, positional-only ones."""
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphgrad as gg
-from graphgrad import views
+from graphgrad import binding
 from graphgrad.node import _call_by_kinds
 from graphgrad.rules import DIFFERENTIABLE, RULES, Rule
 
@@ -47,6 +47,28 @@ def _python_binding(rule, args, kwargs):
         for p in params)
 
 
+def _plan(rule, args, kwargs):
+    """``binding.bind_by_plan``'s answer, None for a refusal (it gives the reason)."""
+    bound = binding.bind_by_plan(rule, args, kwargs)
+    return bound if type(bound) is tuple else None
+
+
+_REASONS = ("too many positional arguments", "got an unexpected keyword argument",
+            "multiple values for argument", "missing a required argument")
+
+
+def _python_refusal(rule, args, kwargs):
+    """Python's reason for refusing the call (its TypeError's message: one of ``_REASONS``,
+    maybe another than graphgrad names when the call has two faults)."""
+    params = [p for p in inspect.signature(rule.fn).parameters.values()][1:]
+    params = [p for p in params if p.name not in ("result", "needs_input_grad")]
+    try:
+        inspect.Signature(params).bind(*args, **kwargs)
+    except TypeError as e:
+        return str(e)
+    raise AssertionError("Python binds this call")
+
+
 @settings(max_examples=400, deadline=None)
 @given(fn=st.sampled_from(SIGNATURES), n_args=st.integers(0, 5),
        names=st.lists(st.sampled_from(NAMES), max_size=4, unique=True))
@@ -55,12 +77,14 @@ def test_binding_matches_python(fn, n_args, names):
     args = tuple(range(10, 10 + n_args))
     kwargs = {name: f"v{name}" for name in names}
     expected = _python_binding(rule, args, kwargs)
-    assert views._bind_by_plan(rule, args, kwargs) == expected
+    assert _plan(rule, args, kwargs) == expected
     if expected is not None:
-        assert views.bind(torch.add, rule, args, kwargs) == expected
+        assert binding.bind(torch.add, rule, args, kwargs) == expected
     else:
-        with pytest.raises(TypeError, match="could not take these arguments"):
-            views.bind(torch.add, rule, args, kwargs)
+        with pytest.raises(TypeError, match="could not take these arguments") as info:
+            binding.bind(torch.add, rule, args, kwargs)
+        _python_refusal(rule, args, kwargs)  # (Python refuses it too)
+        assert any(f"({reason}" in str(info.value) for reason in _REASONS)
 
 
 @settings(max_examples=400, deadline=None)
@@ -119,8 +143,11 @@ def test_every_registered_rule_binds_its_own_signature():
             else:
                 kwargs["extra_name"] = 1
         args = tuple(args)
-        assert views._bind_by_plan(rule, args, kwargs) == _python_binding(rule, args, kwargs), rule
-        assert views._bind_by_plan(rule, args[:1], {}) == _python_binding(rule, args[:1], {}), rule
+        for call in ((args, kwargs), (args[:1], {}), (args, {})):  # (the tails for positional calls)
+            expected = _python_binding(rule, *call)
+            assert _plan(rule, *call) == expected, rule
+            if expected is not None:
+                assert binding.bind(torch.add, rule, *call) == expected, rule
         checked += 1
     assert checked > 400
 

@@ -8,8 +8,6 @@ little.
 
 from __future__ import annotations
 
-import linecache
-
 import pytest
 import torch
 
@@ -181,20 +179,6 @@ def _reads_locals(grad, input, other):
 def test_locals_call_raises():
     with pytest.raises(RuntimeError, match=r"locals\(\)"):
         Rule(_reads_locals, DIFFERENTIABLE)
-
-
-# -- the generated binder shows its source in tracebacks ---------------------------------------
-def _failing_rule(grad, input):
-    raise ValueError("inside the rule")
-
-
-def test_generated_source_in_tracebacks():
-    rule = Rule(_failing_rule, DIFFERENTIABLE)
-    filename = rule.bind.__code__.co_filename
-    assert filename.startswith("<graphgrad ") and "_failing_rule" in filename
-    assert linecache.getline(filename, 1).startswith("def bind__failing_rule")
-    with pytest.raises(TypeError, match=r"bind__failing_rule\(\) takes 1 positional argument"):
-        rule.bind(1.0, 2.0)
 
 
 def test_tril_in_place_on_a_view_is_no_shape_change():

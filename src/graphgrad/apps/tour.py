@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import graphgrad as gg
+from graphgrad.graph import topo_order
 
 __all__ = ["run_tour"]
 
@@ -30,16 +31,12 @@ def _error(what: str, exc: Exception) -> None:
 
 
 def _chain(tensor: torch.Tensor) -> str:
-    """The grad_fn chain from a tensor back to its leaves, one node per line."""
+    """The nodes from a tensor's grad_fn back to its leaves (``topo_order`` reversed: each node
+    before its inputs), one per line with the nodes it sends gradients to."""
     lines = []
-    stack = [(tensor.grad_fn, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if node is None:
-            continue
-        lines.append("  " * depth + node.name())
-        for parent, _ in reversed(node.next_functions):
-            stack.append((parent, depth + 1))
+    for node in topo_order([tensor.grad_fn])[::-1]:
+        inputs = [parent.name() for parent, _ in node.next_functions if parent is not None]
+        lines.append(f"  {node.name()}" + (f" -> {', '.join(inputs)}" if inputs else ""))
     return "\n".join(lines)
 
 
