@@ -333,8 +333,9 @@ def _few_slots(rule, values, graph, ref):
     Note [small calls in locals]: recording an op fills four lists per call in the general
     loop (``_slots_general``), and ``references.save_arguments`` two more; most calls have one
     to three parameters and no list argument, so ``_few_slots`` and ``references._save_few``
-    keep them in locals and make only the tuples the node keeps. Together about 3 % of W1's
-    instructions (callgrind). Each answers exactly as its general loop would:
+    keep them in locals and make only the tuples the node keeps. Without the two, W1 takes 14 %
+    more instructions (callgrind, 10 steps: 82.1 against 71.9 million). Each answers exactly as
+    its general loop would:
     tests/engine/test_shortcuts.py compares them call by call."""
     m = 0
     t0 = t1 = t2 = None  # each slot's tensor (None for a required non-tensor)
