@@ -37,6 +37,7 @@ __all__ = [
     "MEMORY_FORMAT_CODES", "LAYOUT_CODES", "inplace_view_tag", "is_write_argument",
     "bound_function", "NoTorchFunction", "linalg_functions", "fft_functions", "OpOverload",
     "OpOverloadPacket", "aten_ops", "decomposition_table", "resolve_overload", "has_aten_op",
+    "function_mode_stack", "detach_sharing_version",
 ]
 
 # -- the torch-function protocol and grad mode -------------------------------------------
@@ -276,6 +277,17 @@ def has_aten_op(name: str) -> bool:  # (checked on torch 2.13)
 # -- DataParallel's gradient buckets: torch DDP's own flatten helpers (checked on torch 2.13) --
 flatten_dense_tensors = _flatten_dense_tensors
 unflatten_dense_tensors = _unflatten_dense_tensors
+
+# -- selective checkpointing (checkpoint.py; checked on torch 2.13) -----------------------
+#: the active TorchFunctionModes, innermost last (is a policy's mode already on?)
+function_mode_stack = torch.overrides._get_current_function_mode_stack
+
+
+def detach_sharing_version(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()`` that shares ``t``'s version counter, made below autograd's view tracking
+    (torch's own selective checkpointing keeps its saved outputs so: ``_detach_helper``)."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
 
 # -- gg.capture (checked on torch 2.13) ---------------------------------------------------
 # TorchDispatchMode sees each ATen call of the step, below graphgrad's own recording;
