@@ -336,6 +336,11 @@ cdef extern from "Python.h":
 cdef tuple _KW_RESULT, _KW_NEEDS, _KW_BOTH
 
 
+# Note [calling a rule from the block]: backward calls a node's rule with its saved values
+# straight from the node's C block through one vectorcall (call_rule), where the general call
+# (Node._apply_general) makes a saved tuple, an argument tuple and maybe a keyword dict. Without
+# it W1 takes 3.5 % more instructions (callgrind, 10 steps: 74.4 against 71.9 million); every
+# backward pass of the compiled tests runs it against torch.autograd's gradients.
 # call_rule's argument buffer: grad, the saved values, result and needs_input_grad
 cdef enum:
     CALL_BUFFER = 12
