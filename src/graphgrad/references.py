@@ -157,10 +157,11 @@ class SavedResult:
     does not read are kept as None.
     """
 
-    __slots__ = ("data", "version", "unpack", "multi")
+    __slots__ = ("data", "version", "unpack", "multi", "view_node")
 
     def __init__(self, data):
         # data is a plain torch.Tensor (or a tuple of them for multi-output ops)
+        self.view_node = None
         self.multi = not isinstance(data, TensorBase)
         hooks = current_saved_hooks()
         if hooks is not None:
@@ -227,6 +228,7 @@ def saved_output(out):
                            else out.detach())
     result = SavedResult.__new__(SavedResult)
     result.unpack = None
+    result.view_node = None
     result.multi = multi
     if multi:
         result.version = tuple([None if t is None else _version(t) for t in out])
@@ -502,12 +504,16 @@ def describe(tensor) -> str:
 
 
 def unpack_result(node, create_graph):
-    """The saved output; under ``create_graph`` a graphgrad tensor whose grad_fn is ``node``."""
+    """The saved output; under ``create_graph`` a graphgrad tensor whose grad_fn is ``node``, or
+    for an in-place op on a view, the view's grad_fn after the op (Note [the saved output of an
+    in-place op on a view])."""
     data = node.result.value()
     if not create_graph:
         return data
     if isinstance(data, TensorBase):
-        return wrap_output(data.detach(), node, 0)
+        ref = node.result.view_node
+        owner = ref() if ref is not None else None
+        return wrap_output(data.detach(), node if owner is None else owner, 0)
     n = node.num_outputs  # outputs past it carry no gradient (integers, declared statistics)
     return tuple(None if t is None else wrap_output(t.detach(), node if i < n else None, i)
                  for i, t in enumerate(data))

@@ -3,7 +3,7 @@
 
 from graphgrad._torch_types cimport TensorBase
 from graphgrad.node cimport AccumulateGrad, Node, new_node, output_numbers
-from graphgrad.references cimport save_arguments, saved_output
+from graphgrad.references cimport save_arguments, saved_output, weak_ref
 from graphgrad.rules cimport Rule
 from graphgrad.wrap cimport is_input, wrap_output, wrap_plain
 from graphgrad.binding cimport bind

@@ -52,7 +52,7 @@ from .fastcalls import tensor_ndim as _ndim
 from .fastcalls import tensor_shape as _shape
 from .graph import current_graph
 from .node import AccumulateGrad, new_node, output_numbers
-from .references import save_arguments, saved_output
+from .references import save_arguments, saved_output, weak_ref
 from .rules import qualified_name, writes_first_argument
 from .view_rules import AS_STRIDED_RULE, COPY_SLICES_RULE, ViewGeometry
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
@@ -199,6 +199,14 @@ def record_inplace(func, rule, args, kwargs, silent):
         self.__class__ = _TENSOR_CLS
     graph.record(node)
     rebase_history(self, old, node, 0, target, graph)
+    if target is not None and node.result is not None:
+        # Note [the saved output of an in-place op on a view]: the op's output is the view,
+        # whose grad_fn is now an AsStridedBackward of its base's CopySlices (rebase_history);
+        # differentiated again (create_graph), the saved output must lead there, as torch's
+        # SavedVariable saved with is_inplace_on_view does (a weak reference to that grad_fn;
+        # the op's own node once it is gone), or a second-order gradient taken with respect to
+        # the view misses the part through the saved output
+        node.result.view_node = weak_ref(self._gg_node)
     return out
 
 

@@ -44,7 +44,7 @@ IDS = [p.name for p in PAGES]
 #: projects, fields of /proc
 ELSEWHERE = {"TensorImpl", "THPVariable", "AutogradMeta", "ForwardGrad", "VariableType",
              "ADInplaceOrView", "InputBuffer", "ZeroTensor", "TorchScript", "MyGrad", "VmHWM",
-             "VmRSS"}
+             "VmRSS", "SavedVariable"}
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", flags=re.S | re.M)
 _SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")

@@ -354,3 +354,32 @@ def test_a_rebuilt_view_of_an_overlapping_base_shares_the_gradient_as_torch(view
     with torch.no_grad():
         got = as_strided_backward(grad, Meta(base), ViewGeometry(base, out))
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("op", ["sigmoid_", "tanh_", "exp_"])
+@pytest.mark.parametrize("drop_the_view", [False, True])
+def test_second_order_through_the_saved_output_of_an_inplace_op_on_a_view(op, drop_the_view):
+    """An in-place op on a view that saves its output (sigmoid_): differentiated twice with
+    respect to the view, the part through the saved output reaches the view's grad_fn (an
+    AsStridedBackward of the base's CopySlices), as torch's (found by the fuzzer, seed 901).
+    With the view's tensor gone, the op's own node stands in, as in torch."""
+    def run(x, grad):
+        a = x.abs().abs()
+        d = torch.einsum("ii->i", a.abs())
+        getattr(d, op)()
+        if drop_the_view:
+            y = d.exp()
+            del d
+            ins = [a]
+        else:
+            y = d
+            ins = [d, a]
+        g1 = grad((y.sin() + y * y).sum(), ins, create_graph=True)
+        loss2 = sum((g * g).sum() * 0.5 + g.sum() for g in g1)
+        return g1 + grad(loss2, ins)
+
+    base = torch.tensor([[1.5410]], dtype=torch.float64)
+    want = run(base.clone().requires_grad_(), torch.autograd.grad)
+    got = run(gg.as_tensor(base.clone(), requires_grad=True), gg.grad)
+    for g, t in zip(got, want):
+        torch.testing.assert_close(g.detach().as_subclass(torch.Tensor), t.detach(), rtol=1e-12, atol=1e-12)
