@@ -129,13 +129,6 @@ def _walk(root_nodes, targets, into_torch, accumulate):
     deps = spare_dict()  # the walk puts each node in at 0
     order = topo_order(roots, None, deps)  # post-order: a node after all of its inputs
     give_back(roots)
-    if targets is None and not into_torch:  # every node is needed: count every edge
-        for node in order:
-            for i in range(edge_count(node)):
-                parent = edge_at(node, i)
-                if parent is not None:
-                    deps[parent] += 1
-        return deps, None, order
     if targets is None:
         needed = None
     else:
@@ -229,7 +222,7 @@ def _run(root_nodes, root_grads, retain_graph, create_graph, targets, inputs, ac
             bridges = _accumulate_leaf(node, grads, create_graph, handed, accumulate and is_target,
                                        accumulate, targets is None or into_torch, bridges)
             continue
-        known_zero = zeros and not _all_none(grads) and _all_known_zero(grads)
+        known_zero = zeros and _all_known_zero(grads)  # (no gradient at all: nothing runs)
         outs = _run_node(node, grads, create_graph, anomaly, known_zero)
         if not zeros and _declares_known_zeros(node):
             zeros = True
