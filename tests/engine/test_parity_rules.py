@@ -586,3 +586,31 @@ def test_a_rounding_division_gives_its_divisor_a_zero_gradient(mode):
         return x.grad, d.grad, seen
 
     same_as_torch(program)
+
+
+@pytest.mark.parametrize("x, d", [(1e300, 1e200), (1e-300, 1e-200), (3.0, 1e-170)])
+def test_a_divisor_gradient_is_computed_in_torchs_order(x, d):
+    """Silently wrong divisor gradient: graphgrad computed -g * x / (d * d), whose d * d
+    overflows (or underflows) where torch's -g * ((x / d) / d) does not: for x / d at
+    1e300 / 1e200 it gave -0 for torch's -1e-100. Found by the fuzzer (seed 901) as a second
+    derivative of a norm at 7e200: NaN for torch's -inf."""
+    grads = []
+    for make in (lambda v: gg.as_tensor(torch.tensor(v, dtype=torch.float64), requires_grad=True),
+                 lambda v: torch.tensor(v, dtype=torch.float64, requires_grad=True)):
+        a, b = make(x), make(d)
+        (a / b).backward()
+        grads.append((a.grad, b.grad))
+    (ga, gb), (ta, tb) = grads
+    assert torch.equal(ga, ta) and torch.equal(gb, tb), (gb, tb)  # exact: 1e-100 is not 0
+
+
+def test_second_order_of_a_norm_near_overflow():
+    """The fuzzer's program: the second derivative of a norm at 7e200 through its own value."""
+    def program(lib):
+        x = lib.leaf([[-0.5781]])
+        y = (800 * x.abs()).exp()
+        n = y.norm()
+        g = lib.grad((n.sin() + n * n).sum(), [n, y], create_graph=True)
+        return lib.grad(sum((t.sin() + t * t).sum() for t in g), [n, y])
+
+    same_as_torch(program)

@@ -76,7 +76,8 @@ def div(grad, input, other, *, rounding_mode=None, needs_input_grad):
         zeros = torch.zeros_like(grad)  # as torch's (a divisor's .grad is zero, not None)
         return (zeros if needs_input_grad[0] else None, zeros if needs_input_grad[1] else None)
     return (grad / _cj(other) if needs_input_grad[0] else None,
-            -grad * _cj(input / (other * other)) if needs_input_grad[1] else None)
+            # torch's (input / other) / other: other * other overflows (or underflows) first
+            -grad * _cj((input / other) / other) if needs_input_grad[1] else None)
 
 
 @decomposition(T.__rdiv__, T.__rtruediv__, view=False)
