@@ -30,6 +30,7 @@ from .autograd import (  # noqa: E402
     set_detect_anomaly,
     set_grad_enabled,
 )
+from .budget import BudgetStats, MemoryBudgetError, memory_budget  # noqa: E402
 from .capture import CapturedStep, CaptureError, CaptureMismatch, capture  # noqa: E402
 from .checkpoint import checkpoint  # noqa: E402
 from .checks import gradcheck, gradgradcheck  # noqa: E402
@@ -63,6 +64,7 @@ __all__ = [
     "derivative", "decomposition", "nondifferentiable", "Meta",
     "gradcheck", "gradgradcheck",
     "Function", "FunctionCtx", "checkpoint", "saved_tensors_hooks", "save_on_cpu",
+    "memory_budget", "MemoryBudgetError", "BudgetStats",
     "detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
     "functional", "nn", "viz",
     "capture", "CapturedStep", "CaptureError", "CaptureMismatch",

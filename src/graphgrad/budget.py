@@ -1,0 +1,718 @@
+"""Memory budgets: ``with gg.memory_budget(limit):`` keeps the bytes graphgrad holds for backward
+under a limit by dropping saved tensors it can recompute and recomputing them when backward
+needs them (the eager, online kind: DTR's scheme, driven by graphgrad's own record of calls).
+
+Inside the block every torch call is recorded (a ``TorchFunctionMode``: the function, its
+arguments, the tensors it made, its measured time, the random generator's state when it draws
+random numbers) and every tensor a node saves is packed (saved-tensor hooks) into a handle on the
+recorded value it is. After each call the bytes held for backward (the storages of the saved
+values that are resident, each counted once) are compared with the limit; over it, the resident
+storage that is cheapest to recompute per byte is dropped, until the held bytes fit. Backward
+asks the handles for their tensors: a dropped one is recomputed from its call, whose own inputs
+are live tensors, resident saved values, or (dropped too) recomputed first, with the generator
+state of the first run. Recomputed values stay resident while nodes still need them, under the
+same limit. See docs/memory.md.
+
+What it bounds: saved tensors computed inside the block. Leaves (parameters, inputs) belong to
+the caller and are not counted; tensors a call saves that no recorded call made (a decomposition's
+inner values) are counted and kept.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import _compat
+from .references import modified_message, pop_saved_hooks, push_saved_hooks
+from .saved_hooks import saved_tensors_hooks
+from .tensor import as_tensor
+
+__all__ = ["memory_budget", "MemoryBudgetError", "BudgetStats", "parse_limit"]
+
+_Disable = _compat.DisableTorchFunctionSubclass
+_tree_flatten = _compat.pytree.tree_flatten
+_tree_unflatten = _compat.pytree.tree_unflatten
+
+
+class MemoryBudgetError(RuntimeError):
+    """The limit cannot be kept: what must be held at some op is more than the limit."""
+
+
+@dataclass
+class BudgetStats:
+    """What a memory budget did (all bytes are storage bytes, each storage counted once)."""
+
+    limit: int | None  #: the limit in bytes (None: a first run measuring a percentage)
+    unconstrained_bytes: int = 0  #: the most the block would have held with nothing dropped
+    peak_held_bytes: int = 0  #: the most it held, measured after every recorded call
+    evicted: int = 0  #: saved values dropped
+    evicted_bytes: int = 0
+    recomputed: int = 0  #: calls run again for backward
+    recompute_seconds: float = 0.0
+    offloaded: int = 0  #: saved values moved to host memory (CUDA)
+    offloaded_bytes: int = 0
+    calls: int = 0  #: torch calls recorded
+
+
+# -- limits ------------------------------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_LIMIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*|%)\s*$")
+
+
+def parse_limit(limit: int | str) -> tuple[int | None, float | None]:
+    """``(bytes, None)`` or ``(None, fraction)`` for a limit: int bytes, or a string of bytes
+    with a unit ("1.5GB", "300MiB", "4096") or a percentage ("50%")."""
+    if isinstance(limit, bool) or not isinstance(limit, (int, str)):
+        raise TypeError(f"memory_budget: the limit must be int bytes or a string such as '1.5GB', "
+                        f"'300MiB' or '50%', not {type(limit).__name__}")
+    if isinstance(limit, int):
+        if limit <= 0:
+            raise ValueError(f"memory_budget: the limit must be a positive number of bytes, not {limit}")
+        return limit, None
+    match = _LIMIT.match(limit)
+    unit = match.group(2).lower() if match else None
+    if match is None or (unit != "%" and unit not in _UNITS):
+        raise ValueError(
+            f"memory_budget: cannot read the limit {limit!r}: give bytes as an int or a string with "
+            "a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB: '1.5GB', '300MiB') or a percentage of "
+            "what the block holds unconstrained ('50%')")
+    number = float(match.group(1))
+    if unit == "%":
+        if not 0 < number <= 100:
+            raise ValueError(f"memory_budget: a percentage must be above 0 and at most 100, not {limit!r}")
+        return None, number / 100
+    nbytes = int(number * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"memory_budget: the limit {limit!r} is not a positive number of bytes")
+    return nbytes, None
+
+
+def _format(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n} bytes ({n / size:.2f} {unit})"
+    return f"{n} bytes"
+
+
+# -- what is recorded ------------------------------------------------------------------------
+# Calls that draw random numbers: the generator state is kept so the recomputation draws the
+# same numbers (dropout's mask). Named by torch's seeded ATen ops, and the Python functions that
+# reach them under other names.
+_RANDOM_WORDS = ("dropout", "rand", "bernoulli", "normal", "multinomial", "uniform", "exponential",
+                 "geometric", "cauchy", "poisson", "gumbel", "attention", "random", "gamma",
+                 "dirichlet", "binomial")
+
+# Calls whose in-place writes go to statistics their output does not read (training-mode norms
+# update running statistics): recomputed with copies of those arguments.
+_STATS_ONLY = frozenset({torch.nn.functional.batch_norm, torch.batch_norm,
+                         torch.nn.functional.instance_norm, torch.instance_norm})
+
+_MAY_DRAW: dict = {}
+
+
+def _may_draw(func) -> bool:
+    draws = _MAY_DRAW.get(func)
+    if draws is None:
+        name = (getattr(func, "__name__", "") or "").lower()
+        draws = _MAY_DRAW[func] = any(w in name for w in _RANDOM_WORDS)
+    return draws
+
+
+def _writes(func, kwargs) -> bool:
+    """Whether a call looks like it changes an argument in place (checked after the call by
+    version counters; this guess only decides what to copy before it)."""
+    name = getattr(func, "__name__", "") or ""
+    return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or \
+        name.startswith("__i") or bool(kwargs.get("inplace")) or kwargs.get("out") is not None
+
+
+def _key(t):
+    """The identity of a tensor's data: address, geometry, dtype (a detached alias has the same)."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _alias(t):
+    with _Disable():
+        return torch.Tensor.detach(t)
+
+
+def _is_leaf(t) -> bool:
+    """No graphgrad graph behind it: parameters, inputs, constants."""
+    node = getattr(t, "_gg_node", None)
+    return node is None or node.graph is None
+
+
+class _Call:
+    """One recorded torch call: how to run it again."""
+
+    __slots__ = ("func", "spec", "flat", "slots", "inputs", "rng", "seconds", "mutated",
+                 "recomputable", "outputs", "grads", "saves", "values")
+
+
+class _Group:
+    """The values sharing one storage: its bytes are held while any of them is resident."""
+
+    __slots__ = ("nbytes", "resident", "saved", "anchor", "used")
+
+    def __init__(self, nbytes, anchor):
+        self.nbytes = nbytes
+        self.used = 0  # the clock when one of its values was last made or read
+        self.resident = []
+        self.saved = 0
+        self.anchor = anchor  # a weak reference to a tensor on the storage (is it the same one?)
+
+
+class _Value:
+    """One tensor a recorded call made, or one from outside (``call`` None)."""
+
+    __slots__ = ("call", "index", "ref", "strong", "version", "group", "home", "saved", "users",
+                 "pinned", "leaf", "offloaded", "__weakref__")
+
+    def __init__(self, call, index, tensor, version, group, leaf=False):
+        self.call = call
+        self.index = index
+        self.ref = weakref.ref(tensor)
+        self.strong = None  # a plain alias while resident (or, from outside, while kept)
+        self.version = version
+        self.group = group  # the storage it is on now
+        self.home = None  # the group it was counted in when first saved
+        self.saved = 0  # handles of nodes that keep it
+        self.users = 0  # recorded calls that read it
+        self.pinned = call is None or not call.recomputable
+        self.leaf = leaf
+        self.offloaded = None
+
+    def cost(self) -> float:
+        """Seconds to recompute: its call, and the calls of the inputs that are gone too, back
+        to what is resident or alive (DTR's evicted neighbourhood)."""
+        total = 0.0
+        seen = {id(self.call)}
+        stack = [self.call]
+        while stack:
+            call = stack.pop()
+            total += call.seconds
+            for u in call.inputs:
+                c = u.call
+                if c is not None and id(c) not in seen and u.strong is None and _live(u) is None:
+                    seen.add(id(c))
+                    stack.append(c)
+        return total
+
+
+def _live(v):
+    """The value's tensor if it is alive and unchanged, else None."""
+    t = v.ref()
+    if t is None:
+        return None
+    with _Disable():
+        if t._version != v.version:
+            return None
+    return t
+
+
+class _Saved:
+    """What a node keeps instead of a tensor inside a memory budget."""
+
+    __slots__ = ("block", "value", "tensor", "__weakref__")
+
+    def __init__(self, block, tensor):
+        self.block = block
+        self.value = None
+        self.tensor = tensor  # until the call that saved it returns (then its value holds it)
+
+    def saved_tensors(self):
+        v = self.value
+        if v is None:
+            return [self.tensor]
+        return [v.strong] if v.strong is not None and not v.leaf else []
+
+    def __del__(self):
+        v = self.value
+        if v is not None:
+            v.saved -= 1
+            if v.saved == 0:
+                self.block.unsave(v)
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.block.busy or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        return self.block.record(func, args, kwargs)
+
+
+class _Block:
+    """One run of a ``with memory_budget(...)`` block: its record, its handles, its accounts."""
+
+    def __init__(self, limit, stats, offload):
+        self.limit = limit
+        self.stats = stats
+        self.offload = offload
+        self.busy = False
+        self.values: dict = {}  # data key -> weak reference to the newest value with that data
+        self.groups: dict = {}  # storage key -> _Group
+        self.pending: list = []
+        self.held = 0
+        self.would_hold = 0
+        self.clock = 0  # counts recorded calls and unpacks (how stale a resident storage is)
+
+    # -- recording -------------------------------------------------------------------------
+    def record(self, func, args, kwargs):
+        self.clock += 1
+        flat, spec = _tree_flatten((args, kwargs))
+        slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        with _Disable():
+            before = [flat[i]._version for i in slots]
+        inputs = [self.value_of(flat[i], v) for i, v in zip(slots, before)]
+        if inputs and _writes(func, kwargs):
+            for v in inputs:
+                if v.pinned and v.users:
+                    self.snapshot(v)
+        rng = (torch.get_rng_state(), _cuda_states(flat, slots)) if _may_draw(func) else None
+        self.resolve(None)  # (saves made outside a recorded call: a custom Function's ctx)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        self.stats.calls += 1
+        outs, _ = _tree_flatten(out)
+        out_slots = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
+        with _Disable():
+            mutated = [k for k, (i, v) in enumerate(zip(slots, before)) if flat[i]._version != v]
+        call = None
+        if out_slots:
+            call = _Call()
+            call.func, call.spec, call.seconds, call.rng = func, spec, seconds, rng
+            call.flat = [None if isinstance(a, torch.Tensor) else a for a in flat]
+            call.slots = slots
+            call.inputs = inputs
+            call.mutated = mutated
+            call.recomputable = all(inputs[k].strong is not None or not inputs[k].pinned or
+                                    func in _STATS_ONLY for k in mutated)
+            call.outputs = out_slots
+            call.grads = [getattr(flat[i], "_gg_node", None) is not None for i in slots]
+            if func in _STATS_ONLY:  # the statistics it updates: kernels below autograd do not
+                # count versions there, so every input but the first that needs no grad
+                call.mutated = mutated = sorted({*mutated, *(k for k in range(1, len(slots))
+                                                             if not call.grads[k])})
+            call.saves = 0
+            call.values = []  # weak references to the values it made (outputs, inner values)
+            for v in inputs:
+                v.users += 1
+            for index, i in enumerate(out_slots):
+                self.register(outs[i], call, index)
+        self.resolve(call)
+        self.enforce((), func)
+        return out
+
+    def group_of(self, t):
+        with _Disable():
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return None
+            key = (t.device, storage.data_ptr())
+            group = self.groups.get(key)
+            if group is None or (not group.resident and group.anchor() is None):
+                # new, or its tensors are all gone and the address may be another storage's now
+                group = self.groups[key] = _Group(storage.nbytes(), weakref.ref(t))
+            elif group.anchor() is None:
+                group.anchor = weakref.ref(t)
+        return group
+
+    def register(self, t, call, index):
+        with _Disable():
+            version = t._version
+            key = _key(t)
+        v = _Value(call, index, t, version, self.group_of(t))
+        self.values[key] = weakref.ref(v)
+        call.values.append(weakref.ref(v))
+        t._gg_budget = v  # the value lives while its tensor does (or while calls and nodes use it)
+        return v
+
+    def lookup(self, key, version):
+        found = self.values.get(key)
+        v = found() if found is not None else None
+        # a value matches only while its tensor is alive: a dead one's address may be reused
+        if v is not None and v.version == version and v.ref() is not None:
+            return v
+        return None
+
+    def value_of(self, t, version):
+        """The recorded value an argument is, or a new one from outside (kept as it is)."""
+        with _Disable():
+            key = _key(t)
+        v = self.lookup(key, version)
+        if v is None:
+            v = _Value(None, 0, t, version, self.group_of(t), leaf=_is_leaf(t))
+            v.strong = _alias(t)  # read by recorded calls, and nothing can recompute it
+            self.values[key] = weakref.ref(v)
+        elif v.group is not None:
+            v.group.used = self.clock
+        return v
+
+    def snapshot(self, v):
+        """``v`` cannot be recomputed and is about to be changed in place: keep a copy of what
+        recorded calls read."""
+        with _Disable():
+            copy = (v.strong if v.strong is not None else v.ref()).clone()
+            v.version = copy._version
+        self.drop(v)
+        v.leaf = False  # (a copy graphgrad holds: counted)
+        v.group = self.group_of(copy)
+        v.ref = weakref.ref(copy)
+        self.make_resident(v, copy)
+
+    # -- saved tensors ---------------------------------------------------------------------
+    def pack(self, tensor):
+        handle = _Saved(self, _alias(tensor))
+        self.pending.append(handle)
+        return handle
+
+    def resolve(self, call=None):
+        """Attach the handles packed during the last call to the values they are. A saved
+        tensor that no recorded call returned is an inner value of ``call`` (a decomposition's:
+        dropout's noise, a norm's statistics): the n-th tensor the call's nodes save, which
+        running the call again with graphgrad recording gives back."""
+        pending = self.pending
+        if not pending:
+            return
+        self.pending = []
+        if call is not None:
+            call.saves = len(pending)
+        for n, handle in enumerate(pending):
+            t = handle.tensor
+            with _Disable():
+                key = _key(t)
+                version = t._version
+            v = self.lookup(key, version)
+            if v is None:
+                v = _Value(call, -1 - n, t, version, self.group_of(t), leaf=False)
+                self.values[key] = weakref.ref(v)
+                if call is not None:
+                    call.values.append(weakref.ref(v))
+            handle.value = v
+            handle.tensor = None
+            v.saved += 1
+            if v.leaf:
+                continue
+            if v.saved == 1 and v.group is not None:
+                v.home = v.group
+                v.home.saved += 1
+                if v.home.saved == 1:
+                    self.would_hold += v.home.nbytes
+                    if self.would_hold > self.stats.unconstrained_bytes:
+                        self.stats.unconstrained_bytes = self.would_hold
+            self.make_resident(v, v.strong if v.strong is not None else t)
+
+    def make_resident(self, v, t):
+        v.strong = t
+        group = v.group
+        if group is not None:
+            group.used = self.clock
+        if group is not None and v not in group.resident:
+            group.resident.append(v)
+            if len(group.resident) == 1:
+                self.held += group.nbytes
+
+    def drop(self, v):
+        v.strong = None
+        group = v.group
+        if group is not None and v in group.resident:
+            group.resident.remove(v)
+            if group.resident and not any(u.saved for u in group.resident):
+                for u in group.resident:  # only kept for company (see unpack): go too
+                    u.strong = None
+                group.resident.clear()
+            if not group.resident:
+                self.held -= group.nbytes
+
+    def unsave(self, v):
+        """No node keeps ``v`` any more: stop holding it (unless recorded calls read it)."""
+        if v.leaf:
+            return
+        home = v.home
+        if home is not None:
+            v.home = None
+            home.saved -= 1
+            if home.saved == 0:
+                self.would_hold -= home.nbytes
+        v.offloaded = None
+        if v.call is not None or not v.users:
+            self.drop(v)
+
+    # -- keeping under the limit -----------------------------------------------------------
+    def enforce(self, locked, func=None):
+        limit = self.limit
+        if limit is not None:
+            stats = self.stats
+            while self.held > limit:
+                group = self.cheapest(locked)
+                if group is None:
+                    raise MemoryBudgetError(self.infeasible(func, locked))
+                stats.evicted_bytes += group.nbytes
+                for v in list(group.resident):
+                    stats.evicted += 1
+                    if self.offload and group.nbytes and v.strong.device.type == "cuda" and \
+                            v.cost() * _HOST_BYTES_PER_SECOND > group.nbytes:
+                        self.offload_value(v)
+                    self.drop(v)
+        if self.held > self.stats.peak_held_bytes:
+            self.stats.peak_held_bytes = self.held
+
+    def cheapest(self, locked):
+        """The resident storage cheapest to recompute (or copy back) per byte."""
+        best, best_score = None, math.inf
+        for group in self.groups.values():
+            if not group.resident or not group.nbytes:
+                continue
+            cost = 0.0
+            for v in group.resident:
+                if v.pinned or v in locked:
+                    break
+                cost += v.cost()
+            else:
+                # DTR's heuristic: recompute time per byte, over how long it has been unused
+                score = cost / (group.nbytes * (self.clock - group.used + 1))
+                if score < best_score:
+                    best, best_score = group, score
+        return best
+
+    def offload_value(self, v):
+        with _Disable():
+            host = torch.empty(v.strong.shape, dtype=v.strong.dtype, pin_memory=True)
+            host.copy_(v.strong, non_blocking=True)
+        v.offloaded = (v.strong.device, host)
+        self.stats.offloaded += 1
+        self.stats.offloaded_bytes += v.group.nbytes
+
+    def infeasible(self, func, locked) -> str:
+        kept = sum(g.nbytes for g in self.groups.values()
+                   if any(v.pinned or v in locked for v in g.resident))
+        where = f" at {getattr(func, '__qualname__', func)}" if func is not None else " in backward"
+        return (f"memory_budget: the limit of {_format(self.limit)} cannot be kept{where}: "
+                f"{_format(kept)} held for backward there cannot be dropped (saved tensors that no "
+                f"call recorded inside the block made, whose inputs changed in place, or that "
+                f"backward is using), so the smallest limit that can work is {_format(kept)}. "
+                f"Raise the limit to at least that, or begin the block earlier so that more of "
+                f"what is saved can be recomputed.")
+
+    # -- backward --------------------------------------------------------------------------
+    def unpack(self, handle):
+        self.clock += 1
+        v = handle.value
+        if v is None:
+            self.resolve(None)
+            v = handle.value
+        t = v.strong
+        if t is not None:
+            if v.group is not None:
+                v.group.used = self.clock
+            with _Disable():
+                if t._version != v.version:
+                    raise RuntimeError(modified_message("memory_budget", "saved tensor", t, v.version))
+            return t
+        t, made = self.materialize(v)
+        if v.saved > 0:
+            v.group = self.group_of(t)
+            self.make_resident(v, t)
+            # what the recomputation made on the same storage costs nothing to keep while a
+            # saved value holds it (the qkv projection under q, k and v's views)
+            for u, made_t in made:
+                if u.saved == 0 and u.strong is None and self.group_of(made_t) is v.group:
+                    u.group = v.group
+                    self.make_resident(u, made_t)
+        self.enforce((v,))
+        return t
+
+    def materialize(self, target):
+        """``target``'s tensor: resident, alive, copied back or recomputed (inputs first, with a
+        stack, not recursion)."""
+        done: dict = {}
+        made: list = []
+        stack = [target]
+        busy, self.busy = self.busy, True
+        try:
+            while stack:
+                v = stack[-1]
+                if v in done:
+                    stack.pop()
+                    continue
+                t = v.strong
+                if t is None and v.offloaded is not None:
+                    device, host = v.offloaded
+                    with _Disable():
+                        t = host.to(device, non_blocking=True)
+                    v.version = t._version
+                if t is None:
+                    t = _live(v)
+                    if t is not None:
+                        t = _alias(t)
+                if t is not None:
+                    with _Disable():
+                        if t._version != v.version:
+                            raise RuntimeError(modified_message(
+                                "memory_budget", "input of a recomputation", t, v.version))
+                    done[v] = t
+                    stack.pop()
+                    continue
+                if v.call is None:
+                    raise RuntimeError(
+                        "memory_budget: a tensor needed to recompute a saved tensor was changed in "
+                        "place after it was used, and nothing kept what it was. Clone it before "
+                        "changing it, or change it after backward.")
+                missing = [u for u in v.call.inputs if u not in done]
+                if missing:
+                    stack.extend(missing)
+                    continue
+                outs, saves = self.rerun(v.call, done)
+                stack.pop()
+                made.append((v, outs[v.index] if v.index >= 0 else saves[-1 - v.index]))
+                for ref in v.call.values:  # what else the run gave that nodes will ask for soon
+                    u = ref()
+                    if u is not None and u.strong is None and (u is v or u.saved > 0):
+                        t = done[u] = outs[u.index] if u.index >= 0 else saves[-1 - u.index]
+                        if u is not target and u.saved > 0:
+                            u.group = self.group_of(t)
+                            self.make_resident(u, t)
+        finally:
+            self.busy = busy
+        return done[target], made
+
+    def rerun(self, call, done):
+        """``call`` run again as it first ran: on graphgrad tensors that require grad as its
+        inputs did, recording its graph (then dropped), so that it takes the same kernels (an
+        attention picks its kernel by grad mode) and its nodes save what they saved (inner
+        values). Returns its tensor outputs (plain aliases) and what its nodes saved, in order."""
+        saved: list = []
+        start = time.perf_counter()
+        with _compat.EnableTorchFunction(), torch.enable_grad(), \
+                saved_tensors_hooks(lambda t: saved.append(_alias(t)) or len(saved) - 1, lambda i: i):
+            flat = list(call.flat)
+            made: dict = {}  # one tensor per value: the call sees the same aliasing (query is key)
+            for k, u in enumerate(call.inputs):
+                t = made.get(id(u)) if k not in call.mutated else None
+                if t is None:
+                    t = as_tensor(done[u]).detach()
+                    if call.grads[k]:
+                        t.requires_grad_(True)
+                    if k in call.mutated:
+                        t = t.clone()  # the kept value stays as it was (and a clone is no leaf)
+                    made[id(u)] = t
+                flat[call.slots[k]] = t
+            del saved[:]  # (what the clones saved)
+            args, kwargs = _tree_unflatten(flat, call.spec)
+            if call.rng is not None:
+                cpu, cuda = call.rng
+                with torch.random.fork_rng(devices=[d for d, _ in cuda]):
+                    torch.set_rng_state(cpu)
+                    for device, state in cuda:
+                        torch.cuda.set_rng_state(state, device)
+                    out = call.func(*args, **kwargs)
+            else:
+                out = call.func(*args, **kwargs)
+        self.stats.recompute_seconds += time.perf_counter() - start
+        self.stats.recomputed += 1
+        if len(saved) != call.saves:
+            raise RuntimeError(
+                f"memory_budget: running {getattr(call.func, '__qualname__', call.func)} again saved "
+                f"{len(saved)} tensors where it saved {call.saves} the first time; a recorded call "
+                "must do the same work each time it runs.")
+        outs, _ = _tree_flatten(out)
+        return [_alias(outs[i]) for i in call.outputs], saved
+
+
+# the host copy bandwidth offloading assumes against a value's recompute time (bytes per second)
+_HOST_BYTES_PER_SECOND = 10e9
+
+
+def _cuda_states(flat, slots):
+    if not torch.cuda.is_available():
+        return []
+    with _Disable():
+        devices = sorted({flat[i].device.index or 0 for i in slots if flat[i].device.type == "cuda"})
+    return [(d, torch.cuda.get_rng_state(d)) for d in devices]
+
+
+class memory_budget:  # noqa: N801 - a context manager named like torch's
+    """``with gg.memory_budget(limit) as mb:`` — the bytes graphgrad holds for backward stay at
+    most ``limit`` after every torch call inside the block, and while backward recomputes.
+
+    ``limit``: int bytes, or a string: bytes with a unit ("1.5GB", "300MiB") or a percentage
+    ("50%") of what the block holds unconstrained. A percentage needs that reference: ``of=``
+    gives it in bytes; without it the first run of the block at that line of code measures it
+    (that run is not constrained: ``mb.stats.limit`` is None) and later runs there use it.
+    ``offload=True`` (the default on CUDA) copies CUDA tensors that are dearer to recompute than
+    to copy to pinned host memory instead of dropping them. ``mb.stats`` says what it did.
+    """
+
+    _measured: dict = {}  # a percentage's reference bytes by call site: a cache, never a result
+
+    def __init__(self, limit: int | str, *, of: int | None = None, offload: bool | None = None):
+        self.nbytes, self.fraction = parse_limit(limit)
+        if offload is not None and not isinstance(offload, bool):
+            raise TypeError(f"memory_budget: offload must be True, False or None, not {offload!r}")
+        self.offload = offload
+        self.site = None
+        if self.fraction is not None:
+            if of is not None:
+                if isinstance(of, bool) or not isinstance(of, int) or of <= 0:
+                    raise ValueError(f"memory_budget: of= must be a positive number of bytes, not {of!r}")
+                self.nbytes = max(1, int(of * self.fraction))
+            else:
+                caller = sys._getframe(1)
+                self.site = (caller.f_code.co_filename, caller.f_lineno, limit)
+                known = memory_budget._measured.get(self.site)
+                if known:
+                    self.nbytes = max(1, int(known * self.fraction))
+        elif of is not None:
+            raise ValueError("memory_budget: of= is the reference of a percentage; the limit "
+                             f"{limit!r} is already in bytes")
+        self.stats = BudgetStats(limit=self.nbytes)
+        self._block: _Block | None = None
+        self._mode = None
+
+    def __enter__(self) -> memory_budget:
+        if self._mode is not None:
+            raise RuntimeError("memory_budget: this budget is already active")
+        offload = self.offload if self.offload is not None else torch.cuda.is_available()
+        self.stats = BudgetStats(limit=self.nbytes)
+        self._block = _Block(self.nbytes, self.stats, offload)
+        self._mode = _Recorder(self._block)
+        push_saved_hooks(self._block.pack, _unpack)
+        try:
+            self._mode.__enter__()
+        except BaseException:
+            pop_saved_hooks()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        mode, self._mode = self._mode, None
+        mode.__exit__(*exc)
+        pop_saved_hooks()
+        self._block.resolve(None)
+        if self.site is not None and self.nbytes is None:
+            memory_budget._measured[self.site] = self.stats.unconstrained_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held for backward now: storages of resident saved values and kept tensors."""
+        return self._block.held if self._block is not None else 0
+
+
+def _unpack(handle):
+    return handle.block.unpack(handle)

@@ -1,0 +1,348 @@
+"""gg.memory_budget: gradients bitwise equal to the unconstrained step under any feasible limit,
+the held bytes never above the limit (a probe after every recorded call), infeasible and
+malformed limits, in-place changes of what a recomputation reads, and composition with
+checkpoint, saved-tensor hooks, save_on_cpu, create_graph and retain_graph."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import graphgrad as gg
+from graphgrad.budget import parse_limit
+
+DT = torch.float64
+
+
+# -- limits ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("limit, want", [
+    (4096, (4096, None)), ("4096", (4096, None)), ("1.5GB", (1_500_000_000, None)),
+    ("300MiB", (300 * 2**20, None)), ("2 kib", (2048, None)), ("50%", (None, 0.5)),
+    ("12.5 %", (None, 0.125)), ("100%", (None, 1.0)), ("7B", (7, None)),
+])
+def test_limits_are_read(limit, want):
+    assert parse_limit(limit) == want
+
+
+@pytest.mark.parametrize("limit", ["", "abc", "1.5XB", "50%%", "-1", "0", "0%", "150%", "1e9",
+                                   "0.1B", "MB", 0, -5])
+def test_a_malformed_limit_is_a_value_error(limit):
+    with pytest.raises(ValueError, match="memory_budget"):
+        gg.memory_budget(limit)
+
+
+@pytest.mark.parametrize("limit", [1.5, None, True, [1]])
+def test_a_limit_of_another_type_is_a_type_error(limit):
+    with pytest.raises(TypeError, match="memory_budget"):
+        gg.memory_budget(limit)
+
+
+def test_of_gives_a_percentage_its_reference():
+    assert gg.memory_budget("25%", of=1000).nbytes == 250
+    with pytest.raises(ValueError, match="of="):
+        gg.memory_budget(1000, of=4000)
+    with pytest.raises(ValueError, match="of="):
+        gg.memory_budget("25%", of=0)
+
+
+# -- models ------------------------------------------------------------------------------------
+def mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.GELU(),
+                         nn.Dropout(0.2), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def cnn():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                         nn.Dropout2d(0.25), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 4 * 4, 5))
+
+
+class TinyGPT(nn.Module):
+    """Token embeddings tied to the output layer, a transformer layer with dropout."""
+
+    def __init__(self, vocab=20, d=16):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.layer = nn.TransformerEncoderLayer(d, 2, 32, dropout=0.1, batch_first=True)
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        return self.ln(self.layer(self.tok(idx))) @ self.tok.weight.t()
+
+
+MODELS = {
+    "mlp": (mlp, lambda: torch.randn(8, 16, dtype=DT), lambda out: out.pow(2).mean()),
+    "cnn": (cnn, lambda: torch.randn(4, 3, 8, 8, dtype=DT), lambda out: out.logsumexp(1).mean()),
+    "gpt": (TinyGPT, lambda: torch.randint(0, 20, (2, 6)),
+            lambda out: F.cross_entropy(out.flatten(0, 1), torch.arange(12) % 20)),
+}
+
+
+def run(name, budget=None, seed=0):
+    """One training step of a fresh copy of the model: (loss, gradients, buffers)."""
+    make, data, loss_of = MODELS[name]
+    torch.manual_seed(seed)
+    model = gg.nn.adopt(make().to(DT))
+    x = data()
+    torch.manual_seed(seed + 1)  # dropout's masks
+    if budget is None:
+        loss = loss_of(model(x))
+    else:
+        with budget:
+            loss = loss_of(model(x))
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()], [b.clone() for b in model.buffers()]
+
+
+def unconstrained_bytes(name):
+    mb = gg.memory_budget(2**50)
+    run(name, mb)
+    return mb.stats.unconstrained_bytes
+
+
+def assert_bitwise(a, b):
+    loss_a, grads_a, bufs_a = a
+    loss_b, grads_b, bufs_b = b
+    assert torch.equal(loss_a, loss_b)
+    assert len(grads_a) == len(grads_b)
+    for i, (ga, gb) in enumerate(zip(grads_a, grads_b)):
+        assert torch.equal(ga, gb), f"gradient {i} differs"
+    for ba, bb in zip(bufs_a, bufs_b):
+        assert torch.equal(ba, bb)  # running statistics updated once, as unconstrained
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.33, 0.2])
+@pytest.mark.parametrize("name", MODELS)
+def test_gradients_are_bitwise_those_of_the_unconstrained_step(name, fraction):
+    reference = run(name)
+    limit = int(unconstrained_bytes(name) * fraction)
+    mb = gg.memory_budget(limit)
+    assert_bitwise(run(name, mb), reference)
+    stats = mb.stats
+    assert stats.peak_held_bytes <= limit
+    assert stats.evicted > 0 and stats.recomputed > 0
+    assert stats.unconstrained_bytes > limit
+
+
+class Probe(TorchFunctionMode):
+    """Reads the budget's held bytes after every torch call inside the block (entered inside
+    the budget, so each call reaches the budget's recorder, and returns here, after it)."""
+
+    def __init__(self, mb):
+        super().__init__()
+        self.mb = mb
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.seen.append(self.mb.held_bytes)
+        return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_limit_holds_after_every_recorded_call_and_through_backward(name):
+    limit = int(unconstrained_bytes(name) * 0.25)
+    make, data, loss_of = MODELS[name]
+    torch.manual_seed(0)
+    model = gg.nn.adopt(make().to(DT))
+    x = data()
+    with gg.memory_budget(limit) as mb, Probe(mb) as probe:
+        loss = loss_of(model(x))
+    assert len(probe.seen) >= 8 and max(probe.seen) <= limit
+    peak_forward = mb.stats.peak_held_bytes
+    loss.backward()
+    assert mb.stats.peak_held_bytes <= limit  # also measured after every recomputation
+    assert peak_forward <= limit
+    del loss
+    gc.collect()
+    assert mb.held_bytes == 0  # backward released every saved value
+
+
+def test_a_percentage_is_measured_by_the_first_run_at_its_line():
+    limits, peaks = [], []
+    for _ in range(3):
+        mb = gg.memory_budget("40%")
+        run("mlp", mb)
+        limits.append(mb.stats.limit)
+        peaks.append((mb.stats.peak_held_bytes, mb.stats.unconstrained_bytes))
+    assert limits[0] is None  # the measuring run
+    full = peaks[0][1]
+    assert limits[1] == limits[2] == int(full * 0.4)
+    assert all(peak <= limits[1] for peak, _ in peaks[1:])
+
+
+def test_an_infeasible_limit_names_the_smallest_that_can_work():
+    w = gg.as_tensor(torch.randn(64, 64, dtype=DT), requires_grad=True)
+    h = w * 2  # made before the block: nothing inside can recompute it
+    before = w.grad
+    with pytest.raises(gg.MemoryBudgetError, match=r"smallest limit that can work is 32768 bytes"):
+        with gg.memory_budget(1000):
+            h.sin().sum()
+    assert w.grad is before
+    # at that limit it works
+    with gg.memory_budget(32768) as mb:
+        loss = h.sin().sum()
+    loss.backward()
+    assert torch.equal(w.grad, (h.detach().cos() * 2))
+    assert mb.stats.peak_held_bytes <= 32768
+
+
+def test_an_input_changed_in_place_inside_the_block_is_kept_as_it_was_read():
+    def program(budget):
+        torch.manual_seed(0)
+        x = gg.as_tensor(torch.randn(32, 32, dtype=DT))  # data: a leaf without grad
+        w = gg.as_tensor(torch.randn(32, 32, dtype=DT), requires_grad=True)
+        with budget:
+            a = x.exp() * w
+            x.mul_(2)  # after exp read it
+            b = (a.sin() * x).tanh()
+            loss = (b * b).sum()
+        loss.backward()
+        return w.grad
+
+    want = program(gg.memory_budget(2**40))
+    # x as exp read it (a copy) and x after mul_ (saved by the second mul) cannot be dropped
+    mb = gg.memory_budget(3 * 8192)
+    assert torch.equal(program(mb), want)
+    assert mb.stats.recomputed > 0
+
+
+def test_a_recorded_value_changed_in_place_is_recomputed_as_it_was():
+    def program(budget):
+        torch.manual_seed(0)
+        w = gg.as_tensor(torch.randn(32, 32, dtype=DT), requires_grad=True)
+        with budget:
+            a = w * 3
+            b = a.exp()  # saves its output; a itself is not saved
+            a.add_(1)
+            loss = (b.sin() * a).sum()
+        loss.backward()
+        return w.grad
+
+    want = program(gg.memory_budget(2**40))
+    mb = gg.memory_budget(10000)
+    assert torch.equal(program(mb), want)
+    assert mb.stats.evicted > 0
+
+
+def test_an_input_changed_after_the_block_is_refused_as_torch_refuses():
+    x = gg.as_tensor(torch.randn(32, 32, dtype=DT))
+    w = gg.as_tensor(torch.randn(32, 32, dtype=DT), requires_grad=True)
+    with gg.memory_budget(9000):
+        loss = ((x * w).sin() * 2).tanh().sum()
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    tx, tw = x.detach().clone(), w.detach().clone().requires_grad_()
+    tloss = ((tx * tw).sin() * 2).tanh().sum()
+    tx.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        tloss.backward()
+
+
+def test_second_order_through_recomputed_values():
+    def program(budget):
+        torch.manual_seed(0)
+        w = gg.as_tensor(torch.randn(16, 16, dtype=DT), requires_grad=True)
+        x = torch.randn(8, 16, dtype=DT)
+        with budget:
+            loss = (x @ w).tanh().exp().sin().pow(2).sum()
+        (g,) = gg.grad(loss, [w], create_graph=True)
+        (gg2,) = gg.grad(g.pow(2).sum(), [w])
+        return g.detach(), gg2
+
+    want = program(gg.memory_budget(2**40))
+    mb = gg.memory_budget(2000)
+    have = program(mb)
+    assert mb.stats.evicted > 0
+    assert torch.equal(have[0], want[0]) and torch.equal(have[1], want[1])
+
+
+def test_retain_graph_backward_twice():
+    def program(budget):
+        torch.manual_seed(0)
+        w = gg.as_tensor(torch.randn(16, 16, dtype=DT), requires_grad=True)
+        with budget:
+            loss = (w.tanh() @ w).exp().sin().sum()
+        loss.backward(retain_graph=True)
+        first = w.grad.clone()
+        loss.backward()
+        return first, w.grad
+
+    want = program(gg.memory_budget(2**40))
+    mb = gg.memory_budget(3000)
+    have = program(mb)
+    assert mb.stats.evicted > 0 and mb.stats.peak_held_bytes <= 3000
+    assert all(torch.equal(a, b) for a, b in zip(have, want))
+
+
+def test_composes_with_checkpoint_and_saved_tensor_hooks():
+    def program(budget, how):
+        torch.manual_seed(0)
+        w = gg.as_tensor(torch.randn(16, 16, dtype=DT), requires_grad=True)
+        x = torch.randn(8, 16, dtype=DT)
+        with budget:
+            h = (x @ w).tanh()
+            if how == "checkpoint":
+                h = gg.checkpoint(lambda t: (t @ w).sin().exp(), h)
+            elif how == "hooks":
+                with gg.saved_tensors_hooks(lambda t: t * 1, lambda t: t):
+                    h = (h @ w).sin().exp()
+            else:
+                with gg.save_on_cpu():
+                    h = (h @ w).sin().exp()
+            loss = (h @ w).cos().sum()
+        loss.backward()
+        return w.grad
+
+    for how in ("checkpoint", "hooks", "save_on_cpu"):
+        want = program(gg.memory_budget(2**40), how)
+        mb = gg.memory_budget(1500)
+        assert torch.equal(program(mb, how), want), how
+        assert mb.stats.peak_held_bytes <= 1500
+
+
+def test_the_budget_inside_a_checkpoint():
+    def program(limit):
+        torch.manual_seed(0)
+        w = gg.as_tensor(torch.randn(16, 16, dtype=DT), requires_grad=True)
+        x = torch.randn(8, 16, dtype=DT)
+
+        def block(t):
+            with gg.memory_budget(limit):
+                return (t @ w).tanh().exp().sin()
+
+        (gg.checkpoint(block, x) @ w).sum().backward()
+        return w.grad
+
+    assert torch.equal(program(1500), program(2**40))
+
+
+def test_nothing_outlives_backward():
+    gc.disable()
+    try:
+        w = gg.as_tensor(torch.randn(32, 32, dtype=DT), requires_grad=True)
+        with gg.memory_budget(10000) as mb:
+            h = (w @ w).tanh()
+            loss = h.exp().sin().sum()
+        ref = weakref.ref(h)
+        del h
+        loss.backward()
+        del loss
+        assert ref() is None  # freed by reference counting alone (no cycle)
+        assert mb.held_bytes == 0
+    finally:
+        gc.enable()
+
+
+def test_an_active_budget_cannot_be_entered_again():
+    mb = gg.memory_budget(1000)
+    with mb:
+        with pytest.raises(RuntimeError, match="already active"):
+            mb.__enter__()
