@@ -11,7 +11,7 @@ import pytest
 import torch
 
 WORKLOADS = {"W1", "W2", "W3", "W4", "W5", "W6 W1", "W6 W4", "GC", "C-W1", "C-W2", "C-CNN",
-             "C-GPT tiny"}
+             "C-GPT tiny", "M-GPT small"}
 CAPTURE = ["C-W1", "C-W2", "C-CNN", "C-GPT tiny"]  # --quick runs the tiny GPT, the full run the small one
 
 

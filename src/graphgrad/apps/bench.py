@@ -24,6 +24,15 @@ Workloads (the figures and how to read them: ``docs/performance.md``):
   the demo's CNN step with Adam and a small GPT-2-shaped step with AdamW, each run eagerly on
   graphgrad, captured (recorded once, replayed), on torch.autograd and (W1, W2) as the
   hand-written bound, with the peak memory of one step (``apps/bench_capture.py``).
+* M-GPT (CPU): ``gg.memory_budget`` — a GPT-2-shaped step (d=256, 6 layers, 4 heads, seq 256,
+  batch 8, vocab 512; ``--quick``: M-GPT small, d=128, 2 layers, seq 64, batch 4), forward,
+  cross-entropy and backward, unconstrained on graphgrad and under budgets of 50 %, 33 % and
+  20 % of the bytes it holds for backward unconstrained, beside torch.autograd plain, with
+  ``checkpoint`` around every block and with selective activation checkpointing (matmul and
+  attention outputs saved). Per variant: the step time and its ratio to the unconstrained
+  graphgrad step (the budgets' targets: 1.05, 1.12, 1.25), the allocator peak of one step, and
+  for the budgets the most bytes held for backward against the limit and whether the gradients
+  equal the unconstrained step's exactly (``apps/bench_memory.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ import graphgrad as gg
 
 from .bench_capture import capture_rows
 from .bench_distributed import run_distributed_bench
+from .bench_memory import memory_rows
 from .workloads import Phases, chain, chain_bound, clock, mlp, mlp_bound_grads, sync
 
 W1_OPS = 200
@@ -515,6 +525,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
     if device.type == "cpu":
         rows.extend(capture_rows(repeats, quick, log=log))
         done("capture")
+        rows.extend(memory_rows(repeats, quick, log=log))
+        done("memory budget")
 
     # data-parallel: 2 processes on CPU (gloo), step time with and without overlap (full run only)
     if not quick and device.type == "cpu":
@@ -582,7 +594,11 @@ the hand-written bound (plain tensors, hand-coded backward). target: the gg/torc
 aims for on that row; met: whether this run's gg/torch is within it (- where there is no target).
 C- rows (gg.capture): captured is the replayed step; capt/torch the median over rounds of the
 captured/torch ratio within a round; their target and met judge capt/torch.
-W6 rows: the graphgrad column is the compiled engine, then the pure-Python time and pure/compiled."""
+W6 rows: the graphgrad column is the compiled engine, then the pure-Python time and pure/compiled.
+M- rows (gg.memory_budget): graphgrad is the row's variant (the metric names it: graphgrad
+unconstrained, a budget, torch or torch's checkpointing), bound the unconstrained graphgrad step's
+figure and gg/bound their ratio (for step times the median over rounds of the ratio within a
+round), which target and met judge."""
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -596,6 +612,12 @@ def format_table(result: dict[str, Any]) -> str:
                           f"x{row['pure'] / row['graphgrad']:.2f}"])
             continue
         unit = row["unit"]
+        if row.get("kind") == "budget":
+            lines.append([row["workload"], row["metric"], unit, _fmt(row["value"], unit), "-", "-",
+                          _fmt(row["reference"], unit), "-", "-", _fmt(row["ratio"]),
+                          f"<= {row['target']}" if row.get("target") is not None else "-",
+                          _fmt(row.get("met"))])
+            continue
         lines.append([row["workload"], row["metric"], unit, _fmt(row.get("graphgrad"), unit),
                       _fmt(row.get("captured"), unit), _fmt(row.get("torch"), unit),
                       _fmt(row.get("bound"), unit), _fmt(row.get("gg_over_torch")),

@@ -1,0 +1,35 @@
+"""The M- rows of ``python -m graphgrad bench`` (gg.memory_budget beside torch's checkpointing),
+at the quick size: every variant timed and measured, budgets kept, gradients unchanged."""
+
+import math
+
+from graphgrad.apps.bench_memory import BUDGETS, TARGETS, VARIANTS, memory_rows
+
+
+def test_memory_rows_quick():
+    rows = memory_rows(repeats=1, quick=True, log=lambda s: None)
+    by_metric = {row["metric"]: row for row in rows}
+    expected = ([f"step {v}" for v in VARIANTS] + [f"peak {v}" for v in VARIANTS] +
+                [f"held {b}" for b in BUDGETS])
+    assert list(by_metric) == expected and len(rows) == len(expected)
+    for row in rows:
+        assert row["workload"] == "M-GPT small" and row["kind"] == "budget"
+        assert row["unit"] in ("ms", "MiB")
+        assert row["value"] > 0 and row["reference"] > 0, row
+        assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
+    assert by_metric["step graphgrad"]["ratio"] == 1.0
+    assert by_metric["peak graphgrad"]["ratio"] == 1.0
+    for name, fraction in BUDGETS.items():
+        step, held = by_metric[f"step {name}"], by_metric[f"held {name}"]
+        assert step["target"] is None and step["met"] is None  # TARGETS judge the full size
+        assert TARGETS[name] > 1
+        for row in (step, held):
+            assert row["same_grads"] is True, row
+            assert 0 < row["peak_held_bytes"] <= row["limit_bytes"], row
+            assert row["limit_bytes"] == int(row["unconstrained_bytes"] * fraction)
+        assert held["met"] is True
+        assert step["recomputed"] > 0
+        # the allocator peak of a budget step is below the unconstrained one's
+        assert by_metric[f"peak {name}"]["value"] < by_metric["peak graphgrad"]["value"]
+    for name in ("torch ckpt/block", "torch SAC"):
+        assert isinstance(by_metric[f"step {name}"]["same_grads"], bool)
