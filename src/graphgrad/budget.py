@@ -31,6 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _compat
+from .budget_plan import StepProfile, plan_drops
 from .references import modified_message, pop_saved_hooks, push_saved_hooks
 from .saved_hooks import saved_tensors_hooks
 from .tensor import as_tensor
@@ -60,6 +61,10 @@ class BudgetStats:
     offloaded: int = 0  #: saved values moved to host memory (CUDA)
     offloaded_bytes: int = 0
     calls: int = 0  #: torch calls recorded
+    planned: bool = False  #: dropped by a plan made from an earlier run at this line (below)
+    plan_seconds: float = 0.0  #: time the planner took (the run that made the plan)
+    plan_recompute_seconds: float = 0.0  #: the recomputation time the plan expects
+    plan_gap: float = 0.0  #: HiGHS's relative MIP gap for that plan (0: proven optimal)
 
 
 # -- limits ------------------------------------------------------------------------------------
@@ -161,10 +166,11 @@ class _Call:
 class _Group:
     """The values sharing one storage: its bytes are held while any of them is resident."""
 
-    __slots__ = ("nbytes", "resident", "saved", "anchor", "used")
+    __slots__ = ("nbytes", "resident", "saved", "anchor", "used", "key")
 
     def __init__(self, nbytes, anchor):
         self.nbytes = nbytes
+        self.key = None  # the key of the first value saved on it (the plan's name for it)
         self.used = 0  # the clock when one of its values was last made or read
         self.resident = []
         self.saved = 0
@@ -175,7 +181,7 @@ class _Value:
     """One tensor a recorded call made, or one from outside (``call`` None)."""
 
     __slots__ = ("call", "index", "ref", "strong", "version", "group", "home", "saved", "users",
-                 "pinned", "leaf", "offloaded", "__weakref__")
+                 "pinned", "leaf", "offloaded", "key", "copied", "__weakref__")
 
     def __init__(self, call, index, tensor, version, group, leaf=False):
         self.call = call
@@ -190,6 +196,8 @@ class _Value:
         self.pinned = call is None or not call.recomputable
         self.leaf = leaf
         self.offloaded = None
+        self.key = None  # (call number, output index or -1 - saved index): the plan's name for it
+        self.copied = False  # from outside, copied before an in-place change (see snapshot)
 
     def cost(self) -> float:
         """Seconds to recompute: its call, and the calls of the inputs that are gone too, back
@@ -258,10 +266,13 @@ class _Recorder(TorchFunctionMode):
 class _Block:
     """One run of a ``with memory_budget(...)`` block: its record, its handles, its accounts."""
 
-    def __init__(self, limit, stats, offload):
+    def __init__(self, limit, stats, offload, plan=None):
         self.limit = limit
         self.stats = stats
         self.offload = offload
+        self.profile = StepProfile()
+        self.plan = plan  # (Plan, the functions it was made for) or None
+        self.planned: list = []  # storages the plan drops, saved during the current call
         self.busy = False
         self.values: dict = {}  # data key -> weak reference to the newest value with that data
         self.groups: dict = {}  # storage key -> _Group
@@ -284,10 +295,21 @@ class _Block:
                     self.snapshot(v)
         rng = (torch.get_rng_state(), _cuda_states(flat, slots)) if _may_draw(func) else None
         self.resolve(None)  # (saves made outside a recorded call: a custom Function's ctx)
+        profile = self.profile
+        seq = len(profile.funcs) if profile is not None else -1
+        if profile is None:  # (recorded after the block: a create_graph backward inside none)
+            return func(*args, **kwargs)
+        if self.plan is not None and (seq >= len(self.plan[1]) or self.plan[1][seq] != func):
+            self.plan = None  # the step took another path: the online choice alone from here
+            self.stats.planned = False
         start = time.perf_counter()
         out = func(*args, **kwargs)
         seconds = time.perf_counter() - start
         self.stats.calls += 1
+        profile.funcs.append(func)
+        profile.seconds.append(seconds)
+        profile.recomputable.append(False)
+        profile.inputs.append([(v.key[0], v.key) for v in inputs if v.key is not None])
         outs, _ = _tree_flatten(out)
         out_slots = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
         with _Disable():
@@ -300,8 +322,9 @@ class _Block:
             call.slots = slots
             call.inputs = inputs
             call.mutated = mutated
-            call.recomputable = all(inputs[k].strong is not None or not inputs[k].pinned or
-                                    func in _STATS_ONLY for k in mutated)
+            call.recomputable = all(not inputs[k].pinned or inputs[k].copied or func in _STATS_ONLY
+                                    for k in mutated)
+            profile.recomputable[seq] = call.recomputable
             call.outputs = out_slots
             call.grads = [getattr(flat[i], "_gg_node", None) is not None for i in slots]
             if func in _STATS_ONLY:  # the statistics it updates: kernels below autograd do not
@@ -313,8 +336,16 @@ class _Block:
             for v in inputs:
                 v.users += 1
             for index, i in enumerate(out_slots):
-                self.register(outs[i], call, index)
-        self.resolve(call)
+                self.register(outs[i], call, index).key = (seq, index)
+        self.resolve(call, seq)
+        if self.planned:
+            for group in self.planned:  # what the plan drops, at once
+                if group.resident and not any(v.pinned for v in group.resident):
+                    self.stats.evicted += 1
+                    self.stats.evicted_bytes += group.nbytes
+                    for v in list(group.resident):
+                        self.drop(v)
+            self.planned.clear()
         self.enforce((), func)
         return out
 
@@ -372,6 +403,7 @@ class _Block:
             v.version = copy._version
         self.drop(v)
         v.leaf = False  # (a copy graphgrad holds: counted)
+        v.copied = True
         v.group = self.group_of(copy)
         v.ref = weakref.ref(copy)
         self.make_resident(v, copy)
@@ -382,7 +414,7 @@ class _Block:
         self.pending.append(handle)
         return handle
 
-    def resolve(self, call=None):
+    def resolve(self, call=None, seq=-1):
         """Attach the handles packed during the last call to the values they are. A saved
         tensor that no recorded call returned is an inner value of ``call`` (a decomposition's:
         dropout's noise, a norm's statistics): the n-th tensor the call's nodes save, which
@@ -404,19 +436,39 @@ class _Block:
                 self.values[key] = weakref.ref(v)
                 if call is not None:
                     call.values.append(weakref.ref(v))
+                    v.key = (seq, -1 - n)
             handle.value = v
             handle.tensor = None
             v.saved += 1
             if v.leaf:
                 continue
-            if v.saved == 1 and v.group is not None:
-                v.home = v.group
-                v.home.saved += 1
-                if v.home.saved == 1:
-                    self.would_hold += v.home.nbytes
+            group = v.group
+            if v.saved == 1 and group is not None:
+                v.home = group
+                group.saved += 1
+                if group.saved == 1:
+                    self.would_hold += group.nbytes
                     if self.would_hold > self.stats.unconstrained_bytes:
                         self.stats.unconstrained_bytes = self.would_hold
+                self.note_saved(v, group)
             self.make_resident(v, v.strong if v.strong is not None else t)
+            if self.plan is not None and group is not None and group.key in self.plan[0].drop:
+                self.planned.append(group)
+
+    def note_saved(self, v, group):
+        """The profile the planner reads: which storages were saved, their bytes and values."""
+        if self.profile is None:
+            return
+        if group.key is None:
+            group.key = v.key if v.key is not None else ("outside", id(group))
+        entry = self.profile.saved.get(group.key)
+        if entry is None:
+            entry = self.profile.saved[group.key] = [group.nbytes, set(), True]
+        if v.key is None or v.pinned:
+            entry[2] = False
+        else:
+            entry[1].add(v.key)
+            self.profile.value_storage[v.key] = group.key
 
     def make_resident(self, v, t):
         v.strong = t
@@ -657,24 +709,36 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
     (that run is not constrained: ``mb.stats.limit`` is None) and later runs there use it.
     ``offload=True`` (the default on CUDA) copies CUDA tensors that are dearer to recompute than
     to copy to pinned host memory instead of dropping them. ``mb.stats`` says what it did.
+
+    ``plan=True``: after a run completes, an exact plan over what it recorded (which saved
+    storages to drop for the least recomputation, an MILP: ``budget_plan.py``) is kept for this
+    line of code and limit; later runs there drop those storages as soon as they are saved,
+    while the step calls the same functions in the same order (the online choice still guards
+    the limit, and takes over if the step changes).
     """
 
-    _measured: dict = {}  # a percentage's reference bytes by call site: a cache, never a result
+    # by call site (file, line, limit): a percentage's reference bytes, and the plan made there.
+    # Caches: a plan decides only which saved values are recomputed, never a result
+    _measured: dict = {}
+    _plans: dict = {}
 
-    def __init__(self, limit: int | str, *, of: int | None = None, offload: bool | None = None):
+    def __init__(self, limit: int | str, *, of: int | None = None, offload: bool | None = None,
+                 plan: bool = True):
         self.nbytes, self.fraction = parse_limit(limit)
         if offload is not None and not isinstance(offload, bool):
             raise TypeError(f"memory_budget: offload must be True, False or None, not {offload!r}")
+        if not isinstance(plan, bool):
+            raise TypeError(f"memory_budget: plan must be True or False, not {plan!r}")
         self.offload = offload
-        self.site = None
+        self.use_plan = plan
+        caller = sys._getframe(1)
+        self.site = (caller.f_code.co_filename, caller.f_lineno, limit, of)
         if self.fraction is not None:
             if of is not None:
                 if isinstance(of, bool) or not isinstance(of, int) or of <= 0:
                     raise ValueError(f"memory_budget: of= must be a positive number of bytes, not {of!r}")
                 self.nbytes = max(1, int(of * self.fraction))
             else:
-                caller = sys._getframe(1)
-                self.site = (caller.f_code.co_filename, caller.f_lineno, limit)
                 known = memory_budget._measured.get(self.site)
                 if known:
                     self.nbytes = max(1, int(known * self.fraction))
@@ -690,7 +754,15 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
             raise RuntimeError("memory_budget: this budget is already active")
         offload = self.offload if self.offload is not None else torch.cuda.is_available()
         self.stats = BudgetStats(limit=self.nbytes)
-        self._block = _Block(self.nbytes, self.stats, offload)
+        known = memory_budget._plans.get(self.site) if self.use_plan else None
+        plan = None
+        if known is not None and known[0] == self.nbytes:
+            plan = known[1:]
+            self.stats.planned = True
+            self.stats.plan_seconds = plan[0].solve_seconds
+            self.stats.plan_recompute_seconds = plan[0].recompute_seconds
+            self.stats.plan_gap = plan[0].gap
+        self._block = _Block(self.nbytes, self.stats, offload, plan)
         self._mode = _Recorder(self._block)
         push_saved_hooks(self._block.pack, _unpack)
         try:
@@ -704,9 +776,21 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
         mode, self._mode = self._mode, None
         mode.__exit__(*exc)
         pop_saved_hooks()
-        self._block.resolve(None)
-        if self.site is not None and self.nbytes is None:
+        block = self._block
+        block.resolve(None)
+        limit = self.nbytes
+        if limit is None:
             memory_budget._measured[self.site] = self.stats.unconstrained_bytes
+            limit = max(1, int(self.stats.unconstrained_bytes * self.fraction))
+        known = memory_budget._plans.get(self.site)
+        if self.use_plan and exc[0] is None and (known is None or known[0] != limit):
+            # room for what backward recomputes before the nodes it serves free their own: the
+            # plan keeps the largest saved storage's bytes, twice, below the limit
+            room = 2 * max((entry[0] for entry in block.profile.saved.values()), default=0)
+            plan = plan_drops(block.profile, max(limit - room, 0)) or plan_drops(block.profile, limit)
+            if plan is not None:
+                memory_budget._plans[self.site] = (limit, plan, tuple(block.profile.funcs))
+        block.profile = None  # (only the plan is kept)
 
     @property
     def held_bytes(self) -> int:

@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 import graphgrad as gg
 from graphgrad.budget import parse_limit
+from graphgrad.budget_plan import StepProfile, plan_drops
 
 DT = torch.float64
 
@@ -346,3 +347,69 @@ def test_an_active_budget_cannot_be_entered_again():
     with mb:
         with pytest.raises(RuntimeError, match="already active"):
             mb.__enter__()
+
+
+# -- the plan --------------------------------------------------------------------------------
+def planned_runs(name, fraction, n=3):
+    """n runs of a budget made at one line (so the runs after the first follow its plan)."""
+    limit = int(unconstrained_bytes(name) * fraction)
+    out = []
+    for _ in range(n):
+        mb = gg.memory_budget(limit)
+        out.append((run(name, mb), mb.stats))
+    return limit, out
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.2])
+@pytest.mark.parametrize("name", MODELS)
+def test_later_runs_follow_an_exact_plan_and_stay_bitwise(name, fraction):
+    reference = run(name)
+    limit, runs = planned_runs(name, fraction)
+    (_, first), *later = runs
+    assert not first.planned
+    for result, stats in later:
+        assert_bitwise(result, reference)
+        assert stats.planned and stats.peak_held_bytes <= limit
+        assert stats.plan_gap <= 1e-6 and stats.plan_seconds < 10
+        assert stats.evicted > 0
+
+
+def test_a_step_that_changes_leaves_the_plan_for_the_online_choice():
+    torch.manual_seed(0)
+    w = gg.as_tensor(torch.randn(32, 32, dtype=DT), requires_grad=True)
+    grads = []
+    for i, deep in enumerate([True, True, False, True]):
+        w.grad = None
+        mb = gg.memory_budget(20000)
+        with mb:
+            h = (w @ w).tanh()
+            if deep:
+                h = h.exp().sin()
+            loss = (h * h).sum()
+        loss.backward()
+        assert mb.stats.planned == (i == 1 or i == 3), i  # run 2 takes another path
+        assert mb.stats.peak_held_bytes <= 20000
+        grads.append(w.grad.clone())
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[3])
+
+
+def test_the_plan_is_optimal_on_a_small_profile():
+    """Three saved storages; dropping the two cheap ones is cheaper than the one dear one."""
+    p = StepProfile()
+    # call 0 makes a (100 bytes, 5 s); call 1 makes b from a (60 bytes, 1 s); call 2 makes c
+    # from a (60 bytes, 1 s); all three saved
+    p.funcs = ["a", "b", "c"]
+    p.seconds = [5.0, 1.0, 1.0]
+    p.recomputable = [True, True, True]
+    p.inputs = [[], [(0, (0, 0))], [(0, (0, 0))]]
+    for call, nbytes in ((0, 100), (1, 60), (2, 60)):
+        p.saved[(call, 0)] = [nbytes, {(call, 0)}, True]
+        p.value_storage[(call, 0)] = (call, 0)
+    plan = plan_drops(p, 120)  # 220 held: drop at least 100
+    assert plan.optimal and plan.drop == {(1, 0), (2, 0)} and plan.recompute_seconds == 2.0
+    plan = plan_drops(p, 60)  # drop at least 160: a and one more; b or c then needs a again
+    assert plan.drop == {(0, 0), (1, 0)} or plan.drop == {(0, 0), (2, 0)}
+    assert plan.recompute_seconds == 6.0
+    assert plan_drops(p, 1000).drop == frozenset()
+    p.recomputable = [False, True, True]  # a cannot run again: only b and c can go
+    assert plan_drops(p, 60) is None
