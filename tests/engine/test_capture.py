@@ -598,3 +598,24 @@ def test_draw_plan_svg(tmp_path):
     captured, _ = _sgd_step()
     path = gg.viz.draw(captured.plan, tmp_path / "plan.svg")
     assert "<svg" in (tmp_path / "plan.svg").read_text() and path.endswith(".svg")
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_grads_set_for_an_eager_optimizer_and_cleared_after_it(optimizer):
+    """Silently wrong replay: Adam's step runs eagerly inside a replay, so the replay sets each
+    .grad before it; the step then cleared them (zero_grad: None), which is what the call found,
+    so the end effect was skipped and the replay left the .grad tensors set: the next call
+    accumulated into them (found by gg.capture(memory_budget=...)'s tests)."""
+    def make_step(w1, w2):
+        opt = (torch.optim.Adam if optimizer == "adam" else torch.optim.SGD)([w1, w2], lr=1e-2)
+
+        def step():
+            loss = (torch.tanh(w1 @ torch.ones(4, 3, dtype=DT)) @ w2).pow(2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()  # set_to_none: .grad back to None
+            return loss
+        return step
+
+    step = side_by_side(make_step, [leaf(2, 4), leaf(3, 1, seed=1)], calls=6)
+    assert step.replays == 4

@@ -77,23 +77,32 @@ def build_plan(prog: Program, spans: Sequence[OptimizerSpan], *, arg_guard: Argu
     by_id = prog.by_id
     drafts = _timeline(prog, spans)
     span_effects: dict[int, list[tuple[Any, Value | None, Any]]] = {}
+    # what each leaf's live .grad is at this point of a replay, where known: what the call found,
+    # then what each effect sets (an effect that set it makes a later "unchanged" one needed:
+    # a .grad set for an optimizer step and back to None after it)
+    live = dict(known_pre)
     for d in drafts:
         if d.span is None:
             continue
         eff = []
         for p, g in d.span.grads:
-            if id(p) in known_pre and known_pre[id(p)] is g:
-                continue  # unchanged since the call began: the live .grad is right
+            if id(p) in live and live[id(p)] is g:
+                continue  # what the live .grad already is
             v = by_id.get(id(g)) if g is not None else None
             eff.append((p, v, g))
             if v is not None:
                 d.effect_values.append(v)
+        for p, _, g in eff:
+            if d.kind == "eager":
+                live[id(p)] = g  # set before the optimizer step runs
+            else:  # applied only if the segment falls back to an eager step: unknown after it
+                live.pop(id(p), None)
         span_effects[d.span_index] = eff
         if d.kind == "eager":
             _check_eager_reads(prog, d.span, d.span_index, {id(g) for _, g in d.span.grads if g is not None})
     end_effects = []
     for leaf, g in end_grads:
-        if id(leaf) in known_pre and known_pre[id(leaf)] is g:
+        if id(leaf) in live and live[id(leaf)] is g:
             continue
         end_effects.append((leaf, by_id.get(id(g)) if g is not None else None, g))
     result_values = [by_id.get(id(r)) if isinstance(r, torch.Tensor) else None for r, _ in results[1]]
