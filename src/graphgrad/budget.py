@@ -258,16 +258,22 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.block.busy or not torch.is_grad_enabled():
+        if self.block.busy or not torch.is_grad_enabled() or type(func) is _GETTER:
+            # (attribute reads, .grad, .data, .shape: what they return is an outside value)
             return func(*args, **kwargs)
         return self.block.record(func, args, kwargs)
+
+
+_GETTER = type(torch.Tensor.grad.__get__)  # a getset descriptor's bound __get__
 
 
 class _Block:
     """One run of a ``with memory_budget(...)`` block: its record, its handles, its accounts."""
 
-    def __init__(self, limit, stats, offload, plan=None):
+    def __init__(self, limit, stats, offload, plan=None, random=True):
         self.limit = limit
+        self.random = random  # calls that draw random numbers may run again
+        self.live = True  # a dropped value still alive elsewhere is read, not recomputed
         self.stats = stats
         self.offload = offload
         self.profile = StepProfile()
@@ -296,26 +302,28 @@ class _Block:
         rng = (torch.get_rng_state(), _cuda_states(flat, slots)) if _may_draw(func) else None
         self.resolve(None)  # (saves made outside a recorded call: a custom Function's ctx)
         profile = self.profile
-        seq = len(profile.funcs) if profile is not None else -1
-        if profile is None:  # (recorded after the block: a create_graph backward inside none)
+        if profile is None:  # (the block is over)
             return func(*args, **kwargs)
-        if self.plan is not None and (seq >= len(self.plan[1]) or self.plan[1][seq] != func):
-            self.plan = None  # the step took another path: the online choice alone from here
-            self.stats.planned = False
         start = time.perf_counter()
         out = func(*args, **kwargs)
         seconds = time.perf_counter() - start
         self.stats.calls += 1
-        profile.funcs.append(func)
-        profile.seconds.append(seconds)
-        profile.recomputable.append(False)
-        profile.inputs.append([(v.key[0], v.key) for v in inputs if v.key is not None])
         outs, _ = _tree_flatten(out)
         out_slots = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
         with _Disable():
             mutated = [k for k, (i, v) in enumerate(zip(slots, before)) if flat[i]._version != v]
         call = None
-        if out_slots:
+        seq = -1
+        if out_slots:  # the calls the profile numbers: those that make tensors
+            seq = len(profile.funcs)
+            plan = self.plan
+            if plan is not None and (seq >= len(plan[1]) or plan[1][seq] != func):
+                self.plan = None  # the step took another path: the online choice alone from here
+                self.stats.planned = False
+            profile.funcs.append(func)
+            profile.seconds.append(seconds)
+            profile.recomputable.append(False)
+            profile.inputs.append([(v.key[0], v.key) for v in inputs if v.key is not None])
             call = _Call()
             call.func, call.spec, call.seconds, call.rng = func, spec, seconds, rng
             call.flat = [None if isinstance(a, torch.Tensor) else a for a in flat]
@@ -323,7 +331,7 @@ class _Block:
             call.inputs = inputs
             call.mutated = mutated
             call.recomputable = all(not inputs[k].pinned or inputs[k].copied or func in _STATS_ONLY
-                                    for k in mutated)
+                                    for k in mutated) and (rng is None or self.random)
             profile.recomputable[seq] = call.recomputable
             call.outputs = out_slots
             call.grads = [getattr(flat[i], "_gg_node", None) is not None for i in slots]
@@ -470,6 +478,13 @@ class _Block:
             entry[1].add(v.key)
             self.profile.value_storage[v.key] = group.key
 
+    def remade(self, v, t):
+        """``v`` recomputed as ``t`` (a new tensor: its own storage and version counter)."""
+        with _Disable():
+            v.version = t._version
+        v.group = self.group_of(t)
+        self.make_resident(v, t)
+
     def make_resident(self, v, t):
         v.strong = t
         group = v.group
@@ -579,14 +594,12 @@ class _Block:
             return t
         t, made = self.materialize(v)
         if v.saved > 0:
-            v.group = self.group_of(t)
-            self.make_resident(v, t)
+            self.remade(v, t)
             # what the recomputation made on the same storage costs nothing to keep while a
             # saved value holds it (the qkv projection under q, k and v's views)
             for u, made_t in made:
                 if u.saved == 0 and u.strong is None and self.group_of(made_t) is v.group:
-                    u.group = v.group
-                    self.make_resident(u, made_t)
+                    self.remade(u, made_t)
         self.enforce((v,))
         return t
 
@@ -609,7 +622,7 @@ class _Block:
                     with _Disable():
                         t = host.to(device, non_blocking=True)
                     v.version = t._version
-                if t is None:
+                if t is None and (self.live or v.call is None):
                     t = _live(v)
                     if t is not None:
                         t = _alias(t)
@@ -638,8 +651,7 @@ class _Block:
                     if u is not None and u.strong is None and (u is v or u.saved > 0):
                         t = done[u] = outs[u.index] if u.index >= 0 else saves[-1 - u.index]
                         if u is not target and u.saved > 0:
-                            u.group = self.group_of(t)
-                            self.make_resident(u, t)
+                            self.remade(u, t)
         finally:
             self.busy = busy
         return done[target], made
@@ -714,7 +726,9 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
     storages to drop for the least recomputation, an MILP: ``budget_plan.py``) is kept for this
     line of code and limit; later runs there drop those storages as soon as they are saved,
     while the step calls the same functions in the same order (the online choice still guards
-    the limit, and takes over if the step changes).
+    the limit, and takes over if the step changes). ``random=False``: calls that draw random
+    numbers are never run again (their outputs are kept); ``gg.capture`` uses it, as a replay
+    cannot reseed the generator.
     """
 
     # by call site (file, line, limit): a percentage's reference bytes, and the plan made there.
@@ -723,7 +737,7 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
     _plans: dict = {}
 
     def __init__(self, limit: int | str, *, of: int | None = None, offload: bool | None = None,
-                 plan: bool = True):
+                 plan: bool = True, random: bool = True, _site: tuple | None = None):
         self.nbytes, self.fraction = parse_limit(limit)
         if offload is not None and not isinstance(offload, bool):
             raise TypeError(f"memory_budget: offload must be True, False or None, not {offload!r}")
@@ -731,8 +745,14 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
             raise TypeError(f"memory_budget: plan must be True or False, not {plan!r}")
         self.offload = offload
         self.use_plan = plan
-        caller = sys._getframe(1)
-        self.site = (caller.f_code.co_filename, caller.f_lineno, limit, of)
+        self.random = random
+        # gg.capture's: a recorded plan must recompute what was dropped even where the recording
+        # kept it alive (a replay frees it after its last use)
+        self._live = True
+        if _site is None:  # (gg.capture names its own: its plans are per captured step)
+            caller = sys._getframe(1)
+            _site = (caller.f_code.co_filename, caller.f_lineno)
+        self.site = (*_site, limit, of)
         if self.fraction is not None:
             if of is not None:
                 if isinstance(of, bool) or not isinstance(of, int) or of <= 0:
@@ -762,7 +782,8 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
             self.stats.plan_seconds = plan[0].solve_seconds
             self.stats.plan_recompute_seconds = plan[0].recompute_seconds
             self.stats.plan_gap = plan[0].gap
-        self._block = _Block(self.nbytes, self.stats, offload, plan)
+        self._block = _Block(self.nbytes, self.stats, offload, plan, self.random)
+        self._block.live = self._live
         self._mode = _Recorder(self._block)
         push_saved_hooks(self._block.pack, _unpack)
         try:

@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from .. import budget as budget_module
 from .._compat import get_grad, pytree
+from ..budget import BudgetStats, parse_limit
 from .build import build_plan
 from .check import checked_replay
 from .cuda import graph_segments
@@ -44,9 +46,19 @@ class CapturedStep:
     """The callable ``gg.capture`` returns; ``plans`` holds the recorded plans (newest last)."""
 
     def __init__(self, fn: Callable[..., Any], *, warmup: int = 1, check: int = 0,
-                 cache_size: int = 8, cuda_graph: bool | None = None):
+                 cache_size: int = 8, cuda_graph: bool | None = None,
+                 memory_budget: int | str | None = None):
         if warmup < 0 or check < 0 or cache_size < 1:
             raise ValueError("gg.capture: warmup and check must be >= 0 and cache_size >= 1")
+        self.budget_limit = None
+        self.budget_stats: BudgetStats | None = None  # the recording call's (see _budgeted)
+        if memory_budget is not None:
+            _, fraction = parse_limit(memory_budget)
+            if fraction is not None and warmup < 1:
+                raise ValueError("gg.capture: a memory_budget percentage is of what the step holds "
+                                 "unconstrained, measured by a warm-up call: use warmup >= 1, "
+                                 "or give the limit in bytes")
+            self.budget_limit = memory_budget
         self.fn = fn
         self.warmup = warmup
         self.check_left = check
@@ -118,14 +130,28 @@ class CapturedStep:
             return fitting, ""
         return None, why
 
+    def _budgeted(self, args: tuple, kwargs: dict) -> Any:
+        """The step, under its memory budget if it has one (calls that draw random numbers are
+        kept, never run again: a replay cannot reseed). The budget's plan is named by this
+        captured step, so the call that records follows the plan its warm-up calls made."""
+        if self.budget_limit is None:
+            return self.fn(*args, **kwargs)
+        # (a percentage: the first call measures, as at any line of code; this step is the line)
+        mb = budget_module.memory_budget(self.budget_limit, random=False, _site=("gg.capture", id(self)))
+        mb._live = False
+        with mb:
+            out = self.fn(*args, **kwargs)
+        self.budget_stats = mb.stats
+        return out
+
     def _eager(self, args: tuple, kwargs: dict, collect: bool = False) -> Any:
         self.eager_calls += 1
         if not collect:
-            out = self.fn(*args, **kwargs)
+            out = self._budgeted(args, kwargs)
         else:
             collector = LeafCollector()
             with collector.active():
-                out = self.fn(*args, **kwargs)
+                out = self._budgeted(args, kwargs)
             arguments = {id(a) for a in flatten(args, kwargs)[0]}
             self._leaves.update((k, t) for k, t in collector.leaves.items() if k not in arguments)
         return pytree.tree_map(_detached, out)
@@ -142,7 +168,7 @@ class CapturedStep:
         seed = torch.initial_seed()
         recorder = Recorder()
         with recorder.active():
-            out = self.fn(*args, **kwargs)
+            out = self._budgeted(args, kwargs)
         recording = recorder.recording
         del recorder
         _check_python_state(recording, seed)
@@ -304,7 +330,8 @@ def _holder(t: torch.Tensor) -> str:
 
 
 def capture(fn: Callable[..., Any] | None = None, *, warmup: int = 1, check: int = 0,
-            cache_size: int = 8, cuda_graph: bool | None = None) -> Any:
+            cache_size: int = 8, cuda_graph: bool | None = None,
+            memory_budget: int | str | None = None) -> Any:
     """Record one training step and replay it as a plan of kernel calls.
 
     Use as ``step = gg.capture(step)`` or ``@gg.capture`` / ``@gg.capture(warmup=2, check=3)``.
@@ -312,9 +339,14 @@ def capture(fn: Callable[..., Any] | None = None, *, warmup: int = 1, check: int
     later calls replay while the guards hold. ``check=N`` compares the first N replays with the
     eager step and raises ``CaptureMismatch`` on any difference. ``cuda_graph``: replay CUDA
     plans inside CUDA graphs (None: when the plan allows; True: require it; False: never).
+    ``memory_budget``: the step runs under ``gg.memory_budget`` of that limit (bytes, or a
+    percentage of what its warm-up call holds unconstrained) with an exact plan made from the
+    warm-up call, so the plan recorded drops and recomputes what that plan chose, and every
+    replay does the same; calls that draw random numbers are kept, never recomputed.
     """
     def make(f: Callable[..., Any]) -> CapturedStep:
-        return CapturedStep(f, warmup=warmup, check=check, cache_size=cache_size, cuda_graph=cuda_graph)
+        return CapturedStep(f, warmup=warmup, check=check, cache_size=cache_size,
+                            cuda_graph=cuda_graph, memory_budget=memory_budget)
     if fn is None:
         return make
     return make(fn)
