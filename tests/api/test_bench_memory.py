@@ -3,11 +3,18 @@ at the quick size: every variant timed and measured, budgets kept, gradients unc
 
 import math
 
-from graphgrad.apps.bench_memory import BUDGETS, TARGETS, VARIANTS, memory_rows
+import pytest
+
+from graphgrad.apps.bench_memory import BUDGETS, CAPTURED, TARGETS, VARIANTS, memory_rows
 
 
-def test_memory_rows_quick():
-    rows = memory_rows(repeats=1, quick=True, log=lambda s: None)
+@pytest.fixture(scope="module")
+def quick_rows():
+    return memory_rows(repeats=1, quick=True, log=lambda s: None)
+
+
+def test_memory_rows_quick(quick_rows):
+    rows = quick_rows
     by_metric = {row["metric"]: row for row in rows}
     expected = ([f"step {v}" for v in VARIANTS] + [f"peak {v}" for v in VARIANTS] +
                 [f"held {b}" for b in BUDGETS])
@@ -33,3 +40,13 @@ def test_memory_rows_quick():
         assert by_metric[f"peak {name}"]["value"] < by_metric["peak graphgrad"]["value"]
     for name in ("torch ckpt/block", "torch SAC"):
         assert isinstance(by_metric[f"step {name}"]["same_grads"], bool)
+
+
+def test_memory_rows_quick_captured(quick_rows):
+    rows = {row["metric"]: row for row in quick_rows}
+    plain = rows["step captured"]["plan_peak_bytes"]
+    for name in CAPTURED:
+        row = rows[f"step {name}"]
+        assert row["same_grads"] is True and row["replays"] > 0 and row["planned"], row
+        assert row["peak_held_bytes"] <= row["limit_bytes"]
+        assert row["plan_peak_bytes"] < plain

@@ -10,6 +10,10 @@ backward (no optimizer), the gradients set to None before it. The variants:
   ``gg.memory_budget(int(full * f))``, ``full`` being the bytes the step holds for backward
   unconstrained (``mb.stats.unconstrained_bytes`` of one run under a limit nothing reaches);
   backward runs after the block;
+* ``captured``, ``captured 50%``, ``captured 33%``, ``captured 20%``: the step (gradients set
+  to None, forward, loss, backward) under ``gg.capture``, unconstrained and with
+  ``memory_budget=`` (percentages measured by the warm-up call, the recorded plan following
+  the exact plan made from it); their ratios are to the unconstrained captured step;
 * ``torch``: torch.autograd on a copy of the same weights;
 * ``torch ckpt/block``: ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)``
   around every block;
@@ -51,9 +55,12 @@ __all__ = ["SIZES", "TARGETS", "BUDGETS", "memory_rows"]
 SIZES = {"full": dict(vocab=512, d=256, heads=4, layers=6, seq=256, batch=8),
          "quick": dict(vocab=512, d=128, heads=4, layers=2, seq=64, batch=4)}
 BUDGETS = {"budget 50%": 0.5, "budget 33%": 0.33, "budget 20%": 0.2}
-# the step time under a budget over the unconstrained step's, aimed for at the full size
-TARGETS = {"budget 50%": 1.05, "budget 33%": 1.12, "budget 20%": 1.25}
-VARIANTS = ["graphgrad", *BUDGETS, "torch", "torch ckpt/block", "torch SAC"]
+CAPTURED = {"captured 50%": "50%", "captured 33%": "33%", "captured 20%": "20%"}
+# the step time under a budget over the unconstrained step's (eager over eager, captured over
+# captured), aimed for at the full size
+TARGETS = {"budget 50%": 1.05, "budget 33%": 1.12, "budget 20%": 1.25,
+           "captured 50%": 1.05, "captured 33%": 1.12, "captured 20%": 1.25}
+VARIANTS = ["graphgrad", *BUDGETS, "captured", *CAPTURED, "torch", "torch ckpt/block", "torch SAC"]
 
 _aten = torch.ops.aten
 # what torch's selective checkpointing saves (the rest of a block is recomputed)
@@ -116,6 +123,14 @@ class _Steps:
         self.steps: dict[str, Callable[[], None]] = {"graphgrad": self._graphgrad}
         for name in BUDGETS:
             self.steps[name] = functools.partial(self._budget, name)
+        self.captured: dict[str, Any] = {}
+        self.captured_models: dict[str, Any] = {}
+        for name, limit in {"captured": None, **CAPTURED}.items():
+            model = gg.nn.adopt(copy.deepcopy(base))
+            self.captured_models[name] = model
+            self.captured[name] = gg.capture(functools.partial(self._captured_step, model),
+                                             memory_budget=limit)
+            self.steps[name] = functools.partial(self.captured[name], self.idx, self.tgt)
         for name, wrap in wraps.items():
             self.steps[name] = functools.partial(self._torch, wrap)
 
@@ -133,6 +148,13 @@ class _Steps:
         loss.backward()
         return stats
 
+    @staticmethod
+    def _captured_step(model, idx, tgt):
+        model.zero_grad(set_to_none=True)
+        loss = _loss(model(idx), tgt)
+        loss.backward()
+        return loss
+
     def _budget(self, name: str) -> None:
         self.stats[name].append(self._graphgrad(self.limits[name]))
 
@@ -143,7 +165,7 @@ class _Steps:
         _loss(_forward(model, self.idx, wrap), self.tgt).backward()
 
     def grads(self, name: str) -> list[torch.Tensor]:
-        model = self.plain if name.startswith("torch") else self.adopted
+        model = self.plain if name.startswith("torch") else self.captured_models.get(name, self.adopted)
         return [p.grad.detach().as_subclass(torch.Tensor).clone() for p in model.parameters()]
 
 
@@ -183,7 +205,8 @@ def memory_rows(repeats: int, quick: bool, log: Callable[[str], None] = print) -
     s = _Steps(size)
     times = _interleaved(s.steps, 1 if quick else 2, repeats)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    ratio = {name: statistics.median(a / b for a, b in zip(t, times["graphgrad"]))
+    ratio = {name: statistics.median(a / b for a, b in zip(t, times["captured" if name in CAPTURED
+                                                               else "graphgrad"]))
              for name, t in times.items()}
 
     # one more step each, untimed: the allocator's peak and the gradients
@@ -196,6 +219,9 @@ def memory_rows(repeats: int, quick: bool, log: Callable[[str], None] = print) -
     same = {name: all(torch.equal(a, b) for a, b in
                       zip(grads[name], grads["torch" if name.startswith("torch") else "graphgrad"]))
             for name in VARIANTS if name not in ("graphgrad", "torch")}
+    for name, step in s.captured.items():
+        log(f"  {label} {name}: {step.replays} replays, plan peak "
+            f"{step.plan.memory.peak_bytes / 2**20:.1f} MiB")
 
     rows = []
     for name in VARIANTS:
@@ -209,8 +235,16 @@ def memory_rows(repeats: int, quick: bool, log: Callable[[str], None] = print) -
             last = s.stats[name][-1]
             extra.update(limit_bytes=s.limits[name], unconstrained_bytes=s.full,
                          peak_held_bytes=max(st.peak_held_bytes for st in s.stats[name]),
-                         evicted=last.evicted, recomputed=last.recomputed,
-                         recompute_ms=last.recompute_seconds * 1e3, calls=last.calls)
+                         evicted=last.evicted, recomputed=last.recomputed, planned=last.planned,
+                         recompute_ms=last.recompute_seconds * 1e3, calls=last.calls,
+                         plan_ms=last.plan_seconds * 1e3)
+        if name in s.captured:
+            step = s.captured[name]
+            extra.update(replays=step.replays, plan_peak_bytes=step.plan.memory.peak_bytes)
+            if step.budget_stats is not None:
+                st = step.budget_stats
+                extra.update(limit_bytes=st.limit, peak_held_bytes=st.peak_held_bytes,
+                             planned=st.planned, plan_ms=st.plan_seconds * 1e3)
         rows.append(_row(label, f"step {name}", "ms", ms[name], ms["graphgrad"], ratio[name], note,
                          target, None if target is None else ratio[name] <= target, **extra))
     for name in VARIANTS:
