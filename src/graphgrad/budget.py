@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _compat
 from .budget_plan import StepProfile, plan_drops
-from .references import modified_message, pop_saved_hooks, push_saved_hooks
+from .references import PackedTensor, SavedResult, modified_message, pop_saved_hooks, push_saved_hooks
 from .saved_hooks import saved_tensors_hooks
 from .tensor import as_tensor
 
@@ -286,6 +286,7 @@ class _Block:
         self.held = 0
         self.would_hold = 0
         self.clock = 0  # counts recorded calls and unpacks (how stale a resident storage is)
+        self.timeline: list = []  # (phase, held, would hold) after each call and each unpack
 
     # -- recording -------------------------------------------------------------------------
     def record(self, func, args, kwargs):
@@ -539,6 +540,7 @@ class _Block:
                     self.drop(v)
         if self.held > self.stats.peak_held_bytes:
             self.stats.peak_held_bytes = self.held
+        self.timeline.append(("forward" if func is not None else "backward", self.held, self.would_hold))
 
     def cheapest(self, locked):
         """The resident storage cheapest to recompute (or copy back) per byte."""
@@ -591,6 +593,7 @@ class _Block:
             with _Disable():
                 if t._version != v.version:
                     raise RuntimeError(modified_message("memory_budget", "saved tensor", t, v.version))
+            self.timeline.append(("backward", self.held, self.would_hold))
             return t
         t, made = self.materialize(v)
         if v.saved > 0:
@@ -817,6 +820,45 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
     def held_bytes(self) -> int:
         """Bytes held for backward now: storages of resident saved values and kept tensors."""
         return self._block.held if self._block is not None else 0
+
+    @property
+    def timeline(self) -> list[tuple[str, int, int]]:
+        """``(phase, held, unconstrained)`` after every recorded call ("forward") and every
+        saved tensor backward asked for ("backward"): the bytes held, and the bytes the block
+        would hold with nothing dropped (what a memory-over-time plot draws)."""
+        return list(self._block.timeline) if self._block is not None else []
+
+    def saved_state(self, node) -> dict[str, int]:
+        """How many of ``node``'s saved tensors this budget keeps, dropped (to recompute) or
+        offloaded: ``{"keep": k, "recompute": r, "offload": o}`` (``gg.viz.draw(..., budget=)``
+        colours nodes by it)."""
+        counts = {"keep": 0, "recompute": 0, "offload": 0}
+        for handle in _handles(node):
+            if handle.block is not self._block:
+                continue
+            v = handle.value
+            if v is None or v.strong is not None or v.leaf:
+                counts["keep"] += 1
+            elif v.offloaded is not None:
+                counts["offload"] += 1
+            else:
+                counts["recompute"] += 1
+        return counts
+
+
+def _handles(node):
+    """The memory-budget handles among what a node keeps (its saved values and its result)."""
+    saved = getattr(node, "saved", None) or ()
+    for value in saved:
+        for item in (value if type(value) in (list, tuple) else (value,)):
+            packed = item.packed if type(item) is PackedTensor else item
+            if type(packed) is _Saved:
+                yield packed
+    result = getattr(node, "result", None)
+    if type(result) is SavedResult and result.unpack is not None:
+        for packed in (result.data if result.multi else (result.data,)):
+            if type(packed) is _Saved:
+                yield packed
 
 
 def _unpack(handle):

@@ -49,26 +49,31 @@ _HOT_FILL = "#fdebe9"
 _OP_FILL = "#f4f4f4"
 _LEAF_FILL = "#d6e9f8"
 _OUT_FILL = "#dff2df"
+_RECOMPUTE_FILL = "#cfe0ff"  # a memory budget dropped what the node saved: recomputed in backward
+_OFFLOAD_FILL = "#e8dcff"  # ... or copied to host memory
 _GREY = "#666666"
 _MAX_VALUE_CHARS = 40
 
 
-def draw(tensor_or_graph, path, params=None, highlight_largest: bool = True) -> str:
+def draw(tensor_or_graph, path, params=None, highlight_largest: bool = True, budget=None) -> str:
     """Draw an autograd graph to ``path`` (``.dot``/``.gv``, ``.svg``, ``.png`` or ``.pdf``).
 
     ``tensor_or_graph`` is a tensor (or a list of tensors, or a Node): everything it was
     computed from; or an ``AutogradGraph``: all its live nodes; or a ``gg.capture`` plan
     (``step.plan``): its kernels, segments and the tensors flowing between them. ``params`` maps names to
     tensors (``dict(model.named_parameters())``); leaves among them are labelled with those
-    names. Returns ``path`` as a string. Rendered formats need Graphviz's ``dot`` program; a
-    ``RuntimeError`` says how to install it when it is missing.
+    names. ``budget``: the ``gg.memory_budget`` the graph was recorded under; each node is filled
+    by what the budget did with the tensors it saved (kept, dropped to be recomputed in backward,
+    offloaded), instead of marking the heaviest path. Returns ``path`` as a string. Rendered
+    formats need Graphviz's ``dot`` program; a ``RuntimeError`` says how to install it when it
+    is missing.
     """
     path = os.fspath(path)
     fmt = os.path.splitext(path)[1].lower().lstrip(".")
     if fmt not in ("dot", "gv") + RENDERED:
         raise ValueError(f"draw: cannot tell the format of {path!r}; end the path with .dot, .gv, "
                          f"{', '.join('.' + f for f in RENDERED)}")
-    text = to_dot(tensor_or_graph, params=params, highlight_largest=highlight_largest)
+    text = to_dot(tensor_or_graph, params=params, highlight_largest=highlight_largest, budget=budget)
     if fmt in ("dot", "gv"):
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
@@ -87,7 +92,7 @@ def draw(tensor_or_graph, path, params=None, highlight_largest: bool = True) -> 
     return path
 
 
-def to_dot(tensor_or_graph, params=None, highlight_largest: bool = True) -> str:
+def to_dot(tensor_or_graph, params=None, highlight_largest: bool = True, budget=None) -> str:
     """The Graphviz DOT text ``draw`` renders (see ``draw`` for the arguments)."""
     if callable(getattr(type(tensor_or_graph), "to_dot", None)) and not isinstance(
             tensor_or_graph, (torch.Tensor, AutogradGraph)):
@@ -104,7 +109,8 @@ def to_dot(tensor_or_graph, params=None, highlight_largest: bool = True) -> str:
     held = memory.by_node
     weight = {key: charged for key, (_, charged, _, _) in held.items()}
     hot_nodes, hot_edges, hot_bytes = set(), set(), 0
-    if highlight_largest:
+    states = {id(n): budget.saved_state(n) for n in nodes} if budget is not None else {}
+    if highlight_largest and budget is None:
         hot_nodes, hot_edges, hot_bytes = _heaviest_path(nodes, inputs, weight)
         if hot_bytes == memory.charged:  # the path holds everything: nothing to single out
             hot_nodes, hot_edges, hot_bytes = set(), set(), 0
@@ -127,6 +133,11 @@ def to_dot(tensor_or_graph, params=None, highlight_largest: bool = True) -> str:
             attrs = {"label": _op_label(n, names, *held[id(n)])}
             if id(n) in hot_nodes:
                 attrs["fillcolor"] = _HOT_FILL
+            state = states.get(id(n))
+            if state and state["offload"]:
+                attrs["fillcolor"] = _OFFLOAD_FILL
+            elif state and state["recompute"]:
+                attrs["fillcolor"] = _RECOMPUTE_FILL
         if id(n) in hot_nodes:
             attrs.update(color=_HOT, penwidth="2")
         lines.append(f"  n{i} [{_attrs(attrs)}];")
@@ -145,6 +156,14 @@ def to_dot(tensor_or_graph, params=None, highlight_largest: bool = True) -> str:
         hot = f' [color="{_HOT}", penwidth="2.5"]' if id(node) in hot_nodes else ""
         lines.append(f"  n{index[id(node)]} -> out{k}{hot};")
     caption = f"saved for backward: {_bytes(memory.total)}"
+    if budget is not None:
+        dropped = sum(1 for st in states.values() if st["recompute"])
+        moved = sum(1 for st in states.values() if st["offload"])
+        caption = (f"memory budget: {_bytes(budget.held_bytes)} held for backward now (limit "
+                   f"{_bytes(budget.stats.limit) if budget.stats.limit else 'being measured'})   ·   "
+                   f"blue: {dropped} node{'' if dropped == 1 else 's'} whose saved tensors were "
+                   "dropped, recomputed in backward"
+                   + (f"   ·   violet: {moved} offloaded" if moved else ""))
     if hot_bytes:
         caption += f"   ·   red: the path whose nodes hold the most ({_bytes(hot_bytes)})"
     if memory.beyond_views:

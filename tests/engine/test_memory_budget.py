@@ -437,3 +437,29 @@ def test_a_value_recomputed_once_serves_every_node_that_saved_it():
     have = program(mb)
     assert mb.stats.recomputed > 0
     assert all(torch.equal(a, b) for a, b in zip(have, want))
+
+
+def test_the_timeline_and_the_picture_show_what_was_dropped():
+    torch.manual_seed(0)
+    model = gg.nn.adopt(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh(),
+                                      nn.Linear(64, 1)).to(DT))
+    with gg.memory_budget(40000) as mb:
+        loss = model(torch.randn(32, 16, dtype=DT)).pow(2).mean()
+    states = {}
+    node, stack = loss.grad_fn, [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        states[node.name() + str(len(states))] = mb.saved_state(node)
+        stack.extend(p for p, _ in node.next_functions if p is not None)
+    dropped = sum(st["recompute"] for st in states.values())
+    assert dropped > 0 and mb.stats.evicted > 0
+    text = gg.viz.to_dot(loss, budget=mb)
+    assert text.count("#cfe0ff") >= 1 and "recomputed in backward" in text
+    loss.backward()
+    timeline = mb.timeline
+    phases = [p for p, _, _ in timeline]
+    assert phases.index("backward") > 0 and set(phases) == {"forward", "backward"}
+    assert all(held <= 40000 for _, held, _ in timeline)
+    assert max(would for _, _, would in timeline) == mb.stats.unconstrained_bytes > 40000
+    del loss
+    assert mb.held_bytes == 0
