@@ -18,6 +18,7 @@ from .apps.bench import BenchConfig
 from .apps.bench import main as run_bench
 from .apps.demo import DemoConfig, missing_extras, run_demo
 from .apps.tour import run_tour
+from .budget import MemoryBudgetError, parse_limit
 
 
 class CommandError(Exception):
@@ -49,6 +50,15 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
     return value
+
+
+def _memory_limit(text: str) -> str:
+    """A ``gg.memory_budget`` limit, checked now: "50%", "2MiB", "1.5GB", "4096" (bytes)."""
+    try:
+        parse_limit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("memory_budget: ")) from None
+    return text
 
 
 def _device(text: str) -> str:
@@ -120,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also train a third copy with its training step under gg.capture "
                            "(recorded once, replayed as a plan of kernels): adds its time per step "
                            "and writes plan.svg, a picture of the plan")
+    demo.add_argument("--memory-budget", type=_memory_limit, default=None, metavar="LIMIT",
+                      help="also train a copy with its forward under gg.memory_budget(LIMIT), which "
+                           "drops saved tensors and recomputes them in backward to hold at most LIMIT "
+                           "for backward: a percentage of what the step holds unconstrained ('50%%', "
+                           "measured by its first step) or bytes ('2MiB', '1.5MB', '4096'). Adds its "
+                           "time per step and what it dropped, checks that its losses equal "
+                           "graphgrad's exactly, and writes memory.png (bytes held over one step) and "
+                           "graph_budget.svg (that step's graph, dropped nodes filled)")
     tour = sub.add_parser(
         "tour", help="walk through how an autograd graph works (grad_fn chain, retain_graph, ...)",
         description="Walks through how an autograd graph works (grad_fn chain, retain_graph, "
@@ -166,12 +184,21 @@ def _run(args: argparse.Namespace) -> int:
         if args.capture and args.distributed:
             raise CommandError("--capture and --distributed cannot be combined (gg.capture records "
                                "one process's step)")
-        summary = run_demo(DemoConfig(model=args.model, epochs=args.epochs,
-                                      batch_size=args.batch_size, lr=args.lr, device=args.device,
-                                      out=args.out, seed=args.seed, progress=not args.no_progress,
-                                      distributed=args.distributed, threads=args.threads,
-                                      capture=args.capture))
-        return 0 if summary["parity"]["max_relative_gradient_difference_one_batch"] < 1e-4 else 1
+        if args.memory_budget is not None and args.distributed:
+            raise CommandError("--memory-budget and --distributed cannot be combined (the budgeted "
+                               "copy trains in one process)")
+        config = DemoConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size,
+                            lr=args.lr, device=args.device, out=args.out, seed=args.seed,
+                            progress=not args.no_progress, distributed=args.distributed,
+                            threads=args.threads, capture=args.capture,
+                            memory_budget=args.memory_budget)
+        try:
+            summary = run_demo(config)
+        except MemoryBudgetError as exc:  # a limit in bytes below what the step must keep
+            raise CommandError(f"--memory-budget {args.memory_budget}: "
+                               f"{str(exc).removeprefix('memory_budget: ')}") from None
+        exact = summary.get("memory_budget", {}).get("losses_equal_graphgrad", True)
+        return 0 if summary["parity"]["max_relative_gradient_difference_one_batch"] < 1e-4 and exact else 1
     if args.command == "tour":
         result = run_tour(steps=args.steps)
         return 0 if result["max_rel_grad_diff"] < 1e-4 else 1

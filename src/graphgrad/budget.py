@@ -258,13 +258,19 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.block.busy or not torch.is_grad_enabled() or type(func) is _GETTER:
-            # (attribute reads, .grad, .data, .shape: what they return is an outside value)
+        if self.block.busy or not torch.is_grad_enabled() or type(func) is _GETTER or \
+                func in _UNRECORDED:
+            # (attribute reads, .grad, .data, .shape; differentiation itself: what they return
+            # is an outside value)
             return func(*args, **kwargs)
         return self.block.record(func, args, kwargs)
 
 
 _GETTER = type(torch.Tensor.grad.__get__)  # a getset descriptor's bound __get__
+# calls never run again: they differentiate (their results are gradients of a graph that a
+# recomputation does not have) or act on the graph
+_UNRECORDED = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward,
+                         torch.Tensor.register_hook, torch.Tensor.retain_grad})
 
 
 class _Block:
@@ -397,7 +403,13 @@ class _Block:
             key = _key(t)
         v = self.lookup(key, version)
         if v is None:
-            v = _Value(None, 0, t, version, self.group_of(t), leaf=_is_leaf(t))
+            leaf = _is_leaf(t)
+            group = self.group_of(t)
+            if leaf and group is not None and not group.resident and not group.saved:
+                # the caller's storage (a parameter, a preloaded data set): a view of it saved
+                # for backward (x_train[:64]) holds nothing the caller does not hold anyway
+                group.nbytes = 0
+            v = _Value(None, 0, t, version, group, leaf=leaf)
             v.strong = _alias(t)  # read by recorded calls, and nothing can recompute it
             self.values[key] = weakref.ref(v)
         elif v.group is not None:
@@ -452,6 +464,14 @@ class _Block:
             if v.leaf:
                 continue
             group = v.group
+            if group is not None and self.limit is not None and group.nbytes > self.limit:
+                # backward will need it whole: no limit below its bytes can be kept
+                raise MemoryBudgetError(
+                    f"memory_budget: the limit of {_format(self.limit)} cannot be kept at "
+                    f"{getattr(call.func, '__qualname__', call.func) if call else 'a call'}: it saved "
+                    f"a tensor on a storage of {_format(group.nbytes)}, which backward needs whole, "
+                    f"so the smallest limit that can work is at least {_format(group.nbytes)}. Raise "
+                    "the limit, or make the batch smaller.")
             if v.saved == 1 and group is not None:
                 v.home = group
                 group.saved += 1
@@ -809,8 +829,9 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
         known = memory_budget._plans.get(self.site)
         if self.use_plan and exc[0] is None and (known is None or known[0] != limit):
             # room for what backward recomputes before the nodes it serves free their own: the
-            # plan keeps the largest saved storage's bytes, twice, below the limit
-            room = 2 * max((entry[0] for entry in block.profile.saved.values()), default=0)
+            # plan keeps the largest saved storage's bytes below the limit (at most a quarter)
+            room = min(max((entry[0] for entry in block.profile.saved.values()), default=0),
+                       limit // 4)
             plan = plan_drops(block.profile, max(limit - room, 0)) or plan_drops(block.profile, limit)
             if plan is not None:
                 memory_budget._plans[self.site] = (limit, plan, tuple(block.profile.funcs))

@@ -7,6 +7,7 @@ Custom Functions, checkpoints and hooks are in tests/engine/fuzz_autograd.py.
 """
 
 import collections
+import contextlib
 import re
 import warnings
 
@@ -355,6 +356,8 @@ def run_both(fn_g, fn_t, backward=False):
         out_g, exc_g = fn_g(), None
     except Exception as e:
         out_g, exc_g = None, e
+    if isinstance(exc_g, gg.MemoryBudgetError):  # graphgrad's side only: the program ends here
+        raise exc_g
     if exc_t is None and exc_g is not None:
         raise AssertionError(f"graphgrad raised where torch did not: {exc_g!r}") from exc_g
     if exc_t is not None and exc_g is None:
@@ -1269,12 +1272,25 @@ def _by_hook(log):
 
 def run_program(program):
     STATS["programs"] += 1
+    budget = program.get("budget")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         interp = Interpreter(program)
         try:
-            for step, no_grad in program["steps"]:
-                interp.step(step, no_grad)
-            interp.finish()
+            # a memory budget (1 or 4096 bytes) around the whole program: graphgrad's side drops
+            # and recomputes saved tensors (torch's side is recorded too, and unchanged)
+            mb = gg.memory_budget(budget, plan=False) if budget else contextlib.nullcontext()
+            if budget:
+                mb._live = False  # recompute what was dropped even where the program holds it
+            with mb:
+                for step, no_grad in program["steps"]:
+                    interp.step(step, no_grad)
+                interp.finish()
+            if budget:
+                STATS["programs_under_a_memory_budget"] += 1
+                STATS["saved_values_dropped_by_a_budget"] += mb.stats.evicted
+                STATS["calls_recomputed_by_a_budget"] += mb.stats.recomputed
         except StopProgram:
             pass
+        except gg.MemoryBudgetError:  # a limit below what must be kept (a copy of a changed leaf)
+            STATS["programs_ended_by_an_infeasible_budget"] += 1

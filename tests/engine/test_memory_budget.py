@@ -182,7 +182,7 @@ def test_an_infeasible_limit_names_the_smallest_that_can_work():
     w = gg.as_tensor(torch.randn(64, 64, dtype=DT), requires_grad=True)
     h = w * 2  # made before the block: nothing inside can recompute it
     before = w.grad
-    with pytest.raises(gg.MemoryBudgetError, match=r"smallest limit that can work is 32768 bytes"):
+    with pytest.raises(gg.MemoryBudgetError, match=r"smallest limit that can work is (at least )?32768"):
         with gg.memory_budget(1000):
             h.sin().sum()
     assert w.grad is before

@@ -11,6 +11,14 @@ With ``capture`` a third copy of the model, from the same weights, trains with i
 ``gg.capture``: recorded once, then replayed as a plan of kernels (``plan.svg`` draws it); the
 report adds its time per step and how far its losses are from eager graphgrad's.
 
+With ``memory_budget`` (a limit: "50%", "2MiB") a further copy, from the same weights, trains with
+its forward and loss under ``gg.memory_budget(limit)``: saved tensors dropped to keep under the
+limit and recomputed in backward. Its losses must equal eager graphgrad's exactly (recomputation
+is bitwise); the report adds its time per step beside the unconstrained step's and what the
+budget did, ``memory.png`` plots the bytes held for backward over one step (budgeted and
+unconstrained, with the limit) and ``graph_budget.svg`` draws that step's graph, the nodes whose
+saved tensors were dropped filled blue.
+
 Timings mean something only with their context: both engines run with the same fixed number
 of torch threads (``threads``, 1 by default, so that another busy process moves them little),
 their steps alternate (one step each, the order swapped every step), the first steps are left
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -38,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphgrad as gg
+from graphgrad.budget import BudgetStats, parse_limit
 from graphgrad.distributed import init_process_group
 
 # the [demo] extra: each is None when it is not installed, and what needs it says so
@@ -51,15 +61,16 @@ try:
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 except ImportError:
-    matplotlib = plt = Figure = FuncFormatter = LogLocator = NullFormatter = None
+    matplotlib = plt = Figure = FuncFormatter = LogLocator = MaxNLocator = NullFormatter = None
 try:
     from tqdm.auto import tqdm
 except ImportError:
     tqdm = None
 
-__all__ = ["DemoConfig", "run_demo", "build_model", "load_digits", "loss_figure", "missing_extras"]
+__all__ = ["DemoConfig", "run_demo", "build_model", "load_digits", "loss_figure", "memory_figure",
+           "missing_extras"]
 
 MODELS = ("mlp", "cnn", "transformer")
 
@@ -91,6 +102,7 @@ class DemoConfig:
     distributed: bool = False  # gg.nn.DataParallel beside torch DDP; launch with torchrun
     threads: int = 1  # torch's intra-op threads for the whole run, both engines
     capture: bool = False  # also train a copy with its step under gg.capture
+    memory_budget: int | str | None = None  # also train a copy with its forward under gg.memory_budget
 
 
 def load_digits(device: str, seed: int = 0):
@@ -246,6 +258,11 @@ def run_demo(config: DemoConfig) -> dict:
     if config.capture and config.distributed:
         raise ValueError("capture and distributed cannot be combined: gg.capture records one "
                          "process's step; run the captured demo without --distributed")
+    if config.memory_budget is not None:
+        parse_limit(config.memory_budget)  # a malformed limit fails here, before training
+        if config.distributed:
+            raise ValueError("memory_budget and distributed cannot be combined: the budgeted copy "
+                             "trains in one process; run it without --distributed")
     _require("scikit-learn", "matplotlib", "tqdm")  # before training, not at its end
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device here")
@@ -285,6 +302,10 @@ def _run(config: DemoConfig) -> dict:
     engines = {"ours": _train_step(ours, config.lr), "theirs": _train_step(theirs, config.lr)}
     if captured_model is not None:
         engines["captured"] = gg.capture(_train_step(captured_model, config.lr))
+    budget_step = None
+    if config.memory_budget is not None:
+        budget_step = _BudgetStep(gg.nn.adopt(copy.deepcopy(theirs)), config.lr, config.memory_budget)
+        engines["budget"] = budget_step
     names = list(engines)
     losses = {name: [] for name in names}
     times = {name: [] for name in names}
@@ -322,6 +343,10 @@ def _run(config: DemoConfig) -> dict:
                     "loss_max_relative_difference_to_eager_graphgrad": gap,
                     "records": step.records, "replays": step.replays, "eager_calls": step.eager_calls,
                     "plans": len(step.plans), "plan": step.plans[0].summary().as_dict()}
+    budget = None
+    if budget_step is not None:
+        budget = _budget_summary(budget_step, losses["budget"], losses_ours,
+                                 _accuracy(budget_step.model, x_test, y_test))
     if rank != 0:
         return {"rank": rank, "world_size": world, "parity": parity}
     _plot(losses_ours, losses_theirs, steps_per_epoch, out / "loss_curve.png")
@@ -332,6 +357,17 @@ def _run(config: DemoConfig) -> dict:
         path = out / ("plan.svg" if shutil.which("dot") else "plan.dot")
         gg.viz.draw(plan, str(path), params=dict(captured_model.named_parameters()))
         files["plan"] = path.name
+    if budget is not None:
+        # one more budgeted step (following the plan) on the first batch: its graph before its
+        # backward, its memory over time after. Gathered as in training: a slice x_train[:64]
+        # would be a view, and the budget counts a saved view's whole storage, all of x_train
+        idx = first[:config.batch_size].to(config.device)
+        mb, files["graph_budget"] = _draw_budget_step(budget_step, x_train[idx], y_train[idx], out)
+        budget["step"] = dataclasses.asdict(mb.stats)
+        if budget["limit_bytes"] is None:  # (a run of one step: that step measured)
+            budget["limit_bytes"] = mb.stats.limit
+        _plot_memory(mb, f"{config.model} on digits, batch {config.batch_size}", out / "memory.png")
+        files["memory"] = "memory.png"
     steps = len(losses_ours)
     summary = {
         "model": config.model,
@@ -351,9 +387,121 @@ def _run(config: DemoConfig) -> dict:
     }
     if captured is not None:
         summary["captured"] = captured
+    if budget is not None:
+        summary["memory_budget"] = budget
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _report(summary, out)
     return summary
+
+
+_BUDGET_RUNS = itertools.count()
+
+
+class _BudgetStep:
+    """The training step with its forward and loss under ``gg.memory_budget(limit)`` (backward
+    and Adam as in ``_train_step``); keeps every step's ``BudgetStats``. Each demo run has its
+    own budget site, so a percentage is measured by this run's first step (unconstrained: its
+    ``limit`` is None) and the plan made from it is this run's."""
+
+    def __init__(self, model, lr: float, limit: int | str):
+        self.model = model
+        self.opt = torch.optim.Adam(model.parameters(), lr=lr)
+        self.limit = limit
+        self.site = ("graphgrad demo", next(_BUDGET_RUNS))
+        self.stats: list[BudgetStats] = []
+
+    def forward(self, xb, yb):
+        with gg.memory_budget(self.limit, _site=self.site) as mb:
+            loss = F.cross_entropy(self.model(xb), yb)
+        return loss, mb
+
+    def __call__(self, xb, yb):
+        self.opt.zero_grad()
+        loss, mb = self.forward(xb, yb)
+        loss.backward()
+        self.opt.step()
+        self.stats.append(mb.stats)
+        return loss
+
+
+def _budget_summary(step: _BudgetStep, losses_budget: list[float], losses_ours: list[float],
+                    accuracy: float) -> dict:
+    """What the budget did over training, and whether the budgeted copy trained exactly as the
+    unconstrained graphgrad copy did (it must: recomputation is bitwise)."""
+    constrained = [st for st in step.stats if st.limit is not None]
+    gap = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses_budget, losses_ours))
+    planned = [st for st in constrained if st.planned]
+    return {
+        "limit": step.limit,
+        "limit_bytes": constrained[0].limit if constrained else None,
+        "measured_by_first_step": step.stats[0].limit is None,
+        "unconstrained_bytes": max(st.unconstrained_bytes for st in step.stats),
+        "peak_held_bytes": max((st.peak_held_bytes for st in constrained), default=0),
+        "steps_constrained": len(constrained),
+        "steps_following_the_plan": len(planned),
+        "plan_followed": bool(constrained) and len(planned) == len(constrained),
+        "plan_seconds": planned[0].plan_seconds if planned else None,
+        "evicted": sum(st.evicted for st in constrained),
+        "evicted_bytes": sum(st.evicted_bytes for st in constrained),
+        "recomputed": sum(st.recomputed for st in constrained),
+        "recompute_seconds": sum(st.recompute_seconds for st in constrained),
+        "recompute_ms_per_step": 1e3 * statistics.median(st.recompute_seconds for st in constrained)
+        if constrained else 0.0,
+        "losses_equal_graphgrad": losses_budget == losses_ours,
+        "loss_max_relative_difference_to_graphgrad": gap,
+        "test_accuracy": accuracy,
+    }
+
+
+def _draw_budget_step(step: _BudgetStep, xb, yb, out: pathlib.Path):
+    """One more budgeted step (no optimizer step): its graph drawn before its backward, the
+    nodes whose saved tensors were dropped filled; returns its budget and the file's name."""
+    loss, mb = step.forward(xb, yb)
+    path = out / ("graph_budget.svg" if shutil.which("dot") else "graph_budget.dot")
+    gg.viz.draw(loss, str(path), params=dict(step.model.named_parameters()), budget=mb)
+    loss.backward()  # (the memory timeline's second half)
+    step.opt.zero_grad()
+    return mb, path.name
+
+
+def memory_figure(timeline: list[tuple[str, int, int]], limit: int | None, title: str = "") -> Figure:
+    """Bytes held for backward over one step, from ``mb.timeline``: after each recorded forward
+    call, then each saved tensor backward asked for; the budgeted curve, the unconstrained one
+    (nothing dropped) and the limit."""
+    _require("matplotlib")
+    mib = 2.0**20
+    steps = range(len(timeline))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [w / mib for _, _, w in timeline], drawstyle="steps-post", color="tab:gray",
+            linewidth=2, label="unconstrained (nothing dropped)")
+    ax.plot(steps, [h / mib for _, h, _ in timeline], drawstyle="steps-post", color="tab:blue",
+            linewidth=2, label="under gg.memory_budget")
+    if limit is not None:
+        ax.axhline(limit / mib, color="tab:red", linestyle="--", linewidth=1,
+                   label=f"limit ({_mib(limit)})")
+    backward = next((i for i, (phase, _, _) in enumerate(timeline) if phase == "backward"), None)
+    if backward is not None:
+        ax.axvline(backward - 0.5, color="black", linestyle=":", linewidth=1)
+        ax.text(backward - 0.5, 1.01, " backward", transform=ax.get_xaxis_transform(), va="bottom")
+        ax.text(backward - 0.5, 1.01, "forward ", transform=ax.get_xaxis_transform(), va="bottom",
+                ha="right")
+    ax.set_xlabel("event (a recorded forward call, then a saved tensor backward asked for)")
+    ax.set_ylabel("held for backward (MiB)")
+    top = max([w for _, _, w in timeline] + [limit or 0], default=0) / mib
+    ax.set_ylim(0, 1.45 * top or 1.0)  # room for the legend above the curves
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, axis="y", alpha=0.3)
+    if title:
+        ax.set_title(title, pad=18)
+    ax.legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def _plot_memory(mb, what: str, path: pathlib.Path) -> None:
+    fig = memory_figure(mb.timeline, mb.stats.limit, f"memory held for backward, one step: {what}")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _init_distributed(device: str) -> tuple[int, int, str]:
@@ -418,6 +566,13 @@ def _timing(times: dict[str, list[float]], threads: int) -> dict:
         out.update({"captured": statistics.median(cap), "captured_p10_p90": _spread(cap),
                     "ratio_captured_over_torch": statistics.median(cap) / statistics.median(theirs),
                     "captured_step_ratio_p10_p90": _spread([a / b for a, b in zip(cap, theirs)])})
+    if "budget" in ms:  # its first step measures the percentage and plans: left out too
+        bud = ms["budget"]
+        out.update({"memory_budget": statistics.median(bud), "memory_budget_p10_p90": _spread(bud),
+                    "ratio_memory_budget_over_graphgrad": statistics.median(bud) / statistics.median(ours),
+                    "memory_budget_step_ratio_over_graphgrad_p10_p90":
+                        _spread([a / b for a, b in zip(bud, ours)]),
+                    "ratio_memory_budget_over_torch": statistics.median(bud) / statistics.median(theirs)})
     return out
 
 
@@ -453,6 +608,9 @@ def _report(summary: dict, out: pathlib.Path) -> None:
     if "captured" in t:
         low, high = t["captured_p10_p90"]
         print(f"  gg.capture      {t['captured']:7.2f} ms   (10-90% of steps: {low:.2f}-{high:.2f} ms)")
+    if "memory_budget" in t:
+        low, high = t["memory_budget_p10_p90"]
+        print(f"  memory_budget   {t['memory_budget']:7.2f} ms   (10-90% of steps: {low:.2f}-{high:.2f} ms)")
     low, high = t["torch_autograd_p10_p90"]
     print(f"  torch.autograd  {t['torch_autograd']:7.2f} ms   (10-90% of steps: {low:.2f}-{high:.2f} ms)")
     low, high = t["step_ratio_p10_p90"]
@@ -462,12 +620,19 @@ def _report(summary: dict, out: pathlib.Path) -> None:
         low, high = t["captured_step_ratio_p10_p90"]
         print(f"  ratio           {t['ratio_captured_over_torch']:7.2f}      (gg.capture / torch, step "
               f"by step, 10-90%: {low:.2f}-{high:.2f})")
+    if "memory_budget" in t:
+        low, high = t["memory_budget_step_ratio_over_graphgrad_p10_p90"]
+        print(f"  ratio           {t['ratio_memory_budget_over_graphgrad']:7.2f}      (memory_budget / "
+              f"graphgrad, step by step, 10-90%: {low:.2f}-{high:.2f}; / torch: "
+              f"{t['ratio_memory_budget_over_torch']:.2f})")
     if "captured" in summary:
         c = summary["captured"]
         print(f"gg.capture: {_plural(c['records'], 'recording')}, {_plural(c['replays'], 'replay')} "
               f"({_plural(c['plans'], 'plan')}: the last batch of an epoch is smaller); test accuracy "
               f"{c['test_accuracy']:.4f}; losses differ from eager graphgrad's by at most "
               f"{c['loss_max_relative_difference_to_eager_graphgrad']:.1e} (relative)")
+    if "memory_budget" in summary:
+        _report_budget(summary["memory_budget"])
     f64 = parity["float64"]
     print(f"same as torch.autograd: gradients on one batch agree to "
           f"{parity['max_relative_gradient_difference_one_batch']:.1e} (float32); "
@@ -476,3 +641,29 @@ def _report(summary: dict, out: pathlib.Path) -> None:
           "(losses and weights)")
     written = [str(out / name) for name in summary["files"].values()]
     print(f"wrote {', '.join(written)}")
+
+
+def _mib(n: int) -> str:
+    """Bytes in MiB, or KiB below one MiB."""
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _report_budget(b: dict) -> None:
+    limit = b["limit"]
+    shown = f'"{limit}"' if isinstance(limit, str) else str(limit)
+    where = "measured by the first step, unconstrained" if b["measured_by_first_step"] else "in bytes"
+    print(f"gg.memory_budget({shown}): limit {_mib(b['limit_bytes'])} ({where}); held for backward "
+          f"{_mib(b['unconstrained_bytes'])} unconstrained, at most {_mib(b['peak_held_bytes'])} "
+          f"under the budget")
+    step = b["step"]
+    plan = (f"the plan followed on all {_plural(b['steps_constrained'], 'step')}" if b["plan_followed"]
+            else f"the plan followed on {b['steps_following_the_plan']} of "
+                 f"{_plural(b['steps_constrained'], 'step')}")
+    print(f"  per step: {step['evicted']} saved tensors dropped, {step['recomputed']} calls recomputed "
+          f"in backward ({b['recompute_ms_per_step']:.2f} ms); {plan}; test accuracy "
+          f"{b['test_accuracy']:.4f}")
+    if b["losses_equal_graphgrad"]:
+        print("  losses equal graphgrad's exactly, step by step (bitwise)")
+    else:
+        print(f"  losses NOT equal to graphgrad's: they differ by up to "
+              f"{b['loss_max_relative_difference_to_graphgrad']:.1e} (relative)")
