@@ -114,6 +114,31 @@ def scenario_steps(rank, world):
     return out
 
 
+def scenario_budget(rank, world):
+    """The "steps" training (bucket cap 25 MB) with each forward under a memory budget; a first
+    step on a throwaway copy measures what "50%" is of."""
+    def fresh():
+        model = mlp(SEED + rank)
+        dp = gg.nn.DataParallel(model, bucket_cap_mb=25.0)
+        return model, dp, torch.optim.SGD(dp.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def budgeted_step(dp, opt, step):
+        x, y = batch(step, world * PER_RANK)
+        opt.zero_grad()
+        with gg.memory_budget("50%") as mb:
+            loss = F.mse_loss(dp(shard(x, rank)), shard(y, rank))
+        loss.backward()
+        opt.step()
+        return mb.stats
+
+    _, dp, opt = fresh()
+    budgeted_step(dp, opt, 0)  # measures
+    model, dp, opt = fresh()
+    stats = [budgeted_step(dp, opt, step) for step in range(STEPS)]
+    return {"final": params_of(model), "evicted": sum(st.evicted for st in stats),
+            "within": all(st.limit is not None and st.peak_held_bytes <= st.limit for st in stats)}
+
+
 def scenario_no_sync(rank, world):
     model = mlp(SEED + rank)
     dp = gg.nn.DataParallel(model, bucket_cap_mb=1e-4)

@@ -38,7 +38,7 @@ from graphgrad.distributed import assign_buckets
 from test_demo import assert_parity
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
-SCENARIOS = ("steps", "no_sync", "unused", "unfinished", "misuse", "buffers", "mismatch")
+SCENARIOS = ("steps", "no_sync", "unused", "unfinished", "misuse", "buffers", "mismatch", "budget")
 JOIN_S = 300  # every rank must be done by then (the process-group timeout is TIMEOUT_S)
 
 
@@ -306,3 +306,13 @@ def test_buckets_reverse_order_first_small_split_by_dtype():
     assert assign_buckets([(10 * mib, f32)] * 5, 25 * mib) == [[4], [3, 2, 1], [0]]
     assert assign_buckets([(1, f32), (1, f64), (1, f32), (1, f64)], 25 * mib) == [[3, 1], [2, 0]]
     assert assign_buckets([(100, f32)] * 3, 50) == [[2], [1], [0]]  # larger than the cap: alone
+
+
+def test_a_memory_budget_in_every_process_changes_nothing(run):
+    """Each rank's forward under gg.memory_budget("50%"): saved tensors dropped and recomputed
+    inside backward, while DataParallel's hooks all-reduce the buckets: the same parameters, bit
+    for bit, as the unconstrained run."""
+    for budget, plain in zip(run("budget"), run("steps")):
+        assert budget["evicted"] > 0 and budget["within"]
+        for name, want in plain[25.0]["final"].items():
+            assert torch.equal(budget["final"][name], want), name
