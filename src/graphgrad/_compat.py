@@ -22,7 +22,8 @@ from . import native_build
 from ._config import env_flag
 
 __all__ = [
-    "DisableTorchFunctionSubclass", "protocol_off", "protocol_restore", "EnableTorchFunction",
+    "DisableTorchFunctionSubclass", "DisableTorchFunction", "protocol_off", "protocol_restore",
+    "EnableTorchFunction",
     "is_grad_enabled", "set_grad_enabled",
     "torch_function_enabled", "torch_function_mode_enabled", "autocast_enabled", "protocol_on",
     "tensor_shape", "tensor_dtype", "tensor_device", "tensor_ndim", "tensor_same_size",
@@ -44,6 +45,8 @@ __all__ = [
 #: kernels on graphgrad tensors without re-entering ``__torch_function__`` (checked on torch 2.13)
 DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
 NoTorchFunction = DisableTorchFunctionSubclass  # (capture's name for it)
+#: no torch function handling at all: subclasses and modes (a mode's own bookkeeping)
+DisableTorchFunction = torch._C.DisableTorchFunction
 
 
 def protocol_off():

@@ -109,13 +109,6 @@ def _format(n: int) -> str:
 
 
 # -- what is recorded ------------------------------------------------------------------------
-# Calls that draw random numbers: the generator state is kept so the recomputation draws the
-# same numbers (dropout's mask). Named by torch's seeded ATen ops, and the Python functions that
-# reach them under other names.
-_RANDOM_WORDS = ("dropout", "rand", "bernoulli", "normal", "multinomial", "uniform", "exponential",
-                 "geometric", "cauchy", "poisson", "gumbel", "attention", "random", "gamma",
-                 "dirichlet", "binomial")
-
 # Calls whose in-place writes go to statistics their output does not read (training-mode norms
 # update running statistics): recomputed with copies of those arguments.
 _STATS_ONLY = frozenset({torch.nn.functional.batch_norm, torch.batch_norm,
@@ -124,12 +117,31 @@ _STATS_ONLY = frozenset({torch.nn.functional.batch_norm, torch.batch_norm,
 _MAY_DRAW: dict = {}
 
 
-def _may_draw(func) -> bool:
-    draws = _MAY_DRAW.get(func)
-    if draws is None:
-        name = (getattr(func, "__name__", "") or "").lower()
-        draws = _MAY_DRAW[func] = any(w in name for w in _RANDOM_WORDS)
-    return draws
+def _generator_states(flat, slots):
+    """The random generators' states now: the CPU one, and the CUDA ones of the call's devices
+    (or the current one, for a factory). A call that changes them drew random numbers; the
+    states from before it make its recomputation draw the same ones."""
+    cpu = _CPU_GENERATOR.get_state()
+    if not torch.cuda.is_initialized():
+        return cpu, []
+    with _Disable():
+        devices = {flat[i].device.index or 0 for i in slots if flat[i].device.type == "cuda"}
+    return cpu, [(d, torch.cuda.get_rng_state(d)) for d in sorted(devices or {torch.cuda.current_device()})]
+
+
+def _drew(before) -> bool:
+    cpu, cuda = before
+    with _compat.DisableTorchFunction():  # (no mode sees these reads: gg.capture's neither)
+        if _bytes_of(_CPU_GENERATOR.get_state()) != _bytes_of(cpu):
+            return True
+        return any(_bytes_of(torch.cuda.get_rng_state(d)) != _bytes_of(state) for d, state in cuda)
+
+
+def _bytes_of(state) -> bytes:
+    return state.numpy().tobytes()
+
+
+_CPU_GENERATOR = torch.default_generator
 
 
 def _writes(func, kwargs) -> bool:
@@ -306,7 +318,7 @@ class _Block:
             for v in inputs:
                 if v.pinned and v.users:
                     self.snapshot(v)
-        rng = (torch.get_rng_state(), _cuda_states(flat, slots)) if _may_draw(func) else None
+        generators = _generator_states(flat, slots)
         self.resolve(None)  # (saves made outside a recorded call: a custom Function's ctx)
         profile = self.profile
         if profile is None:  # (the block is over)
@@ -314,6 +326,7 @@ class _Block:
         start = time.perf_counter()
         out = func(*args, **kwargs)
         seconds = time.perf_counter() - start
+        rng = generators if _drew(generators) else None  # (then it runs again from these)
         self.stats.calls += 1
         outs, _ = _tree_flatten(out)
         out_slots = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
@@ -724,14 +737,6 @@ class _Block:
 
 # the host copy bandwidth offloading assumes against a value's recompute time (bytes per second)
 _HOST_BYTES_PER_SECOND = 10e9
-
-
-def _cuda_states(flat, slots):
-    if not torch.cuda.is_available():
-        return []
-    with _Disable():
-        devices = sorted({flat[i].device.index or 0 for i in slots if flat[i].device.type == "cuda"})
-    return [(d, torch.cuda.get_rng_state(d)) for d in devices]
 
 
 class memory_budget:  # noqa: N801 - a context manager named like torch's
