@@ -127,7 +127,9 @@ def test_gradients_are_bitwise_those_of_the_unconstrained_step(name, fraction):
     assert_bitwise(run(name, mb), reference)
     stats = mb.stats
     assert stats.peak_held_bytes <= limit
-    assert stats.evicted > 0 and stats.recomputed > 0
+    assert stats.evicted > 0
+    if fraction < 0.5:  # (at 50% what is dropped may still be alive in backward: read, not rerun)
+        assert stats.recomputed > 0
     assert stats.unconstrained_bytes > limit
 
 
