@@ -32,7 +32,15 @@ from torch.overrides import TorchFunctionMode
 
 from . import _compat
 from .budget_plan import StepProfile, plan_drops
-from .references import PackedTensor, SavedResult, modified_message, pop_saved_hooks, push_saved_hooks
+from .references import (
+    CheckedPack,
+    PackedTensor,
+    SavedResult,
+    detached_message,
+    modified_message,
+    pop_saved_hooks,
+    push_saved_hooks,
+)
 from .saved_hooks import saved_tensors_hooks
 from .tensor import as_tensor
 
@@ -154,7 +162,10 @@ def _writes(func, kwargs) -> bool:
 
 def _key(t):
     """The identity of a tensor's data: address, geometry, dtype (a detached alias has the same)."""
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+    try:
+        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+    except RuntimeError:  # no valid storage (resized away): only itself
+        return ("no storage", id(t))
 
 
 def _alias(t):
@@ -239,15 +250,28 @@ def _live(v):
     return t
 
 
-class _Saved:
-    """What a node keeps instead of a tensor inside a memory budget."""
+class _Saved(CheckedPack):
+    """What a node keeps instead of a tensor inside a memory budget. ``check`` runs before
+    backward runs anything (as the engine checks the saved tensors it holds itself)."""
 
-    __slots__ = ("block", "value", "tensor", "__weakref__")
+    __slots__ = ("block", "value", "tensor", "origin", "detached", "__weakref__")
 
-    def __init__(self, block, tensor):
+    def __init__(self, block, tensor, origin):
         self.block = block
         self.value = None
         self.tensor = tensor  # until the call that saved it returns (then its value holds it)
+        # the tensor saved, while it had a grad_fn: detach_() on it since is refused, as torch does
+        self.origin = weakref.ref(origin) if getattr(origin, "_gg_node", None) is not None and \
+            not _is_leaf(origin) else None
+        self.detached = getattr(origin, "_gg_detached", 0) if self.origin is not None else 0
+
+    def check(self, name):
+        origin = self.origin() if self.origin is not None else None
+        if origin is not None and getattr(origin, "_gg_detached", 0) != self.detached and \
+                origin.grad_fn is None:
+            raise RuntimeError(detached_message(name, "saved tensor"))
+        if self.value is not None:
+            self.block.check(self.value, name)
 
     def saved_tensors(self):
         v = self.value
@@ -381,9 +405,9 @@ class _Block:
         with _Disable():
             try:
                 storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):
+                key = (t.device, storage.data_ptr())
+            except (RuntimeError, NotImplementedError):  # no storage, or not a valid one
                 return None
-            key = (t.device, storage.data_ptr())
             group = self.groups.get(key)
             if group is None or (not group.resident and group.anchor() is None):
                 # new, or its tensors are all gone and the address may be another storage's now
@@ -444,7 +468,7 @@ class _Block:
 
     # -- saved tensors ---------------------------------------------------------------------
     def pack(self, tensor):
-        handle = _Saved(self, _alias(tensor))
+        handle = _Saved(self, _alias(tensor), tensor)
         self.pending.append(handle)
         return handle
 
@@ -638,6 +662,37 @@ class _Block:
                     self.remade(u, made_t)
         self.enforce((v,))
         return t
+
+    def check(self, target, name):
+        """Raise now what unpacking ``target`` would (a tensor it needs changed in place), so
+        that a backward that fails changes nothing first."""
+        stack, seen = [target], set()
+        while stack:
+            v = stack.pop()
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            t = v.strong
+            if t is None and v.offloaded is None and (self.live or v.call is None):
+                t = v.ref()
+                if t is not None and v.call is not None:
+                    with _Disable():
+                        if t._version != v.version:
+                            t = None  # (changed since: recomputed instead)
+            if t is not None:
+                with _Disable():
+                    if t._version != v.version:
+                        raise RuntimeError(modified_message(name, "saved tensor" if v is target else
+                                                            "input of a recomputation", t, v.version))
+                continue
+            if v.offloaded is not None:
+                continue
+            if v.call is None:
+                raise RuntimeError(
+                    f"memory_budget: {name} needs a saved tensor recomputed from a tensor that was "
+                    "changed in place after it was used, and nothing kept what it was. Clone it "
+                    "before changing it, or change it after backward.")
+            stack.extend(v.call.inputs)
 
     def materialize(self, target):
         """``target``'s tensor: resident, alive, copied back or recomputed (inputs first, with a

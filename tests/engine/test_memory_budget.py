@@ -5,6 +5,7 @@ checkpoint, saved-tensor hooks, save_on_cpu, create_graph and retain_graph."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -465,3 +466,47 @@ def test_the_timeline_and_the_picture_show_what_was_dropped():
     assert max(would for _, _, would in timeline) == mb.stats.unconstrained_bytes > 40000
     del loss
     assert mb.held_bytes == 0
+
+
+# found by the fuzzer under budgets: what the engine checks before backward runs anything
+def test_a_backward_that_will_fail_changes_nothing_first():
+    """graphgrad checks every saved tensor before backward runs anything (no hook runs, no .grad
+    changes); under a budget too."""
+    w = gg.as_tensor(torch.randn(4, 4, dtype=DT), requires_grad=True)
+    seen = []
+    with gg.memory_budget(10**6):
+        a = (w * 2).exp()
+        b = a.sin()  # saves a
+        b.register_hook(lambda g: seen.append(g))
+        loss = b.sum()
+    a.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    assert seen == [] and w.grad is None
+
+
+def test_a_saved_tensor_detached_in_place_is_refused_as_torch_refuses():
+    for lib in ("gg", "torch"):
+        w = torch.randn(4, dtype=DT, requires_grad=True)
+        if lib == "gg":
+            w = gg.as_tensor(w.detach(), requires_grad=True)
+            budget = gg.memory_budget(10**6)
+        else:
+            budget = contextlib.nullcontext()
+        with budget:
+            h = w * 2
+            loss = (h * h).sum()  # saves h
+        h.detach_()
+        with pytest.raises(RuntimeError, match="detached in-place"):
+            loss.backward()
+
+
+def test_a_tensor_without_a_valid_storage_is_only_itself():
+    x = gg.as_tensor(torch.randn(3, dtype=DT), requires_grad=True)
+    dead = torch.zeros(3, dtype=DT)
+    dead.untyped_storage().resize_(0)
+    with gg.memory_budget(10**6):
+        y = (x * 2).sum()
+        z = dead.dim() + y  # a call on a tensor whose storage is gone (no data pointer)
+    z.backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0, dtype=DT))
