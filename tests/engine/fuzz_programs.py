@@ -1277,7 +1277,7 @@ def run_program(program):
         warnings.simplefilter("ignore")
         interp = Interpreter(program)
         try:
-            # a memory budget (1 or 4096 bytes) around the whole program: graphgrad's side drops
+            # a memory budget (128 or 512 bytes) around the whole program: graphgrad's side drops
             # and recomputes saved tensors (torch's side is recorded too, and unchanged)
             mb = gg.memory_budget(budget, plan=False) if budget else contextlib.nullcontext()
             if budget:
