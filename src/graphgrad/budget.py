@@ -122,7 +122,7 @@ def _format(n: int) -> str:
 _STATS_ONLY = frozenset({torch.nn.functional.batch_norm, torch.batch_norm,
                          torch.nn.functional.instance_norm, torch.instance_norm})
 
-_MAY_DRAW: dict = {}
+_CPU_GENERATOR = torch.default_generator
 
 
 def _generator_states(flat, slots):
@@ -147,9 +147,6 @@ def _drew(before) -> bool:
 
 def _bytes_of(state) -> bytes:
     return state.numpy().tobytes()
-
-
-_CPU_GENERATOR = torch.default_generator
 
 
 def _writes(func, kwargs) -> bool:
@@ -332,6 +329,9 @@ class _Block:
 
     # -- recording -------------------------------------------------------------------------
     def record(self, func, args, kwargs):
+        profile = self.profile
+        if profile is None:  # (the block is over)
+            return func(*args, **kwargs)
         self.clock += 1
         flat, spec = _tree_flatten((args, kwargs))
         slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
@@ -344,9 +344,6 @@ class _Block:
                     self.snapshot(v)
         generators = _generator_states(flat, slots)
         self.resolve(None)  # (saves made outside a recorded call: a custom Function's ctx)
-        profile = self.profile
-        if profile is None:  # (the block is over)
-            return func(*args, **kwargs)
         start = time.perf_counter()
         out = func(*args, **kwargs)
         seconds = time.perf_counter() - start
@@ -643,13 +640,10 @@ class _Block:
         if v is None:
             self.resolve(None)
             v = handle.value
-        t = v.strong
-        if t is not None:
+        if v.strong is not None:
+            t = self.kept(v, "memory_budget", "saved tensor")
             if v.group is not None:
                 v.group.used = self.clock
-            with _Disable():
-                if t._version != v.version:
-                    raise RuntimeError(modified_message("memory_budget", "saved tensor", t, v.version))
             self.timeline.append(("backward", self.held, self.would_hold))
             return t
         t, made = self.materialize(v)
@@ -663,36 +657,36 @@ class _Block:
         self.enforce((v,))
         return t
 
+    def kept(self, v, name, what):
+        """``v``'s tensor where no recomputation is needed (resident, or still alive and unchanged
+        where reading it is allowed), checked against its version; None where it must be
+        recomputed (or copied back); raises where it is gone and cannot be."""
+        t = v.strong
+        if t is None and (self.live or v.call is None):
+            t = _live(v)
+        if t is not None:
+            with _Disable():
+                if t._version != v.version:
+                    raise RuntimeError(modified_message(name, what, t, v.version))
+            return t
+        if v.call is None and v.offloaded is None:
+            raise RuntimeError(
+                f"memory_budget: {name} needs a saved tensor recomputed from a tensor that was "
+                "changed in place after it was used, and nothing kept what it was. Clone it "
+                "before changing it, or change it after backward.")
+        return None
+
     def check(self, target, name):
         """Raise now what unpacking ``target`` would (a tensor it needs changed in place), so
         that a backward that fails changes nothing first."""
         stack, seen = [target], set()
         while stack:
             v = stack.pop()
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            t = v.strong
-            if t is None and v.offloaded is None and (self.live or v.call is None):
-                t = v.ref()
-                if t is not None and v.call is not None:
-                    with _Disable():
-                        if t._version != v.version:
-                            t = None  # (changed since: recomputed instead)
-            if t is not None:
-                with _Disable():
-                    if t._version != v.version:
-                        raise RuntimeError(modified_message(name, "saved tensor" if v is target else
-                                                            "input of a recomputation", t, v.version))
-                continue
-            if v.offloaded is not None:
-                continue
-            if v.call is None:
-                raise RuntimeError(
-                    f"memory_budget: {name} needs a saved tensor recomputed from a tensor that was "
-                    "changed in place after it was used, and nothing kept what it was. Clone it "
-                    "before changing it, or change it after backward.")
-            stack.extend(v.call.inputs)
+            if id(v) not in seen:
+                seen.add(id(v))
+                what = "saved tensor" if v is target else "input of a recomputation"
+                if self.kept(v, name, what) is None and v.offloaded is None:
+                    stack.extend(v.call.inputs)
 
     def materialize(self, target):
         """``target``'s tensor: resident, alive, copied back or recomputed (inputs first, with a
@@ -707,29 +701,16 @@ class _Block:
                 if v in done:
                     stack.pop()
                     continue
-                t = v.strong
+                t = self.kept(v, "memory_budget", "input of a recomputation")
                 if t is None and v.offloaded is not None:
                     device, host = v.offloaded
                     with _Disable():
                         t = host.to(device, non_blocking=True)
                     v.version = t._version
-                if t is None and (self.live or v.call is None):
-                    t = _live(v)
-                    if t is not None:
-                        t = _alias(t)
                 if t is not None:
-                    with _Disable():
-                        if t._version != v.version:
-                            raise RuntimeError(modified_message(
-                                "memory_budget", "input of a recomputation", t, v.version))
-                    done[v] = t
+                    done[v] = t if t is v.strong else _alias(t)
                     stack.pop()
                     continue
-                if v.call is None:
-                    raise RuntimeError(
-                        "memory_budget: a tensor needed to recompute a saved tensor was changed in "
-                        "place after it was used, and nothing kept what it was. Clone it before "
-                        "changing it, or change it after backward.")
                 missing = [u for u in v.call.inputs if u not in done]
                 if missing:
                     stack.extend(missing)
@@ -820,7 +801,8 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
     _plans: dict = {}
 
     def __init__(self, limit: int | str, *, of: int | None = None, offload: bool | None = None,
-                 plan: bool = True, random: bool = True, _site: tuple | None = None):
+                 plan: bool = True, random: bool = True, _site: tuple | None = None,
+                 _live: bool = True):
         self.nbytes, self.fraction = parse_limit(limit)
         if offload is not None and not isinstance(offload, bool):
             raise TypeError(f"memory_budget: offload must be True, False or None, not {offload!r}")
@@ -829,9 +811,9 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
         self.offload = offload
         self.use_plan = plan
         self.random = random
-        # gg.capture's: a recorded plan must recompute what was dropped even where the recording
-        # kept it alive (a replay frees it after its last use)
-        self._live = True
+        # False for gg.capture: a recorded plan must recompute what was dropped even where the
+        # recording kept it alive (a replay frees it after its last use)
+        self._live = _live
         if _site is None:  # (gg.capture names its own: its plans are per captured step)
             caller = sys._getframe(1)
             _site = (caller.f_code.co_filename, caller.f_lineno)

@@ -1279,9 +1279,8 @@ def run_program(program):
         try:
             # a memory budget (128 or 512 bytes) around the whole program: graphgrad's side drops
             # and recomputes saved tensors (torch's side is recorded too, and unchanged)
-            mb = gg.memory_budget(budget, plan=False) if budget else contextlib.nullcontext()
-            if budget:
-                mb._live = False  # recompute what was dropped even where the program holds it
+            # (_live=False: what was dropped is recomputed even where the program still holds it)
+            mb = gg.memory_budget(budget, plan=False, _live=False) if budget else contextlib.nullcontext()
             with mb:
                 for step, no_grad in program["steps"]:
                     interp.step(step, no_grad)

@@ -137,8 +137,8 @@ class CapturedStep:
         if self.budget_limit is None:
             return self.fn(*args, **kwargs)
         # (a percentage: the first call measures, as at any line of code; this step is the line)
-        mb = budget_module.memory_budget(self.budget_limit, random=False, _site=("gg.capture", id(self)))
-        mb._live = False
+        mb = budget_module.memory_budget(self.budget_limit, random=False, _site=("gg.capture", id(self)),
+                                         _live=False)
         with mb:
             out = self.fn(*args, **kwargs)
         self.budget_stats = mb.stats
