@@ -31,7 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _compat
-from .budget_plan import StepProfile, plan_drops
+from .budget_plan import Plan, StepProfile, plan_drops
 from .references import (
     CheckedPack,
     PackedTensor,
@@ -311,6 +311,7 @@ class _Block:
 
     def __init__(self, limit, stats, offload, plan=None, random=True):
         self.limit = limit
+        self.below = 0  # gg.capture: hold this much less where something can be dropped
         self.random = random  # calls that draw random numbers may run again
         self.live = True  # a dropped value still alive elsewhere is read, not recomputed
         self.stats = stats
@@ -581,9 +582,12 @@ class _Block:
         limit = self.limit
         if limit is not None:
             stats = self.stats
-            while self.held > limit:
+            target = max(limit - self.below, 0)
+            while self.held > target:
                 group = self.cheapest(locked)
                 if group is None:
+                    if self.held <= limit:  # (below the limit, the target is only a wish)
+                        break
                     raise MemoryBudgetError(self.infeasible(func, locked))
                 stats.evicted_bytes += group.nbytes
                 for v in list(group.resident):
@@ -795,14 +799,16 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
     cannot reseed the generator.
     """
 
-    # by call site (file, line, limit): a percentage's reference bytes, and the plan made there.
-    # Caches: a plan decides only which saved values are recomputed, never a result
+    # by call site (file, line, limit): a percentage's reference bytes, the last complete run's
+    # profile and the plan made from it (for one limit in bytes). Caches: a plan decides only
+    # which saved values are recomputed, never a result
     _measured: dict = {}
+    _profiles: dict = {}
     _plans: dict = {}
 
     def __init__(self, limit: int | str, *, of: int | None = None, offload: bool | None = None,
                  plan: bool = True, random: bool = True, _site: tuple | None = None,
-                 _live: bool = True):
+                 _live: bool = True, _below: int = 0):
         self.nbytes, self.fraction = parse_limit(limit)
         if offload is not None and not isinstance(offload, bool):
             raise TypeError(f"memory_budget: offload must be True, False or None, not {offload!r}")
@@ -830,6 +836,10 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
         elif of is not None:
             raise ValueError("memory_budget: of= is the reference of a percentage; the limit "
                              f"{limit!r} is already in bytes")
+        # gg.capture: hold this many bytes less than the limit where something can be dropped
+        # (room for what its replay allocates beyond the held bytes, measured on its plan);
+        # the limit itself stays what raises
+        self._below = _below
         self.stats = BudgetStats(limit=self.nbytes)
         self._block: _Block | None = None
         self._mode = None
@@ -839,16 +849,17 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
             raise RuntimeError("memory_budget: this budget is already active")
         offload = self.offload if self.offload is not None else torch.cuda.is_available()
         self.stats = BudgetStats(limit=self.nbytes)
-        known = memory_budget._plans.get(self.site) if self.use_plan else None
         plan = None
-        if known is not None and known[0] == self.nbytes:
-            plan = known[1:]
+        if self.use_plan and self.nbytes is not None and \
+                self.plan_for(max(self.nbytes - self._below, 1)) is not None:
+            plan = memory_budget._plans[self.site][1:]
             self.stats.planned = True
             self.stats.plan_seconds = plan[0].solve_seconds
             self.stats.plan_recompute_seconds = plan[0].recompute_seconds
             self.stats.plan_gap = plan[0].gap
         self._block = _Block(self.nbytes, self.stats, offload, plan, self.random)
         self._block.live = self._live
+        self._block.below = self._below
         self._mode = _Recorder(self._block)
         push_saved_hooks(self._block.pack, _unpack)
         try:
@@ -868,16 +879,31 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
         if limit is None:
             memory_budget._measured[self.site] = self.stats.unconstrained_bytes
             limit = max(1, int(self.stats.unconstrained_bytes * self.fraction))
+        if exc[0] is None:
+            memory_budget._profiles[self.site] = block.profile
+            if self.use_plan:
+                self.plan_for(max(limit - self._below, 1))
+        block.profile = None  # (kept by the site, to plan other limits from)
+
+    def plan_for(self, limit: int) -> Plan | None:
+        """The plan for ``limit`` bytes at this budget's site, made from the last complete run
+        there (None: no run yet, or no choice of saved storages keeps that limit)."""
         known = memory_budget._plans.get(self.site)
-        if self.use_plan and exc[0] is None and (known is None or known[0] != limit):
-            # room for what backward recomputes before the nodes it serves free their own: the
-            # plan keeps the largest saved storage's bytes below the limit (at most a quarter)
-            room = min(max((entry[0] for entry in block.profile.saved.values()), default=0),
-                       limit // 4)
-            plan = plan_drops(block.profile, max(limit - room, 0)) or plan_drops(block.profile, limit)
-            if plan is not None:
-                memory_budget._plans[self.site] = (limit, plan, tuple(block.profile.funcs))
-        block.profile = None  # (only the plan is kept)
+        if known is not None and known[0] == limit:
+            return known[1]
+        profile = memory_budget._profiles.get(self.site)
+        if profile is None:
+            return None
+        largest = max((entry[0] for entry in profile.saved.values()), default=0)
+        if largest > limit:  # (backward needs each saved storage whole)
+            return None
+        # room for what backward recomputes before the nodes it serves free their own: the
+        # plan keeps the largest saved storage's bytes below the limit (at most a quarter)
+        room = min(largest, limit // 4)
+        plan = plan_drops(profile, max(limit - room, 0)) or plan_drops(profile, limit)
+        if plan is not None:
+            memory_budget._plans[self.site] = (limit, plan, tuple(profile.funcs))
+        return plan
 
     @property
     def held_bytes(self) -> int:

@@ -36,6 +36,7 @@ def test_memory_rows_quick(quick_rows):
             assert row["limit_bytes"] == int(row["unconstrained_bytes"] * fraction)
         assert held["met"] is True
         assert step["recomputed"] > 0
+        assert step["floor_optimal"] is None or step["floor"] >= 1  # (no plan at a quick run's limit)
         # the allocator peak of a budget step is below the unconstrained one's
         assert by_metric[f"peak {name}"]["value"] < by_metric["peak graphgrad"]["value"]
     for name in ("torch ckpt/block", "torch SAC"):
@@ -50,3 +51,4 @@ def test_memory_rows_quick_captured(quick_rows):
         assert row["same_grads"] is True and row["replays"] > 0 and row["planned"], row
         assert row["peak_held_bytes"] <= row["limit_bytes"]
         assert row["plan_peak_bytes"] < plain
+        assert row["peak_within_limit"] == (row["plan_peak_bytes"] <= row["limit_bytes"])

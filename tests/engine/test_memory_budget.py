@@ -377,6 +377,24 @@ def test_later_runs_follow_an_exact_plan_and_stay_bitwise(name, fraction):
         assert stats.evicted > 0
 
 
+def test_plan_for_plans_another_limit_from_the_last_run_at_the_line():
+    """``mb.plan_for(bytes)``: a plan for another limit from the last complete run at the same
+    site, dropping at least what that limit needs; None below the largest saved storage (backward
+    needs each whole) and before any run there."""
+    full = unconstrained_bytes("mlp")
+    limit = int(full * 0.5)
+    fresh = gg.memory_budget(limit, _site=("test plan_for", 0))
+    assert fresh.plan_for(limit) is None  # (nothing recorded there yet)
+    for _ in range(2):
+        mb = gg.memory_budget(limit, _site=("test plan_for", 1))
+        run("mlp", mb)
+    assert mb.stats.planned
+    lower = mb.plan_for(int(full * 0.3))
+    assert lower is not None and lower.kept_bytes <= int(full * 0.3) and lower.optimal
+    assert lower.recompute_seconds >= mb.plan_for(limit).recompute_seconds
+    assert mb.plan_for(1) is None
+
+
 def test_a_step_that_changes_leaves_the_plan_for_the_online_choice():
     torch.manual_seed(0)
     w = gg.as_tensor(torch.randn(32, 32, dtype=DT), requires_grad=True)

@@ -23,11 +23,21 @@ backward (no optimizer), the gradients set to None before it. The variants:
 They run interleaved, round by round in rotating order after warm-up rounds, one torch thread;
 a step time is the median over rounds; its ratio is the median over rounds of the ratio to the
 unconstrained graphgrad step within the round. Memory, measured in one more step per variant,
-untimed: the peak of the CPU allocator's bytes live at once during the step beyond those live
-before it (``torch.profiler`` memory events, as the C- rows), the same measure for every
-variant; for the budgets also the most bytes graphgrad held for backward (``peak_held_bytes``)
-against the limit. That step's gradients are compared with the unconstrained graphgrad step's
-(budgets) or torch's (torch's checkpointing): ``same_grads`` is ``torch.equal`` on every one.
+untimed, every model's gradients set to None first (else a step freeing the last step's would
+count them against its own peak): the peak of the CPU allocator's bytes live at once during the
+step beyond those live before it (``torch.profiler`` memory events, as the C- rows), the same
+measure for every variant; for the budgets also the most bytes graphgrad held for backward
+(``peak_held_bytes``) against the limit. That step's gradients are compared with the
+unconstrained graphgrad step's (budgets) or torch's (torch's checkpointing): ``same_grads`` is
+``torch.equal`` on every one.
+
+``floor`` (budgets, eager and captured): one plus the least recomputation time that keeps the
+held bytes at the end of the forward pass (where they peak) within the limit, over the
+unconstrained step's time: the exact optimum (HiGHS, ``floor_optimal``) of the planner's MILP
+(``budget_plan.py``) at the limit itself, over the last run's record with each call's measured
+time. Every dropped byte is recomputed at least once by its call, and so are that call's inputs
+that are not held, so no choice of what to keep and recompute at that limit is faster than this
+floor on the machine that measured it (offloading aside: none on CPU).
 
 ``memory_rows`` gives ``bench``'s M- rows (``python -m graphgrad bench``).
 """
@@ -48,6 +58,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import graphgrad as gg
 
+from ..budget_plan import plan_drops
 from .bench_capture import GPT, _peak_bytes
 
 __all__ = ["SIZES", "TARGETS", "BUDGETS", "memory_rows"]
@@ -164,6 +175,11 @@ class _Steps:
             p.grad = None
         _loss(_forward(model, self.idx, wrap), self.tgt).backward()
 
+    def clear_grads(self) -> None:
+        for model in (self.adopted, self.plain, *self.captured_models.values()):
+            for p in model.parameters():
+                p.grad = None
+
     def grads(self, name: str) -> list[torch.Tensor]:
         model = self.plain if name.startswith("torch") else self.captured_models.get(name, self.adopted)
         return [p.grad.detach().as_subclass(torch.Tensor).clone() for p in model.parameters()]
@@ -195,6 +211,18 @@ def _row(label: str, metric: str, unit: str, value: float, reference: float, rat
             "gg_over_torch": None, "gg_over_bound": None, **extra}
 
 
+def _floor(limit: int, at: Callable[[tuple], bool], step_ms: float) -> dict[str, Any]:
+    """``floor`` and ``floor_optimal`` (see the module's note) from the profile of the last run
+    at the budget site ``at`` accepts."""
+    for site, profile in gg.memory_budget._profiles.items():
+        if at(site):
+            plan = plan_drops(profile, limit)
+            if plan is not None:
+                return {"floor": 1 + plan.recompute_seconds * 1e3 / step_ms,
+                        "floor_optimal": plan.optimal}
+    return {"floor": None, "floor_optimal": None}
+
+
 def memory_rows(repeats: int, quick: bool, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """``bench``'s M- rows: each variant's step time (ms, its ratio to the unconstrained graphgrad
     step judged against ``TARGETS``), the allocator peak of one step (MiB), and for the budgets
@@ -203,6 +231,11 @@ def memory_rows(repeats: int, quick: bool, log: Callable[[str], None] = print) -
     label = "M-GPT small" if quick else "M-GPT"
     shape = "d={d} layers={layers} heads={heads} seq={seq} batch={batch} vocab={vocab}".format(**size)
     s = _Steps(size)
+    for name, step in s.captured.items():  # until it replays: a budget may record again
+        for _ in range(8):  # (to fit the allocator peak; see CapturedStep._fitted)
+            if step.replays:
+                break
+            s.steps[name]()
     times = _interleaved(s.steps, 1 if quick else 2, repeats)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     ratio = {name: statistics.median(a / b for a, b in zip(t, times["captured" if name in CAPTURED
@@ -213,6 +246,7 @@ def memory_rows(repeats: int, quick: bool, log: Callable[[str], None] = print) -
     peak: dict[str, float] = {}
     grads: dict[str, list[torch.Tensor]] = {}
     for name, step in s.steps.items():
+        s.clear_grads()  # (else the step's freeing the last step's gradients counts against its peak)
         gc.collect()
         peak[name] = _peak_bytes(step) / 2**20
         grads[name] = s.grads(name)
@@ -237,14 +271,22 @@ def memory_rows(repeats: int, quick: bool, log: Callable[[str], None] = print) -
                          peak_held_bytes=max(st.peak_held_bytes for st in s.stats[name]),
                          evicted=last.evicted, recomputed=last.recomputed, planned=last.planned,
                          recompute_ms=last.recompute_seconds * 1e3, calls=last.calls,
-                         plan_ms=last.plan_seconds * 1e3)
+                         plan_ms=last.plan_seconds * 1e3,
+                         plan_recompute_ms=last.plan_recompute_seconds * 1e3,
+                         **_floor(s.limits[name], lambda site, n=name: site[2] == s.limits[n],
+                                  ms["graphgrad"]))
         if name in s.captured:
             step = s.captured[name]
             extra.update(replays=step.replays, plan_peak_bytes=step.plan.memory.peak_bytes)
             if step.budget_stats is not None:
                 st = step.budget_stats
                 extra.update(limit_bytes=st.limit, peak_held_bytes=st.peak_held_bytes,
-                             planned=st.planned, plan_ms=st.plan_seconds * 1e3)
+                             planned=st.planned, plan_ms=st.plan_seconds * 1e3,
+                             plan_recompute_ms=st.plan_recompute_seconds * 1e3,
+                             **_floor(st.limit, lambda site, i=id(step): site[1] == i,
+                                      ms["captured"]),
+                             records=step.records,
+                             peak_within_limit=step.plan.memory.peak_bytes <= st.limit)
         rows.append(_row(label, f"step {name}", "ms", ms[name], ms["graphgrad"], ratio[name], note,
                          target, None if target is None else ratio[name] <= target, **extra))
     for name in VARIANTS:

@@ -75,6 +75,10 @@ class CapturedStep:
         self._warned = False
         self._rerecord = False
         self._last: Plan | None = None
+        self._budget = None  # the last call's memory_budget
+        self._budget_below = 0  # bytes the plan drops beyond the limit, so that the allocator peak fits
+        self._budget_tries = 0
+        self._budget_first: tuple | None = None  # the first plan recorded over the limit, its stats
         functools.update_wrapper(self, fn)
 
     @property
@@ -138,11 +142,44 @@ class CapturedStep:
             return self.fn(*args, **kwargs)
         # (a percentage: the first call measures, as at any line of code; this step is the line)
         mb = budget_module.memory_budget(self.budget_limit, random=False, _site=("gg.capture", id(self)),
-                                         _live=False)
+                                         _live=False, _below=self._budget_below)
         with mb:
             out = self.fn(*args, **kwargs)
         self.budget_stats = mb.stats
+        self._budget = mb
         return out
+
+    def _fitted(self, plan: Plan) -> Plan | None:
+        """The plan to keep from one recorded under a memory budget, or None to record again.
+        The budget bounds the bytes held for backward; a replay also allocates what backward
+        makes (gradients, recomputed values, temporaries). Where the plan's allocator peak is
+        over the limit, the budget's plan drops that excess more (the online limit stays the
+        user's) and the next call records again (at most ``_BUDGET_TRIES`` times, while a plan
+        exists for the lower target). If none fits, the first plan is kept, with a warning."""
+        mb = self._budget
+        limit = mb.stats.limit
+        peak = plan.memory.peak_bytes
+        if peak <= limit:
+            self._budget_first = None
+            return plan
+        if self._budget_first is None:
+            self._budget_first = (plan, self.budget_stats)
+        below = self._budget_below + peak - limit
+        if self._budget_tries < _BUDGET_TRIES and below < limit and mb.plan_for(limit - below) is not None:
+            self._budget_tries += 1
+            self._budget_below = below
+            return None
+        (plan, self.budget_stats), self._budget_first = self._budget_first, None
+        self._budget_below = 0
+        self._budget_tries = _BUDGET_TRIES
+        peak = plan.memory.peak_bytes
+        if peak > limit:
+            warnings.warn(
+                f"gg.capture({getattr(self.fn, '__name__', 'step')}): under memory_budget="
+                f"{self.budget_limit!r} ({limit} bytes) the replay's allocator peak is {peak} bytes: "
+                "what backward allocates besides the bytes held for it (gradients, recomputed "
+                "values) does not fit beside them. Raise the limit.", stacklevel=3)
+        return plan
 
     def _eager(self, args: tuple, kwargs: dict, collect: bool = False) -> Any:
         self.eager_calls += 1
@@ -213,11 +250,20 @@ class CapturedStep:
                     "replay would not update what holds it. Return it from the step instead, "
                     "or (for optimizer state created on the first step) use warmup >= 1.")
             return returned  # an eager call: record again on the next one
+        if self.budget_limit is not None:
+            plan = self._fitted(plan)
+            if plan is None:
+                return returned  # an eager call: record again under a lower held limit
         if self.cuda_graph is not False and on_cuda:
             graph_segments(plan, prog, required=self.cuda_graph is True)
         self.plans.append(plan)
         self._last = plan
         return returned
+
+
+# recordings under a memory budget whose allocator peak was over the limit, each followed by one
+# under a lower held limit
+_BUDGET_TRIES = 4
 
 
 def _on_cuda(prog: Program) -> bool:
