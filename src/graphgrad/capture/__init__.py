@@ -9,7 +9,8 @@ docs/capture.md.
 Modules, in the order a step goes through them: ``recorder`` (the eager call under a dispatch
 mode), ``program`` (values and kernels), ``build`` (segments, slots, effects, results) with
 ``reuse`` (kernels writing into dying inputs), ``script``/``loop`` (the compiled loop and its
-fallback) and ``memory`` (liveness, peak); ``segments`` and ``plan`` (the replay), ``guards``,
+fallback), ``fx`` (a plan as torch.fx, and fused segments) and ``memory`` (liveness, peak);
+``segments`` and ``plan`` (the replay), ``guards``,
 ``cuda`` (CUDA graphs), ``check`` (check=N), ``step`` (the user-facing callable); every
 private torch API in ``graphgrad._compat``.
 """

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .errors import CaptureError
+from .fx import Fused, lower_to_fx
 from .guards import ArgumentGuard, StateGuard
 from .loop import lower_to_loop
 from .memory import plan_memory
@@ -67,12 +68,13 @@ def _timeline(prog: Program, spans: Sequence[OptimizerSpan]) -> list[_Draft]:
 def build_plan(prog: Program, spans: Sequence[OptimizerSpan], *, arg_guard: ArgumentGuard,
                state_guard: StateGuard, end_grads: list[tuple[Any, Any]],
                results: tuple[Any, list], autocast_off: tuple, known_pre: dict[int, Any],
-               name: str = "step") -> Plan:
+               name: str = "step", fuse: bool = False) -> Plan:
     """Segments, slots, effects and results for a program.
 
     ``end_grads``: (leaf, its .grad after the step) for every leaf the step touched;
     ``results``: (pytree spec or None for a single tensor, flat results with their classes);
-    ``known_pre``: id(leaf) -> its .grad before the step, where known.
+    ``known_pre``: id(leaf) -> its .grad before the step, where known;
+    ``fuse``: compile each kernel segment with torch.compile (the unfused one as its fallback).
     """
     by_id = prog.by_id
     drafts = _timeline(prog, spans)
@@ -158,7 +160,7 @@ def build_plan(prog: Program, spans: Sequence[OptimizerSpan], *, arg_guard: Argu
             seg = EagerSegment(d.span, effs, d.span.eager, tuple(release_at.get(si, ())))
             segments.append(seg)
             continue
-        seg = _kernel_segment(f"{name}_{si}", d, si, produced_in, needed_until, slots)
+        seg = _kernel_segment(f"{name}_{si}", d, si, produced_in, needed_until, slots, fuse)
         seg.release = tuple(release_at.get(si, ()))
         if d.kind == "captured":
             seg.span = d.span
@@ -210,7 +212,7 @@ def _check_eager_reads(prog: Program, span: OptimizerSpan, index: int, grads: se
 
 
 def _kernel_segment(name: str, d: _Draft, si: int, produced_in: dict, needed_until: dict,
-                    slots: dict) -> KernelSegment:
+                    slots: dict, fuse: bool = False) -> KernelSegment:
     produced: set[Value] = set()
     inputs: list[Value] = []
     seen: set[Value] = set()
@@ -238,4 +240,7 @@ def _kernel_segment(name: str, d: _Draft, si: int, produced_in: dict, needed_unt
         seg.runner, seg.why_loop = "python loop", str(e)
         seg.fn = lower_to_loop(seg.kernels, ordered, outputs)
         warnings.warn(f"gg.capture: segment {name} runs as a Python loop ({e})", stacklevel=4)
+    if fuse:
+        seg.fn = Fused(name, lower_to_fx(seg.kernels, ordered, outputs), seg.fn)
+        seg.runner = "inductor"
     return seg

@@ -1,4 +1,5 @@
-"""``check=N``: the first N replays run beside the eager step and must equal it exactly.
+"""``check=N``: the first N replays run beside the eager step and must equal it exactly
+(a fused plan: within ``torch.testing.assert_close``'s default tolerances for the dtype).
 
 The state the step changes (tensors it writes in place, the ``.grad`` of its leaves, the
 random generators) is saved, the plan replays, its results and the changed state are kept
@@ -43,7 +44,13 @@ def _set_rng_state(state: tuple) -> None:
         torch.cuda.set_rng_state_all(state[1])
 
 
-def _same(a: Any, b: Any) -> bool:
+# a fused plan's tolerances (rtol, atol) per dtype: torch.testing.assert_close's defaults
+_CLOSE = {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
+          torch.float64: (1e-7, 1e-7), torch.complex64: (1.3e-6, 1e-5), torch.complex128: (1e-7, 1e-7)}
+
+
+def _same(a: Any, b: Any, close: bool = False) -> bool:
+    """Equal bit for bit (NaN where NaN), or within ``_CLOSE`` where ``close``."""
     if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
         return False
     if not isinstance(a, torch.Tensor):
@@ -51,6 +58,9 @@ def _same(a: Any, b: Any) -> bool:
     with _Disable():
         if a.shape != b.shape or a.dtype != b.dtype:
             return False
+        if close and a.dtype in _CLOSE:
+            rtol, atol = _CLOSE[a.dtype]
+            return bool(torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
         if a.is_floating_point() or a.is_complex():
             return bool(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))) and \
                 bool(torch.equal(a.isnan(), b.isnan()))
@@ -93,18 +103,19 @@ def checked_replay(step: Any, plan: Plan, args: tuple, kwargs: dict, flat: list)
     eager = step.fn(*args, **kwargs)
 
     problems = []
+    close = step.fuse  # (a fused plan: Inductor's kernels round differently)
     eager_results = pytree.tree_leaves(eager)
     if len(eager_results) != len(replay_results):
         problems.append("the step returned a different number of results")
     for i, (a, b) in enumerate(zip(replay_results, eager_results)):
-        if not _same(a, b):
+        if not _same(a, b, close):
             problems.append(_differs(f"result {i}", a, b))
     for i, (t, a) in enumerate(zip(written, replay_state)):
-        if not _same(a, t):
+        if not _same(a, t, close):
             problems.append(_differs(f"tensor written by the step #{i} (shape {tuple(t.shape)})", a, t))
     for i, (leaf, a) in enumerate(zip(leaves, replay_grads)):
         b = get_grad(leaf)
-        if (a is None) != (b is None) or (a is not None and not _same(a, b)):
+        if (a is None) != (b is None) or (a is not None and not _same(a, b, close)):
             problems.append(_differs(f".grad of leaf #{i} (shape {tuple(leaf.shape)})", a, b))
     if not all(torch.equal(a, b) for a, b in zip(replay_rng[:1], _rng_state()[:1])):
         problems.append("the random generator advanced differently")

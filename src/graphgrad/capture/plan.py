@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._compat import NoTorchFunction, executor_optimize, pytree, set_executor_optimize, set_grad_enabled
+from .fx import Fused, plan_to_fx
 from .guards import ArgumentGuard, StateGuard
 from .memory import MemoryPlan
 from .picture import plan_to_dot
@@ -141,6 +142,24 @@ class Plan:
             return out[0]
         return pytree.tree_unflatten(out, self.result_spec)
 
+    @property
+    def compile_seconds(self) -> float:
+        """Time ``torch.compile`` took on the fused segments' first replay (``fuse=True``)."""
+        return sum(s.fn.compile_seconds for s in self.segments
+                   if isinstance(s, KernelSegment) and isinstance(s.fn, Fused))
+
+    def to_fx(self) -> torch.fx.GraphModule:
+        """The plan as a ``torch.fx.GraphModule`` to run with plain torch tensors, inspect, or
+        hand to other tools. Call it with the step's arguments flattened (for ``step(x, y)``:
+        ``gm(x, y)``); it returns a tuple of the step's results (flattened) and then the value
+        each ``.grad`` effect sets, in the order of ``gm.grad_targets`` (a leaf, or the position
+        of a leaf argument). Parameters, buffers, optimizer state and the other tensors the step
+        read are the module's attributes (``gm.externals`` maps their names to the originals),
+        aliases of the originals' storage: running it updates them in place as a replay does.
+        ``.grad`` itself is not set. A plan with an optimizer step that runs eagerly (Python,
+        not kernels) raises ``CaptureError``."""
+        return plan_to_fx(self)
+
     def to_dot(self, params: Any = None) -> str:
         """Graphviz DOT text of the plan's kernels and data flow (``gg.viz.draw(plan, path)``)."""
         return plan_to_dot(self, params)
@@ -154,6 +173,11 @@ class Plan:
                      "inputs": len(s.inputs), "outputs": len(s.outputs)}
                 if s.why_loop:
                     d["why_loop"] = s.why_loop
+                if isinstance(s.fn, Fused):
+                    d["compile_seconds"] = round(s.fn.compile_seconds, 3)
+                    if s.fn.why:
+                        d["runner"] = f"{s.why_loop and 'python loop' or 'torchscript'} (Inductor refused)"
+                        d["why_unfused"] = s.fn.why
                 if getattr(s.fn, "failed", ""):
                     d["runner"] = f"{s.fn.inner}; its CUDA graph capture failed ({s.fn.failed})"
                 if s.span is not None:

@@ -47,9 +47,15 @@ class CapturedStep:
 
     def __init__(self, fn: Callable[..., Any], *, warmup: int = 1, check: int = 0,
                  cache_size: int = 8, cuda_graph: bool | None = None,
-                 memory_budget: int | str | None = None):
+                 memory_budget: int | str | None = None, fuse: bool = False):
         if warmup < 0 or check < 0 or cache_size < 1:
             raise ValueError("gg.capture: warmup and check must be >= 0 and cache_size >= 1")
+        if not isinstance(fuse, bool):
+            raise TypeError(f"gg.capture: fuse must be True or False, not {fuse!r}")
+        if fuse and cuda_graph:
+            raise ValueError("gg.capture: fuse=True and cuda_graph=True cannot be combined: a fused "
+                             "segment is Inductor's code, outside graphgrad's CUDA graphs")
+        self.fuse = fuse
         self.budget_limit = None
         self.budget_stats: BudgetStats | None = None  # the recording call's (see _budgeted)
         if memory_budget is not None:
@@ -236,7 +242,7 @@ class CapturedStep:
                           end_grads=end_grads, known_pre=known_pre, autocast_off=autocast_off,
                           results=(result_spec, [(r, type(r) if isinstance(r, torch.Tensor) else None)
                                                  for r in result_flat]),
-                          name=getattr(self.fn, "__name__", "step"))
+                          name=getattr(self.fn, "__name__", "step"), fuse=self.fuse)
         returned = pytree.tree_map(_detached, out)
         result_ids = {id(r) for r in result_flat}
         del out, result_flat  # (their graphs, if retained, must not count as holders)
@@ -254,7 +260,7 @@ class CapturedStep:
             plan = self._fitted(plan)
             if plan is None:
                 return returned  # an eager call: record again under a lower held limit
-        if self.cuda_graph is not False and on_cuda:
+        if self.cuda_graph is not False and on_cuda and not self.fuse:
             graph_segments(plan, prog, required=self.cuda_graph is True)
         self.plans.append(plan)
         self._last = plan
@@ -377,7 +383,7 @@ def _holder(t: torch.Tensor) -> str:
 
 def capture(fn: Callable[..., Any] | None = None, *, warmup: int = 1, check: int = 0,
             cache_size: int = 8, cuda_graph: bool | None = None,
-            memory_budget: int | str | None = None) -> Any:
+            memory_budget: int | str | None = None, fuse: bool = False) -> Any:
     """Record one training step and replay it as a plan of kernel calls.
 
     Use as ``step = gg.capture(step)`` or ``@gg.capture`` / ``@gg.capture(warmup=2, check=3)``.
@@ -389,10 +395,14 @@ def capture(fn: Callable[..., Any] | None = None, *, warmup: int = 1, check: int
     percentage of what its warm-up call holds unconstrained) with an exact plan made from the
     warm-up call, so the plan recorded drops and recomputes what that plan chose, and every
     replay does the same; calls that draw random numbers are kept, never recomputed.
+    ``fuse=True``: each segment of kernels is compiled by ``torch.compile`` (Inductor) on its
+    first replay (``plan.compile_seconds``); where Inductor refuses, a warning and the unfused
+    segment. Fused replays equal the eager step within floating-point rounding, not bitwise:
+    ``check=N`` then compares within ``torch.testing.assert_close``'s default tolerances.
     """
     def make(f: Callable[..., Any]) -> CapturedStep:
         return CapturedStep(f, warmup=warmup, check=check, cache_size=cache_size,
-                            cuda_graph=cuda_graph, memory_budget=memory_budget)
+                            cuda_graph=cuda_graph, memory_budget=memory_budget, fuse=fuse)
     if fn is None:
         return make
     return make(fn)
