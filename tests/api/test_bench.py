@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from graphgrad.apps.bench import format_table
+
 WORKLOADS = {"W1", "W2", "W3", "W4", "W5", "W6 W1", "W6 W4", "GC", "C-W1", "C-W2", "C-CNN",
              "C-GPT tiny", "M-GPT small"}
 CAPTURE = ["C-W1", "C-W2", "C-CNN", "C-GPT tiny"]  # --quick runs the tiny GPT, the full run the small one
@@ -147,3 +149,14 @@ def test_cuda_without_gpu_is_a_clear_error():
     assert proc.returncode == 2
     assert "torch sees no CUDA device" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_fused_row_is_tabulated_beside_torch_compile():
+    """The full run's ``fused step`` rows (gg.capture(fuse=True) against torch.autograd and
+    torch.compile): the table names both ratios."""
+    row = {"workload": "C-GPT", "metric": "fused step", "unit": "ms", "kind": "capture", "note": "",
+           "fused": 30.0, "torch": 40.0, "torch.compile": 31.0, "fused_over_torch": 0.75,
+           "fused_over_compile": 0.97, "target": 0.88, "met": False}
+    table = format_table({"rows": [row]})
+    assert "fused 30.0" in table and "compile 31.0" in table and "/compile 0.97" in table
+    assert "0.75" in table and "<= 0.88" in table and "NO" in table

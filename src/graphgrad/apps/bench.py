@@ -612,6 +612,13 @@ def format_table(result: dict[str, Any]) -> str:
                           f"x{row['pure'] / row['graphgrad']:.2f}"])
             continue
         unit = row["unit"]
+        if "fused_over_torch" in row:  # (the fused replay: torch.compile where bound is)
+            lines.append([row["workload"], row["metric"], unit, "-", f"fused {_fmt(row['fused'], unit)}",
+                          _fmt(row["torch"], unit), f"compile {_fmt(row['torch.compile'], unit)}", "-",
+                          _fmt(row["fused_over_torch"]), f"/compile {_fmt(row['fused_over_compile'])}",
+                          f"<= {row['target']}" if row.get("target") is not None else "-",
+                          _fmt(row.get("met"))])
+            continue
         if row.get("kind") == "budget":
             lines.append([row["workload"], row["metric"], unit, _fmt(row["value"], unit), "-", "-",
                           _fmt(row["reference"], unit), "-", "-", _fmt(row["ratio"]),

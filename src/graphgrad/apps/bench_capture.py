@@ -80,9 +80,11 @@ def _training(model, opt_factory, loss_fn):
 
 
 class _Steps(dict):
-    """name -> step callable; ``base`` is the model all engines copied."""
+    """name -> step callable; ``base`` is the model all engines copied; ``compiled()`` makes
+    the engines that compile with Inductor (slow to build: full runs only)."""
 
     base: nn.Module
+    compiled: Callable[[], dict[str, Callable]]
 
 
 def _engines(build, opt_factory, loss_fn, inputs):
@@ -92,6 +94,11 @@ def _engines(build, opt_factory, loss_fn, inputs):
                    graphgrad=_training(gg.nn.adopt(copy.deepcopy(base)), opt_factory, loss_fn),
                    captured=gg.capture(_training(gg.nn.adopt(copy.deepcopy(base)), opt_factory, loss_fn)))
     steps.base = base
+    # gg.capture(fuse=True), and torch.compile of the same torch step (model, loss, backward,
+    # optimizer step; Inductor's defaults)
+    steps.compiled = lambda: {
+        "fused": gg.capture(_training(gg.nn.adopt(copy.deepcopy(base)), opt_factory, loss_fn), fuse=True),
+        "torch.compile": torch.compile(_training(copy.deepcopy(base), opt_factory, loss_fn))}
     return steps, inputs
 
 
@@ -249,8 +256,18 @@ def _peak_bytes(fn) -> int:
     return peak
 
 
-def measure(name: str, rounds: int, steps_per_round: int) -> dict:
+def measure(name: str, rounds: int, steps_per_round: int, compiled: bool = False) -> dict:
+    """``compiled``: also gg.capture(fuse=True) and torch.compile, where the workload has them
+    (their compile time is measured apart, on their first calls)."""
     engines, inputs = WORKLOADS[name]() if name in WORKLOADS else layer(name)
+    compile_s = {}
+    if compiled and hasattr(engines, "compiled"):
+        engines.update(engines.compiled())
+        for n in ("fused", "torch.compile"):
+            t0 = time.perf_counter()
+            for _ in range(3):
+                engines[n](*inputs)
+            compile_s[n] = time.perf_counter() - t0
     for _ in range(3):  # warm-up: captured records on its 2nd call
         for step in engines.values():
             step(*inputs)
@@ -268,19 +285,29 @@ def measure(name: str, rounds: int, steps_per_round: int) -> dict:
     # the ratio within each round (engines back to back) is steadier than a ratio of medians
     # when other jobs load the machine; its median and quartiles are the reported figures
     per_round = {n: sorted(a / b for a, b in zip(times[n], times["torch"])) for n in names}
-    peaks = {n: _peak_bytes(lambda s=engines[n]: s(*inputs)) for n in names if n != "bound"}
+    peaks = {n: _peak_bytes(lambda s=engines[n]: s(*inputs)) for n in names
+             if n not in ("bound", "fused", "torch.compile")}
     plan = engines["captured"].plan
     return {"workload": name, "ms": med, "samples_ms": times,
             "captured/torch": statistics.median(per_round["captured"]),
             "graphgrad/torch": statistics.median(per_round["graphgrad"]),
             "captured/torch quartiles": statistics.quantiles(per_round["captured"], n=4)[::2],
             "peak_bytes": peaks, "plan": plan.summary().as_dict() if plan else None,
+            "compile_seconds": compile_s,
+            **({"fused/torch": statistics.median(per_round["fused"]),
+                "fused/torch.compile": statistics.median(
+                    a / b for a, b in zip(times["fused"], times["torch.compile"]))}
+               if "fused" in engines else {}),
             "replays": engines["captured"].replays, "records": engines["captured"].records}
 
 
 # the workloads ``python -m graphgrad bench`` runs, and the captured/torch ratio aimed for
 BENCH_ROWS = {"W1 chain step": ("C-W1", 0.8), "W2 MLP step + SGD": ("C-W2", 0.95),
               "demo CNN step + Adam": ("C-CNN", 0.95), "GPT-2 small step + AdamW": ("C-GPT", 0.9)}
+
+
+# gg.capture(fuse=True): (over torch.autograd, over torch.compile) aimed for
+FUSED_TARGETS = {"C-GPT": (0.88, 0.95), "C-CNN": (0.85, None)}
 
 
 def capture_rows(rounds: int, quick: bool, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
@@ -292,7 +319,7 @@ def capture_rows(rounds: int, quick: bool, log: Callable[[str], None] = print) -
             name, label = "GPT-2 tiny step + AdamW", "C-GPT tiny"
             target = None
         steps = 5 if quick else (20 if name.startswith("W1") else 10)
-        r = measure(name, rounds, steps)
+        r = measure(name, rounds, steps, compiled=not quick)
         ratio = r["captured/torch"]
         row = {"workload": label, "metric": "step", "unit": "ms", "kind": "capture",
                "note": f"{name}; captured/torch quartiles {r['captured/torch quartiles'][0]:.2f}-"
@@ -309,5 +336,20 @@ def capture_rows(rounds: int, quick: bool, log: Callable[[str], None] = print) -
                      **peak, "gg_over_torch": peak["graphgrad"] / peak["torch"],
                      "capt_over_torch": peak["captured"] / peak["torch"], "gg_over_bound": None,
                      "target": 1.0, "met": peak["captured"] <= peak["torch"]})
+        if "fused/torch" in r:
+            over_torch, over_compile = FUSED_TARGETS.get(label, (None, None))
+            f_torch, f_compile = r["fused/torch"], r["fused/torch.compile"]
+            rows.append({"workload": label, "metric": "fused step", "unit": "ms", "kind": "capture",
+                         "note": f"{name}; gg.capture(fuse=True) against torch.autograd and "
+                                 f"torch.compile of the torch step (ratios within a round); "
+                                 f"compile {r['compile_seconds']['fused']:.0f} s (fused), "
+                                 f"{r['compile_seconds']['torch.compile']:.0f} s (torch.compile)",
+                         "fused": r["ms"]["fused"], "torch": r["ms"]["torch"],
+                         "torch.compile": r["ms"]["torch.compile"],
+                         "fused_over_torch": f_torch, "fused_over_compile": f_compile,
+                         "compile_seconds": r["compile_seconds"], "gg_over_torch": None,
+                         "gg_over_bound": None, "target": over_torch,
+                         "met": None if over_torch is None else f_torch <= over_torch and
+                         (over_compile is None or f_compile <= over_compile)})
         log(f"  {label} done")
     return rows
