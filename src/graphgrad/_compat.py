@@ -33,9 +33,7 @@ __all__ = [
     "tensor_version", "tensor_is_view", "torch_requires_grad",
     "torch_grad_fn", "get_grad", "set_grad", "has_internal_overlap", "VariableFunctions",
     "nn_functions", "special_functions", "flatten_dense_tensors", "unflatten_dense_tensors",
-    "TorchDispatchMode", "ScriptGraph", "TensorType", "ListType", "OptionalType", "TupleType",
-    "script_function", "executor_optimize", "set_executor_optimize", "parse_schema", "pytree",
-    "MEMORY_FORMAT_CODES", "LAYOUT_CODES", "inplace_view_tag", "is_write_argument",
+    "TorchDispatchMode", "pytree", "inplace_view_tag", "is_write_argument",
     "bound_function", "NoTorchFunction", "linalg_functions", "fft_functions", "OpOverload",
     "OpOverloadPacket", "aten_ops", "decomposition_table", "resolve_overload", "has_aten_op",
     "function_mode_stack", "detach_sharing_version",
@@ -272,10 +270,16 @@ decomposition_table = torch._decomp.decomposition_table
 resolve_overload = torch._C._jit_resolve_packet
 
 
+_DISPATCHER_OPS: set[str] = set()
+
+
 def has_aten_op(name: str) -> bool:  # (checked on torch 2.13)
-    """Is there any ATen op called ``name`` ("aten::sum")? (resolve_overload answers a name
-    with none by raising, which costs about 20 microseconds a call)"""
-    return bool(torch._C._jit_get_schemas_for_operator(name))
+    """Is there any ATen op called ``name`` ("aten::sum") in the dispatcher? (resolve_overload
+    answers a name with none by raising, which costs about 20 microseconds a call.) ATen's ops
+    are all registered when torch is imported; the names are read once."""
+    if not _DISPATCHER_OPS:
+        _DISPATCHER_OPS.update(op.split(".")[0] for op in torch._C._dispatch_get_all_op_names())
+    return name in _DISPATCHER_OPS
 
 # -- DataParallel's gradient buckets: torch DDP's own flatten helpers (checked on torch 2.13) --
 flatten_dense_tensors = _flatten_dense_tensors
@@ -293,24 +297,8 @@ def detach_sharing_version(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 # -- gg.capture (checked on torch 2.13) ---------------------------------------------------
-# TorchDispatchMode sees each ATen call of the step, below graphgrad's own recording;
-# TorchScript IR and the graph executor's optimisation switch run the replay's compiled loop
-# (with optimisation off the graph runs as built, so results stay bitwise equal to eager);
-# parse_schema reads the overload TorchScript resolved a node to.
-ScriptGraph = torch._C.Graph
-TensorType = torch._C.TensorType
-ListType = torch._C.ListType
-OptionalType = torch._C.OptionalType
-TupleType = torch._C.TupleType
-script_function = torch._C._create_function_from_graph
-executor_optimize = torch._C._get_graph_executor_optimize
-set_executor_optimize = torch._C._set_graph_executor_optimize
-parse_schema = torch._C.parse_schema
-
-# TorchScript passes these enums as ints (c10::MemoryFormat, c10::Layout)
-MEMORY_FORMAT_CODES = {torch.contiguous_format: 0, torch.preserve_format: 1,
-                       torch.channels_last: 2, torch.channels_last_3d: 3}
-LAYOUT_CODES = {torch.strided: 0, torch.sparse_coo: 1}
+# TorchDispatchMode sees each ATen call of the step, below graphgrad's own recording; the
+# replay runs each call through ATen's dispatcher from the C++ module (capture/runner.py)
 inplace_view_tag = torch.Tag.inplace_view
 
 

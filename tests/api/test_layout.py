@@ -205,3 +205,63 @@ def test_no_import_circle():
                        if g[a] in members and g[b] in members)
         lines.append(" <-> ".join(circle) + ":\n" + "\n".join(edges))
     assert not circles, "import circles among graphgrad modules:\n" + "\n".join(lines)
+
+
+# Note [No TorchScript in the package]: torch deprecates TorchScript; gg.capture's replay runs
+# its own loop through ATen's dispatcher (capture/runner.py, the C++ module). One `_jit_` name
+# stays: `_jit_resolve_packet`, the operator registry's matching of Python arguments to an ATen
+# overload that torch.ops itself uses (the decomposition fallback asks it which overload a call
+# of a C function is); it is not TorchScript's compiler or interpreter.
+_TORCHSCRIPT_NAMES = frozenset({
+    "_create_function_from_graph", "_get_graph_executor_optimize", "_set_graph_executor_optimize",
+    "parse_schema", "TensorType", "ListType", "OptionalType", "TupleType", "ScriptFunction",
+    "ScriptModule", "CompilationUnit", "ScriptObject"})
+_JIT_ALLOWED = frozenset({"_jit_resolve_packet"})
+
+
+def torchscript_uses(sources: dict[str, Source]) -> list[str]:
+    """Where the package's Python reaches TorchScript: ``torch.jit``, ``torch._C.Graph``, the
+    names above, ``torch._C._jit_*`` (but ``_JIT_ALLOWED``)."""
+    found = []
+    for src in sources.values():
+        for node in ast.walk(src.tree):
+            what = None
+            if isinstance(node, ast.Attribute):
+                if node.attr in _TORCHSCRIPT_NAMES or (node.attr.startswith("_jit_") and
+                                                       node.attr not in _JIT_ALLOWED):
+                    what = node.attr
+                elif node.attr in ("jit", "Graph") and isinstance(node.value, ast.Attribute | ast.Name):
+                    base = ast.unparse(node.value)
+                    if (node.attr, base) in (("jit", "torch"), ("Graph", "torch._C")):
+                        what = f"{base}.{node.attr}"
+            elif isinstance(node, ast.ImportFrom) and node.module and (
+                    node.module.startswith("torch.jit") or (node.module == "torch" and
+                                                             any(a.name == "jit" for a in node.names))):
+                what = f"from {node.module} import ..."
+            elif isinstance(node, ast.Import) and any(a.name.startswith("torch.jit") for a in node.names):
+                what = "import torch.jit"
+            if what:
+                found.append(f"{src.path}:{node.lineno}: {what}")
+    return found
+
+
+def test_the_torchscript_check_finds_uses():
+    sample = {"m": Source(textwrap.dedent("""
+        import torch
+        from torch import jit
+        g = torch._C.Graph()
+        f = torch._C._create_function_from_graph("f", g)
+        s = torch.jit.script(f)
+        ok = torch._C._jit_resolve_packet
+        no = torch._C._jit_get_schemas_for_operator
+        """), "m.py")}
+    uses = torchscript_uses(sample)
+    assert len(uses) == 5, uses
+
+
+def test_no_torchscript_in_the_package():
+    uses = torchscript_uses(package_sources())
+    assert not uses, "TorchScript in the package (see Note [No TorchScript in the package]):\n" + \
+        "\n".join(uses)
+    cpp = (SOURCE / "csrc" / "tensor_meta.cpp").read_text()
+    assert "torch/csrc/jit" not in cpp and "torch::jit" not in cpp

@@ -25,7 +25,7 @@ from .program import Kernel, Kind, Program, Value
 from .program import values_in as _values_in
 from .recorder import OptimizerSpan
 from .reuse import reuse_buffers
-from .script import Unlowerable, lower_to_script
+from .runner import Unlowerable, lower_to_native
 from .segments import CONSTANT, OBJECT, EagerSegment, Effect, KernelSegment, ref
 
 __all__ = ["build_plan"]
@@ -235,7 +235,7 @@ def _kernel_segment(name: str, d: _Draft, si: int, produced_in: dict, needed_unt
     seg.env_in = tuple(slots[v] for v in crossing)
     seg.env_out = tuple(slots[v] for v in outputs)
     try:
-        seg.fn, seg.graph = lower_to_script(name, seg.kernels, ordered, outputs)
+        seg.fn = lower_to_native(seg.kernels, ordered, outputs)
     except Unlowerable as e:
         seg.runner, seg.why_loop = "python loop", str(e)
         seg.fn = lower_to_loop(seg.kernels, ordered, outputs)

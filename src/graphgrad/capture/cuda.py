@@ -38,7 +38,7 @@ class CudaGraphRunner:
         self.name = name
         self.required = required
         self.failed = ""  # why capturing failed (the segment then runs without a graph)
-        self.inner = "torchscript"  # what runs inside the graph
+        self.inner = "native"  # what runs inside the graph
         self.fixed = fixed  # inputs used in place (externals, a graphed segment's outputs)
         self.written = written  # copied inputs the step writes into: copied back after
         self.pool = pool

@@ -1,8 +1,9 @@
-"""A segment of kernels run by a Python loop: the fallback where TorchScript cannot express one.
+"""A segment of kernels run by a Python loop: the fallback where the C++ replay loop cannot
+express one, or the C++ module is not built.
 
 Each call reads its tensors from a list of slots and writes its results back; the bound C
 function of each overload is called directly (no Python wrapper), and each
-slot is cleared after its last use so intermediates are freed as early as in the script.
+slot is cleared after its last use so intermediates are freed as early as in the C++ loop.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._compat import NoTorchFunction, executor_optimize, pytree, set_executor_optimize, set_grad_enabled
+from .._compat import NoTorchFunction, pytree, set_grad_enabled
 from .fx import Fused, plan_to_fx
 from .guards import ArgumentGuard, StateGuard
 from .memory import MemoryPlan
@@ -109,9 +109,7 @@ class Plan:
         """Run the plan on these arguments (the guards already checked)."""
         grad_mode = _is_grad_enabled()
         self.outer_modes = (grad_mode, tuple((d, True) for d in self.autocast_off))
-        optimize = executor_optimize()
         set_grad_enabled(False)
-        set_executor_optimize(False)
         for d in self.autocast_off:
             torch.set_autocast_enabled(d, False)
         env = [None] * self.slots
@@ -124,7 +122,6 @@ class Plan:
         finally:
             for d in self.autocast_off:
                 torch.set_autocast_enabled(d, True)
-            set_executor_optimize(optimize)
             set_grad_enabled(grad_mode)
         self.replays += 1
         return self.results(flat, env)
@@ -176,7 +173,7 @@ class Plan:
                 if isinstance(s.fn, Fused):
                     d["compile_seconds"] = round(s.fn.compile_seconds, 3)
                     if s.fn.why:
-                        d["runner"] = f"{s.why_loop and 'python loop' or 'torchscript'} (Inductor refused)"
+                        d["runner"] = f"{s.why_loop and 'python loop' or 'native'} (Inductor refused)"
                         d["why_unfused"] = s.fn.why
                 if getattr(s.fn, "failed", ""):
                     d["runner"] = f"{s.fn.inner}; its CUDA graph capture failed ({s.fn.failed})"

@@ -1,7 +1,7 @@
 """The parts of a plan: kernel segments, eager optimizer steps, and ``.grad`` effects.
 
-A kernel segment is a compiled list of ATen calls (TorchScript, or a Python loop where
-TorchScript cannot express one), called with the step's arguments, the externals it uses and
+A kernel segment is a compiled list of ATen calls (graphgrad's replay loop in C++, or a Python
+loop where that cannot express one), called with the step's arguments, the externals it uses and
 the intermediates earlier segments left in slots. An optimizer step that read a tensor into
 Python (Adam's bias correction reads ``step.item()`` on CPU) is an eager segment:
 ``optimizer.step()`` itself, called at its place after setting ``.grad`` as the eager step had
@@ -76,9 +76,8 @@ class KernelSegment:
     kernels: list[Kernel]
     inputs: list[Value]
     outputs: list[Value]
-    runner: str = "torchscript"
+    runner: str = "native"
     fn: Callable[..., tuple] | None = None
-    graph: Any = None  # the TorchScript graph, for inspection
     why_loop: str = ""
     arg_pos: tuple = ()
     ext_objs: tuple = ()

@@ -29,6 +29,16 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Size.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <ATen/ScalarOps.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Generator.h>
+#include <torch/csrc/Layout.h>
+#include <torch/csrc/MemoryFormat.h>
+
+#include <memory>
+#include <stdexcept>
+#include <vector>
 
 #include <string>
 #include <unordered_map>
@@ -804,6 +814,384 @@ PyObject* register_class(PyObject*, PyObject* cls) {
   Py_RETURN_NONE;
 }
 
+// == The replay loop (gg.capture: capture/runner.py) ==========================================
+// A segment of recorded ATen calls run in C++: each call resolved once, when the plan is built,
+// to its c10::OperatorHandle (the exact overload recorded), its arguments turned into IValues by
+// the schema's declared types (constants once; tensors read from a value table), called through
+// the dispatcher (callBoxed), its tensor results stored in the table, and each table slot cleared
+// right after its last use (the segment's memory plan). No Python runs between the calls.
+
+struct ReplayArg {
+  enum Kind { kConst, kSlot, kTensorList, kOptionalTensorList } kind = kConst;
+  c10::IValue constant;
+  int slot = -1;
+  std::vector<int> slots;  // a list's items (-1: None, in a Tensor?[])
+};
+
+struct ReplayStep {
+  c10::OperatorHandle op;
+  std::vector<ReplayArg> args;
+  std::vector<std::vector<int>> outs;  // per return: {slot} (-1: not kept), or a Tensor[]'s slots
+  std::vector<bool> list_out;          // per return: a Tensor[] (unpacked into outs[i])
+  std::vector<int> frees;              // slots cleared after the call
+  explicit ReplayStep(c10::OperatorHandle h) : op(std::move(h)) {}
+};
+
+struct Runner {
+  PyObject_HEAD
+  std::vector<ReplayStep>* steps;
+  std::vector<int>* in_slots;
+  std::vector<int>* out_slots;
+  int n_slots;
+};
+
+struct Unsupported : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+int64_t as_int(PyObject* obj) {
+  if (!PyLong_Check(obj) || PyBool_Check(obj)) throw Unsupported("an int was expected");
+  long long v = PyLong_AsLongLong(obj);
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw Unsupported("an int out of range");
+  }
+  return v;
+}
+
+double as_float(PyObject* obj) {
+  if (PyFloat_Check(obj)) return PyFloat_AS_DOUBLE(obj);
+  if (PyLong_Check(obj) && !PyBool_Check(obj)) return static_cast<double>(as_int(obj));
+  throw Unsupported("a float was expected");
+}
+
+// A Python constant as the IValue the schema's declared type takes
+c10::IValue to_ivalue(PyObject* obj, const c10::TypePtr& type) {
+  using c10::TypeKind;
+  if (obj == Py_None) return c10::IValue();
+  switch (type->kind()) {
+    case TypeKind::OptionalType:
+      return to_ivalue(obj, type->expectRef<c10::OptionalType>().getElementType());
+    case TypeKind::IntType:
+    case TypeKind::SymIntType:
+      // (a schema's ScalarType, Layout and MemoryFormat are ints to the dispatcher)
+      if (THPDtype_Check(obj)) return c10::IValue(reinterpret_cast<THPDtype*>(obj)->scalar_type);
+      if (THPLayout_Check(obj)) return c10::IValue(reinterpret_cast<THPLayout*>(obj)->layout);
+      if (THPMemoryFormat_Check(obj)) {
+        return c10::IValue(reinterpret_cast<THPMemoryFormat*>(obj)->memory_format);
+      }
+      return c10::IValue(as_int(obj));
+    case TypeKind::FloatType:
+    case TypeKind::SymFloatType:
+      return c10::IValue(as_float(obj));
+    case TypeKind::BoolType:
+    case TypeKind::SymBoolType:
+      if (!PyBool_Check(obj)) throw Unsupported("a bool was expected");
+      return c10::IValue(obj == Py_True);
+    case TypeKind::NumberType:  // Scalar
+      if (PyBool_Check(obj)) return c10::IValue(obj == Py_True);
+      if (PyLong_Check(obj)) return c10::IValue(as_int(obj));
+      if (PyFloat_Check(obj)) return c10::IValue(PyFloat_AS_DOUBLE(obj));
+      if (PyComplex_Check(obj)) {
+        return c10::IValue(c10::complex<double>(PyComplex_RealAsDouble(obj), PyComplex_ImagAsDouble(obj)));
+      }
+      throw Unsupported("a number was expected");
+    case TypeKind::StringType: {
+      if (!PyUnicode_Check(obj)) throw Unsupported("a str was expected");
+      const char* text = PyUnicode_AsUTF8(obj);
+      if (!text) {
+        PyErr_Clear();
+        throw Unsupported("a str that is not UTF-8");
+      }
+      return c10::IValue(std::string(text));
+    }
+    case TypeKind::ScalarTypeType:
+      if (!THPDtype_Check(obj)) throw Unsupported("a dtype was expected");
+      return c10::IValue(reinterpret_cast<THPDtype*>(obj)->scalar_type);
+    case TypeKind::LayoutType:
+      if (!THPLayout_Check(obj)) throw Unsupported("a layout was expected");
+      return c10::IValue(reinterpret_cast<THPLayout*>(obj)->layout);
+    case TypeKind::MemoryFormatType:
+      if (!THPMemoryFormat_Check(obj)) throw Unsupported("a memory format was expected");
+      return c10::IValue(reinterpret_cast<THPMemoryFormat*>(obj)->memory_format);
+    case TypeKind::GeneratorType:
+      if (!THPGenerator_Check(obj)) throw Unsupported("a generator was expected");
+      return c10::IValue(reinterpret_cast<THPGenerator*>(obj)->cdata);
+    case TypeKind::DeviceObjType:
+      if (THPDevice_Check(obj)) return c10::IValue(reinterpret_cast<THPDevice*>(obj)->device);
+      if (PyUnicode_Check(obj)) {
+        const char* text = PyUnicode_AsUTF8(obj);
+        if (text) return c10::IValue(c10::Device(std::string(text)));
+        PyErr_Clear();
+      }
+      throw Unsupported("a device was expected");
+    case TypeKind::TensorType: {  // a Python number where a tensor goes: wrapped as torch does
+      c10::Scalar number;
+      if (PyBool_Check(obj)) {
+        number = c10::Scalar(obj == Py_True);
+      } else if (PyLong_Check(obj)) {
+        number = c10::Scalar(as_int(obj));
+      } else if (PyFloat_Check(obj)) {
+        number = c10::Scalar(PyFloat_AS_DOUBLE(obj));
+      } else {
+        throw Unsupported("a tensor argument that is not a recorded value");
+      }
+      at::Tensor t = at::scalar_to_tensor(number);
+      t.unsafeGetTensorImpl()->set_wrapped_number(true);
+      return c10::IValue(t);
+    }
+    case TypeKind::ListType: {
+      if (!PyList_Check(obj) && !PyTuple_Check(obj)) throw Unsupported("a list was expected");
+      const c10::TypePtr& elem = type->expectRef<c10::ListType>().getElementType();
+      PyObject* seq = PySequence_Fast(obj, "a list");
+      if (!seq) {
+        PyErr_Clear();
+        throw Unsupported("a list was expected");
+      }
+      Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+      PyObject** items = PySequence_Fast_ITEMS(seq);
+      try {
+        switch (elem->kind()) {
+          case TypeKind::IntType:
+          case TypeKind::SymIntType: {
+            c10::List<int64_t> out;
+            for (Py_ssize_t i = 0; i < n; ++i) out.push_back(as_int(items[i]));
+            Py_DECREF(seq);
+            return c10::IValue(out);
+          }
+          case TypeKind::FloatType: {
+            c10::List<double> out;
+            for (Py_ssize_t i = 0; i < n; ++i) out.push_back(as_float(items[i]));
+            Py_DECREF(seq);
+            return c10::IValue(out);
+          }
+          case TypeKind::BoolType: {
+            c10::List<bool> out;
+            for (Py_ssize_t i = 0; i < n; ++i) {
+              if (!PyBool_Check(items[i])) throw Unsupported("a bool was expected");
+              out.push_back(items[i] == Py_True);
+            }
+            Py_DECREF(seq);
+            return c10::IValue(out);
+          }
+          default:
+            break;
+        }
+      } catch (...) {
+        Py_DECREF(seq);
+        throw;
+      }
+      Py_DECREF(seq);
+      if (n == 0) return c10::IValue(c10::impl::GenericList(elem));  // (Tensor[], Tensor?[], ...)
+      throw Unsupported("a list of " + elem->str());
+    }
+    default:
+      throw Unsupported("an argument of type " + type->str());
+  }
+}
+
+std::vector<int> int_list(PyObject* obj) {
+  std::vector<int> out;
+  PyObject* seq = PySequence_Fast(obj, "a list of ints");
+  if (!seq) throw Unsupported("a list of slots was expected");
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+    if (v == -1 && PyErr_Occurred()) {
+      Py_DECREF(seq);
+      PyErr_Clear();
+      throw Unsupported("a slot was expected");
+    }
+    out.push_back(static_cast<int>(v));
+  }
+  Py_DECREF(seq);
+  return out;
+}
+
+void runner_dealloc(PyObject* self) {
+  Runner* r = reinterpret_cast<Runner*>(self);
+  delete r->steps;
+  delete r->in_slots;
+  delete r->out_slots;
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* tensor_or_none(const c10::IValue& v) {
+  if (v.isTensor()) return THPVariable_Wrap(v.toTensor());
+  Py_RETURN_NONE;
+}
+
+// runner(*inputs) -> tuple of outputs
+PyObject* runner_call(PyObject* self, PyObject* args, PyObject* kwargs) {
+  Runner* r = reinterpret_cast<Runner*>(self);
+  const Py_ssize_t n_in = PyTuple_GET_SIZE(args);
+  if (kwargs || n_in != static_cast<Py_ssize_t>(r->in_slots->size())) {
+    PyErr_Format(PyExc_TypeError, "the replay loop takes %zd tensors", r->in_slots->size());
+    return nullptr;
+  }
+  std::vector<c10::IValue> env(r->n_slots);
+  for (Py_ssize_t i = 0; i < n_in; ++i) {
+    PyObject* t = PyTuple_GET_ITEM(args, i);
+    if (!THPVariable_Check(t)) {
+      PyErr_SetString(PyExc_TypeError, "the replay loop takes tensors");
+      return nullptr;
+    }
+    env[(*r->in_slots)[i]] = THPVariable_Unpack(t);
+  }
+  try {
+    std::vector<c10::IValue> stack;
+    for (ReplayStep& step : *r->steps) {
+      stack.clear();
+      stack.reserve(step.args.size());
+      for (const ReplayArg& a : step.args) {
+        switch (a.kind) {
+          case ReplayArg::kConst:
+            stack.push_back(a.constant);
+            break;
+          case ReplayArg::kSlot:
+            stack.push_back(env[a.slot]);
+            break;
+          case ReplayArg::kTensorList: {
+            c10::List<at::Tensor> list;
+            list.reserve(a.slots.size());
+            for (int k : a.slots) list.push_back(env[k].toTensor());
+            stack.emplace_back(std::move(list));
+            break;
+          }
+          case ReplayArg::kOptionalTensorList: {
+            c10::List<std::optional<at::Tensor>> list;
+            list.reserve(a.slots.size());
+            for (int k : a.slots) {
+              if (k < 0) {
+                list.push_back(std::nullopt);
+              } else {
+                list.push_back(env[k].toTensor());
+              }
+            }
+            stack.emplace_back(std::move(list));
+            break;
+          }
+        }
+      }
+      step.op.callBoxed(stack);
+      for (size_t i = 0; i < step.outs.size() && i < stack.size(); ++i) {
+        const std::vector<int>& outs = step.outs[i];
+        if (step.list_out[i]) {
+          c10::List<at::Tensor> list = stack[i].toTensorList();
+          for (size_t j = 0; j < outs.size() && j < list.size(); ++j) {
+            if (outs[j] >= 0) env[outs[j]] = list.get(j);
+          }
+        } else if (!outs.empty() && outs[0] >= 0) {
+          env[outs[0]] = std::move(stack[i]);
+        }
+      }
+      for (int k : step.frees) env[k] = c10::IValue();
+    }
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  const size_t n_out = r->out_slots->size();
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(n_out));
+  if (!out) return nullptr;
+  for (size_t i = 0; i < n_out; ++i) {
+    PyObject* item = tensor_or_none(env[(*r->out_slots)[i]]);
+    if (!item) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
+  }
+  return out;
+}
+
+PyTypeObject RunnerType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// make_runner(steps, n_slots, in_slots, out_slots): steps is a list of
+// (op name, overload name, args, outs, frees); args one per schema argument:
+// ("c", constant) | ("s", slot) | ("l", [slots]) | ("o", [slot or -1]); outs one per return:
+// ("s", slot or -1) | ("l", [slot or -1]). Raises ValueError naming what it cannot express.
+PyObject* make_runner(PyObject*, PyObject* const* a, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyList_Check(a[0])) {
+    PyErr_SetString(PyExc_TypeError, "make_runner(steps: list, n_slots, in_slots, out_slots)");
+    return nullptr;
+  }
+  auto steps = std::make_unique<std::vector<ReplayStep>>();
+  std::string where;
+  try {
+    const Py_ssize_t n = PyList_GET_SIZE(a[0]);
+    steps->reserve(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* spec = PyList_GET_ITEM(a[0], i);
+      PyObject *name, *overload, *args, *outs, *frees;
+      if (!PyArg_ParseTuple(spec, "UUOOO", &name, &overload, &args, &outs, &frees)) return nullptr;
+      where = std::string(PyUnicode_AsUTF8(name)) + "." + PyUnicode_AsUTF8(overload);
+      auto handle = c10::Dispatcher::singleton().findSchema({PyUnicode_AsUTF8(name), PyUnicode_AsUTF8(overload)});
+      if (!handle) throw Unsupported("no such operator in the dispatcher");
+      ReplayStep step(*handle);
+      const auto& schema = step.op.schema();
+      const auto& declared = schema.arguments();
+      if (!PyList_Check(args) || PyList_GET_SIZE(args) != static_cast<Py_ssize_t>(declared.size())) {
+        throw Unsupported("the arguments do not follow the schema");
+      }
+      for (size_t j = 0; j < declared.size(); ++j) {
+        PyObject* arg = PyList_GET_ITEM(args, j);
+        const char* tag = PyUnicode_AsUTF8(PyTuple_GET_ITEM(arg, 0));
+        PyObject* x = PyTuple_GET_ITEM(arg, 1);
+        ReplayArg ra;
+        if (tag[0] == 's') {
+          ra.kind = ReplayArg::kSlot;
+          ra.slot = static_cast<int>(PyLong_AsLong(x));
+        } else if (tag[0] == 'l') {
+          ra.kind = ReplayArg::kTensorList;
+          ra.slots = int_list(x);
+        } else if (tag[0] == 'o') {
+          ra.kind = ReplayArg::kOptionalTensorList;
+          ra.slots = int_list(x);
+        } else {
+          ra.constant = to_ivalue(x, declared[j].type());
+        }
+        step.args.push_back(std::move(ra));
+      }
+      const Py_ssize_t n_outs = PyList_GET_SIZE(outs);
+      if (n_outs != static_cast<Py_ssize_t>(schema.returns().size())) {
+        throw Unsupported("the results do not follow the schema");
+      }
+      for (Py_ssize_t j = 0; j < n_outs; ++j) {
+        PyObject* o = PyList_GET_ITEM(outs, j);
+        const char* tag = PyUnicode_AsUTF8(PyTuple_GET_ITEM(o, 0));
+        if (tag[0] == 'l') {
+          step.outs.push_back(int_list(PyTuple_GET_ITEM(o, 1)));
+          step.list_out.push_back(true);
+        } else {
+          step.outs.push_back({static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(o, 1)))});
+          step.list_out.push_back(false);
+        }
+      }
+      step.frees = int_list(frees);
+      steps->push_back(std::move(step));
+    }
+  } catch (const std::exception& e) {
+    PyErr_Format(PyExc_ValueError, "%s: %s", where.c_str(), e.what());
+    return nullptr;
+  }
+  std::vector<int> in_slots, out_slots;
+  try {
+    in_slots = int_list(a[2]);
+    out_slots = int_list(a[3]);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+  Runner* r = PyObject_New(Runner, &RunnerType);
+  if (!r) return nullptr;
+  r->steps = steps.release();
+  r->in_slots = new std::vector<int>(std::move(in_slots));
+  r->out_slots = new std::vector<int>(std::move(out_slots));
+  r->n_slots = static_cast<int>(PyLong_AsLong(a[1]));
+  return reinterpret_cast<PyObject*>(r);
+}
+
 PyMethodDef methods[] = {
     {"version", version, METH_O, "t._version, read from the TensorImpl."},
     {"shape", shape, METH_O, "t.shape, read from the TensorImpl (not tracked by the GC)."},
@@ -850,6 +1238,10 @@ PyMethodDef methods[] = {
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(install_node_field)),
      METH_FASTCALL,
      "install_node_field(cls, node_type): cls keeps _gg_node in a C field (see tensor_meta.cpp)."},
+    {"make_runner", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(make_runner)),
+     METH_FASTCALL,
+     "make_runner(steps, n_slots, in_slots, out_slots): a replay loop of ATen calls (see "
+     "tensor_meta.cpp, The replay loop)."},
     {"accumulate_in_place",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(accumulate_in_place)),
      METH_FASTCALL, "buf[nr].add_(g) where torch's engine would add in place; True if done."},
@@ -929,6 +1321,13 @@ PyMODINIT_FUNC PyInit__tensor_meta() {
   SavedAliasType.tp_doc = "An op's output kept for its backward as a C++ tensor (see save_alias).";
   SavedAliasType.tp_methods = alias_methods;
   if (PyType_Ready(&SavedAliasType) < 0) return nullptr;
+  RunnerType.tp_name = "graphgrad._tensor_meta.Runner";
+  RunnerType.tp_basicsize = sizeof(Runner);
+  RunnerType.tp_dealloc = runner_dealloc;
+  RunnerType.tp_call = runner_call;
+  RunnerType.tp_flags = Py_TPFLAGS_DEFAULT;
+  RunnerType.tp_doc = "A replay loop of ATen calls (make_runner).";
+  if (PyType_Ready(&RunnerType) < 0) return nullptr;
   PyObject* m = PyModule_Create(&module_def);
   if (!m) return nullptr;
   Py_INCREF(&SavedAliasType);
