@@ -151,3 +151,24 @@ def test_fuse_arguments_are_checked():
         gg.capture(lambda: None, fuse="yes")
     with pytest.raises(ValueError, match="cannot be combined"):
         gg.capture(lambda: None, fuse=True, cuda_graph=True)
+
+
+def test_fused_random_kernels_draw_what_the_eager_step_draws():
+    """A CNN with batch norm and dropout: Inductor keeps ATen's random kernels
+    (fallback_random), so the fused replays draw the eager step's masks from the same
+    generator; check=3 compares within tolerance, running statistics included."""
+    def make():
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                             nn.Dropout(0.3), nn.Flatten(), nn.Linear(4 * 6 * 6, 4))
+    (a, b), (oa, ob), step_of = pair(make, torch.optim.SGD, dtype=torch.float32, lr=0.1,
+                                     momentum=0.9)
+    x, y = torch.randn(2, 3, 6, 6), torch.randn(2, 4)
+    fused, eager = gg.capture(step_of(a, oa), fuse=True, check=3), step_of(b, ob)
+    for i in range(6):
+        torch.manual_seed(100 + i)
+        got = plain(fused(x, y))
+        torch.manual_seed(100 + i)
+        torch.testing.assert_close(got, plain(eager(x, y)))
+    assert fused.replays == 4
+    for p, q in zip(list(a.parameters()) + list(a.buffers()), list(b.parameters()) + list(b.buffers())):
+        torch.testing.assert_close(plain(p), plain(q), rtol=1e-4, atol=1e-5)

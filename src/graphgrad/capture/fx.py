@@ -161,7 +161,10 @@ class Fused:
     def __init__(self, name: str, gm: torch.fx.GraphModule, unfused: Callable[..., tuple]):
         self.name = name
         self.gm = gm
-        self.compiled = torch.compile(gm, fullgraph=True, dynamic=False)
+        # fallback_random: random kernels stay ATen's, drawing from the step's generator as the
+        # eager step does (Inductor's own random numbers would differ from eager's)
+        self.compiled = torch.compile(gm, fullgraph=True, dynamic=False,
+                                      options={"fallback_random": True})
         self.unfused = unfused
         self.compile_seconds = 0.0
         self.ready = False

@@ -26,6 +26,10 @@ _ALIASES = frozenset({_aten.detach.default, _aten.alias.default})
 _LIFT_FRESH = _aten.lift_fresh.default
 _CLONE = _aten.clone.default
 # in-place ops that change a tensor's metadata rather than its values
+# kernels that write into arguments their schema does not mark (a!): the running statistics of
+# a batch norm in training mode (positions of those arguments)
+_UNANNOTATED_WRITES = {_aten.native_batch_norm.default: (3, 4), _aten.cudnn_batch_norm.default: (3, 4),
+                       _aten.miopen_batch_norm.default: (3, 4)}
 _METADATA_WRITES = frozenset({_aten.resize_.default, _aten.resize_as_.default, _aten.set_.source_Tensor,
                               _aten.set_.source_Storage, _aten.set_.default})
 
@@ -205,6 +209,9 @@ class _Builder:
                 for v in target if isinstance(target, (list, tuple)) else (target,):
                     if isinstance(v, Value):
                         v.written = True
+        for i in _UNANNOTATED_WRITES.get(func, ()):
+            for v in values_in(args[i:i + 1]):
+                v.written = True
         view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
         outs = self.output(call.out, index, call.span, view)
         self.prog.kernels.append(Kernel(func, args, kwargs, outs, index, call.span))
