@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphgrad as gg
+from graphgrad.apps.bench_capture import _peak_bytes  # (torch.profiler's allocator events)
 
 DT = torch.float64
 
@@ -80,20 +81,6 @@ def test_a_captured_percentage_needs_a_warm_up_call():
 def test_a_malformed_captured_limit_is_refused_at_once(limit):
     with pytest.raises(ValueError, match="memory_budget"):
         gg.capture(lambda: None, memory_budget=limit)
-
-
-def _peak_bytes(fn):
-    """Most CPU-allocator bytes live at once during fn() beyond those live at its start."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    current = peak = 0
-    for e in events:
-        current += e.nbytes()
-        peak = max(peak, current)
-    return peak
 
 
 def deep(width=128, depth=4):
