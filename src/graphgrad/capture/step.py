@@ -82,7 +82,7 @@ class CapturedStep:
         self._rerecord = False
         self._last: Plan | None = None
         self._budget = None  # the last call's memory_budget
-        self._budget_below = 0  # bytes the plan drops beyond the limit, so that the allocator peak fits
+        self._budget_below = 0  # bytes the budget aims below the limit, so that the allocator peak fits
         self._budget_tries = 0
         self._budget_first: tuple | None = None  # the first plan recorded over the limit, its stats
         functools.update_wrapper(self, fn)
@@ -159,9 +159,10 @@ class CapturedStep:
         """The plan to keep from one recorded under a memory budget, or None to record again.
         The budget bounds the bytes held for backward; a replay also allocates what backward
         makes (gradients, recomputed values, temporaries). Where the plan's allocator peak is
-        over the limit, the budget's plan drops that excess more (the online limit stays the
-        user's) and the next call records again (at most ``_BUDGET_TRIES`` times, while a plan
-        exists for the lower target). If none fits, the first plan is kept, with a warning."""
+        over the limit, the budget aims that excess lower (its plan drops more, and its online
+        eviction holds less where something can be dropped; the limit itself stays what raises)
+        and the next call records again (at most ``_BUDGET_TRIES`` times, while a plan exists
+        for the lower target). If none fits, the first plan is kept, with a warning."""
         mb = self._budget
         limit = mb.stats.limit
         peak = plan.memory.peak_bytes
@@ -268,7 +269,7 @@ class CapturedStep:
 
 
 # recordings under a memory budget whose allocator peak was over the limit, each followed by one
-# under a lower held limit
+# aiming lower
 _BUDGET_TRIES = 4
 
 
