@@ -93,7 +93,7 @@ def test_without_cuda_graphs():
         l1 = eager(x, y)
         torch.manual_seed(i)
         torch.testing.assert_close(captured(x, y), l1.detach(), rtol=1e-12, atol=1e-12)
-    assert captured.plan.summary().segments[0]["runner"] == "native"
+    assert captured.plan.summary().segments[0]["runner"] == ("native" if gg.native_meta else "python loop")
 
 
 def test_dropout_masks_in_a_graph_equal_eager_ones():
