@@ -36,7 +36,7 @@ __all__ = [
     "TorchDispatchMode", "pytree", "inplace_view_tag", "is_write_argument",
     "bound_function", "NoTorchFunction", "linalg_functions", "fft_functions", "OpOverload",
     "OpOverloadPacket", "aten_ops", "decomposition_table", "resolve_overload", "has_aten_op",
-    "function_mode_stack", "detach_sharing_version",
+    "function_mode_stack", "detach_sharing_version", "plain_alias",
 ]
 
 # -- the torch-function protocol and grad mode -------------------------------------------
@@ -288,6 +288,14 @@ unflatten_dense_tensors = _unflatten_dense_tensors
 # -- selective checkpointing (checkpoint.py; checked on torch 2.13) -----------------------
 #: the active TorchFunctionModes, innermost last (is a policy's mode already on?)
 function_mode_stack = torch.overrides._get_current_function_mode_stack
+
+
+def plain_alias(t: torch.Tensor) -> torch.Tensor:
+    """A plain ``torch.Tensor`` sharing ``t``'s storage and version counter (``detach`` with the
+    torch-function protocol off, so no subclass wraps the result): what collectives, Inductor
+    and a memory budget's handles hold."""
+    with DisableTorchFunctionSubclass():
+        return torch.Tensor.detach(t)
 
 
 def detach_sharing_version(t: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ from .tensor import as_tensor
 __all__ = ["memory_budget", "MemoryBudgetError", "BudgetStats", "parse_limit"]
 
 _Disable = _compat.DisableTorchFunctionSubclass
+plain_alias = _compat.plain_alias
 _tree_flatten = _compat.pytree.tree_flatten
 _tree_unflatten = _compat.pytree.tree_unflatten
 
@@ -163,11 +164,6 @@ def _key(t):
         return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
     except RuntimeError:  # no valid storage (resized away): only itself
         return ("no storage", id(t))
-
-
-def _alias(t):
-    with _Disable():
-        return torch.Tensor.detach(t)
 
 
 def _is_leaf(t) -> bool:
@@ -445,7 +441,7 @@ class _Block:
                 # for backward (x_train[:64]) holds nothing the caller does not hold anyway
                 group.nbytes = 0
             v = _Value(None, 0, t, version, group, leaf=leaf)
-            v.strong = _alias(t)  # read by recorded calls, and nothing can recompute it
+            v.strong = plain_alias(t)  # read by recorded calls, and nothing can recompute it
             self.values[key] = weakref.ref(v)
         elif v.group is not None:
             v.group.used = self.clock
@@ -466,7 +462,7 @@ class _Block:
 
     # -- saved tensors ---------------------------------------------------------------------
     def pack(self, tensor):
-        handle = _Saved(self, _alias(tensor), tensor)
+        handle = _Saved(self, plain_alias(tensor), tensor)
         self.pending.append(handle)
         return handle
 
@@ -712,7 +708,7 @@ class _Block:
                         t = host.to(device, non_blocking=True)
                     v.version = t._version
                 if t is not None:
-                    done[v] = t if t is v.strong else _alias(t)
+                    done[v] = t if t is v.strong else plain_alias(t)
                     stack.pop()
                     continue
                 missing = [u for u in v.call.inputs if u not in done]
@@ -740,7 +736,7 @@ class _Block:
         saved: list = []
         start = time.perf_counter()
         with _compat.EnableTorchFunction(), torch.enable_grad(), \
-                saved_tensors_hooks(lambda t: saved.append(_alias(t)) or len(saved) - 1, lambda i: i):
+                saved_tensors_hooks(lambda t: saved.append(plain_alias(t)) or len(saved) - 1, lambda i: i):
             flat = list(call.flat)
             made: dict = {}  # one tensor per value: the call sees the same aliasing (query is key)
             for k, u in enumerate(call.inputs):
@@ -772,7 +768,7 @@ class _Block:
                 f"{len(saved)} tensors where it saved {call.saves} the first time; a recorded call "
                 "must do the same work each time it runs.")
         outs, _ = _tree_flatten(out)
-        return [_alias(outs[i]) for i in call.outputs], saved
+        return [plain_alias(outs[i]) for i in call.outputs], saved
 
 
 # the host copy bandwidth offloading assumes against a value's recompute time (bytes per second)

@@ -22,18 +22,12 @@ from typing import Any
 import torch
 import torch.fx
 
-from .._compat import NoTorchFunction
+from .._compat import plain_alias
 from .errors import CaptureError
 from .program import Kernel, Kind, Value
 from .segments import ARGUMENT, CONSTANT, OBJECT, SLOT, EagerSegment
 
 __all__ = ["lower_to_fx", "plan_to_fx", "Fused"]
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A plain-tensor alias of ``t`` (same storage and version counter, no graphgrad class)."""
-    with NoTorchFunction():
-        return t.detach().as_subclass(torch.Tensor)
 
 
 class _Graph:
@@ -50,7 +44,7 @@ class _Graph:
         name = self.attr_of.get(id(t))
         if name is None:
             name = self.attr_of[id(t)] = f"ext{len(self.attrs)}"
-            self.attrs[name] = _plain(t)
+            self.attrs[name] = plain_alias(t)
             self.originals[name] = t
         return self.g.get_attr(name)
 
@@ -172,12 +166,12 @@ class Fused:
 
     def __call__(self, *ins: torch.Tensor) -> tuple:
         if self.ready:
-            return self.compiled(*[_plain(t) for t in ins])
+            return self.compiled(*[plain_alias(t) for t in ins])
         if self.why:
             return self.unfused(*ins)
         start = time.perf_counter()
         try:
-            out = self.compiled(*[_plain(t) for t in ins])
+            out = self.compiled(*[plain_alias(t) for t in ins])
         except Exception as e:  # (Inductor raises many kinds; each means: not fused)
             first = str(e).strip().splitlines()
             self.why = f"{type(e).__name__}: {first[0] if first else ''}"[:300]

@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._compat import bound_function
-from .program import Kernel, Value
+from .program import Kernel, Value, values_in
 
-__all__ = ["lower_to_loop"]
+__all__ = ["lower_to_loop", "slot_plan"]
 
 
 class _Slot:
@@ -82,33 +82,35 @@ def _compile_call(k: Kernel, slots: dict[Value, int]) -> Callable[[list], None]:
     return call
 
 
-def lower_to_loop(kernels: Sequence[Kernel], inputs: Sequence[Value],
-                  outputs: Sequence[Value]) -> Callable[..., tuple]:
-    """A function of the inputs (in order) returning the outputs (a tuple)."""
+def slot_plan(kernels: Sequence[Kernel], inputs: Sequence[Value],
+              outputs: Sequence[Value]) -> tuple[dict[Value, int], list[list[int]]]:
+    """The value table of a segment, for either loop: a slot per value (inputs first, then what
+    the kernels make), and after each kernel the slots to clear: those it is the last to read,
+    or that it makes and nothing reads (outputs stay to the end)."""
     slots: dict[Value, int] = {}
     for v in inputs:
         slots.setdefault(v, len(slots))
     for k in kernels:
-        for v in k.outs if isinstance(k.outs, list | tuple) else (k.outs,):
-            if isinstance(v, Value):
-                slots.setdefault(v, len(slots))
-    # last use of each slot: clear it right after (outputs stay to the end)
+        for v in values_in(k.outs):
+            slots.setdefault(v, len(slots))
     last: dict[int, int] = {}
-    keep = {slots[v] for v in outputs}
-
-    def uses(obj):
-        if isinstance(obj, Value):
-            yield slots[obj]
-        elif isinstance(obj, list | tuple):
-            for o in obj:
-                yield from uses(o)
     for i, k in enumerate(kernels):
-        for s in uses((k.args, tuple(k.kwargs.values()))):
-            last[s] = i
+        for v in values_in(k.outs):
+            last.setdefault(slots[v], i)
+        for v in values_in((k.args, tuple(k.kwargs.values()))):
+            last[slots[v]] = i
+    keep = {slots[v] for v in outputs}
     frees: list[list[int]] = [[] for _ in kernels]
     for s, i in last.items():
         if s not in keep:
             frees[i].append(s)
+    return slots, frees
+
+
+def lower_to_loop(kernels: Sequence[Kernel], inputs: Sequence[Value],
+                  outputs: Sequence[Value]) -> Callable[..., tuple]:
+    """A function of the inputs (in order) returning the outputs (a tuple)."""
+    slots, frees = slot_plan(kernels, inputs, outputs)
     steps = [(_compile_call(k, slots), tuple(f)) for k, f in zip(kernels, frees)]
     n = len(slots)
     n_in = len(inputs)

@@ -173,7 +173,7 @@ class Plan:
                 if isinstance(s.fn, Fused):
                     d["compile_seconds"] = round(s.fn.compile_seconds, 3)
                     if s.fn.why:
-                        d["runner"] = f"{s.why_loop and 'python loop' or 'native'} (Inductor refused)"
+                        d["runner"] = ("python loop" if s.why_loop else "native") + " (Inductor refused)"
                         d["why_unfused"] = s.fn.why
                 if getattr(s.fn, "failed", ""):
                     d["runner"] = f"{s.fn.inner}; its CUDA graph capture failed ({s.fn.failed})"

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from .._compat import native_meta
-from .program import Kernel, Value, values_in
+from .loop import slot_plan
+from .program import Kernel, Value
 
 __all__ = ["Unlowerable", "lower_to_native"]
 
@@ -71,24 +72,7 @@ def lower_to_native(kernels: Sequence[Kernel], inputs: Sequence[Value],
     """A function of the inputs (in order) returning the outputs (a tuple)."""
     if native_meta is None or not hasattr(native_meta, "make_runner"):
         raise Unlowerable("the C++ module (graphgrad._tensor_meta) is not built")
-    slots: dict[Value, int] = {}
-    for v in inputs:
-        slots.setdefault(v, len(slots))
-    for k in kernels:
-        for v in values_in(k.outs):
-            slots.setdefault(v, len(slots))
-    # the last step that reads each slot (or makes it, if nothing reads it): cleared after it
-    last: dict[int, int] = {}
-    for i, k in enumerate(kernels):
-        for v in values_in(k.outs):
-            last.setdefault(slots[v], i)
-        for v in values_in((k.args, tuple(k.kwargs.values()))):
-            last[slots[v]] = i
-    keep = {slots[v] for v in outputs}
-    frees: list[list[int]] = [[] for _ in kernels]
-    for s, i in last.items():
-        if s not in keep:
-            frees[i].append(s)
+    slots, frees = slot_plan(kernels, inputs, outputs)
     steps = []
     for i, k in enumerate(kernels):
         schema = k.func._schema

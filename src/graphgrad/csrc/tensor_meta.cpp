@@ -865,6 +865,34 @@ double as_float(PyObject* obj) {
   throw Unsupported("a float was expected");
 }
 
+bool as_bool(PyObject* obj) {
+  if (!PyBool_Check(obj)) throw Unsupported("a bool was expected");
+  return obj == Py_True;
+}
+
+// A torch.dtype, torch.layout or torch.memory_format as the dispatcher takes it (an int)
+c10::IValue enum_value(PyObject* obj) {
+  if (THPDtype_Check(obj)) return c10::IValue(reinterpret_cast<THPDtype*>(obj)->scalar_type);
+  if (THPLayout_Check(obj)) return c10::IValue(reinterpret_cast<THPLayout*>(obj)->layout);
+  if (THPMemoryFormat_Check(obj)) {
+    return c10::IValue(reinterpret_cast<THPMemoryFormat*>(obj)->memory_format);
+  }
+  throw Unsupported("a dtype, layout or memory format was expected");
+}
+
+// A Python list or tuple (obj, of n items) as a typed list, each item converted by convert
+template <typename T, typename Convert>
+c10::IValue list_of(PyObject* obj, Py_ssize_t n, Convert convert) {
+  c10::List<T> out;
+  out.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    // (a borrowed item: obj is a list or a tuple, which the caller checked)
+    PyObject* item = PyList_Check(obj) ? PyList_GET_ITEM(obj, i) : PyTuple_GET_ITEM(obj, i);
+    out.push_back(convert(item));
+  }
+  return c10::IValue(std::move(out));
+}
+
 // A Python constant as the IValue the schema's declared type takes
 c10::IValue to_ivalue(PyObject* obj, const c10::TypePtr& type) {
   using c10::TypeKind;
@@ -875,10 +903,8 @@ c10::IValue to_ivalue(PyObject* obj, const c10::TypePtr& type) {
     case TypeKind::IntType:
     case TypeKind::SymIntType:
       // (a schema's ScalarType, Layout and MemoryFormat are ints to the dispatcher)
-      if (THPDtype_Check(obj)) return c10::IValue(reinterpret_cast<THPDtype*>(obj)->scalar_type);
-      if (THPLayout_Check(obj)) return c10::IValue(reinterpret_cast<THPLayout*>(obj)->layout);
-      if (THPMemoryFormat_Check(obj)) {
-        return c10::IValue(reinterpret_cast<THPMemoryFormat*>(obj)->memory_format);
+      if (THPDtype_Check(obj) || THPLayout_Check(obj) || THPMemoryFormat_Check(obj)) {
+        return enum_value(obj);
       }
       return c10::IValue(as_int(obj));
     case TypeKind::FloatType:
@@ -886,8 +912,7 @@ c10::IValue to_ivalue(PyObject* obj, const c10::TypePtr& type) {
       return c10::IValue(as_float(obj));
     case TypeKind::BoolType:
     case TypeKind::SymBoolType:
-      if (!PyBool_Check(obj)) throw Unsupported("a bool was expected");
-      return c10::IValue(obj == Py_True);
+      return c10::IValue(as_bool(obj));
     case TypeKind::NumberType:  // Scalar
       if (PyBool_Check(obj)) return c10::IValue(obj == Py_True);
       if (PyLong_Check(obj)) return c10::IValue(as_int(obj));
@@ -906,14 +931,9 @@ c10::IValue to_ivalue(PyObject* obj, const c10::TypePtr& type) {
       return c10::IValue(std::string(text));
     }
     case TypeKind::ScalarTypeType:
-      if (!THPDtype_Check(obj)) throw Unsupported("a dtype was expected");
-      return c10::IValue(reinterpret_cast<THPDtype*>(obj)->scalar_type);
     case TypeKind::LayoutType:
-      if (!THPLayout_Check(obj)) throw Unsupported("a layout was expected");
-      return c10::IValue(reinterpret_cast<THPLayout*>(obj)->layout);
     case TypeKind::MemoryFormatType:
-      if (!THPMemoryFormat_Check(obj)) throw Unsupported("a memory format was expected");
-      return c10::IValue(reinterpret_cast<THPMemoryFormat*>(obj)->memory_format);
+      return enum_value(obj);
     case TypeKind::GeneratorType:
       if (!THPGenerator_Check(obj)) throw Unsupported("a generator was expected");
       return c10::IValue(reinterpret_cast<THPGenerator*>(obj)->cdata);
@@ -943,47 +963,19 @@ c10::IValue to_ivalue(PyObject* obj, const c10::TypePtr& type) {
     case TypeKind::ListType: {
       if (!PyList_Check(obj) && !PyTuple_Check(obj)) throw Unsupported("a list was expected");
       const c10::TypePtr& elem = type->expectRef<c10::ListType>().getElementType();
-      PyObject* seq = PySequence_Fast(obj, "a list");
-      if (!seq) {
-        PyErr_Clear();
-        throw Unsupported("a list was expected");
+      const Py_ssize_t n = PySequence_Size(obj);
+      switch (elem->kind()) {
+        case TypeKind::IntType:
+        case TypeKind::SymIntType:
+          return list_of<int64_t>(obj, n, as_int);
+        case TypeKind::FloatType:
+          return list_of<double>(obj, n, as_float);
+        case TypeKind::BoolType:
+          return list_of<bool>(obj, n, as_bool);
+        default:
+          if (n == 0) return c10::IValue(c10::impl::GenericList(elem));  // (Tensor[], Tensor?[])
+          throw Unsupported("a list of " + elem->str());
       }
-      Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-      PyObject** items = PySequence_Fast_ITEMS(seq);
-      try {
-        switch (elem->kind()) {
-          case TypeKind::IntType:
-          case TypeKind::SymIntType: {
-            c10::List<int64_t> out;
-            for (Py_ssize_t i = 0; i < n; ++i) out.push_back(as_int(items[i]));
-            Py_DECREF(seq);
-            return c10::IValue(out);
-          }
-          case TypeKind::FloatType: {
-            c10::List<double> out;
-            for (Py_ssize_t i = 0; i < n; ++i) out.push_back(as_float(items[i]));
-            Py_DECREF(seq);
-            return c10::IValue(out);
-          }
-          case TypeKind::BoolType: {
-            c10::List<bool> out;
-            for (Py_ssize_t i = 0; i < n; ++i) {
-              if (!PyBool_Check(items[i])) throw Unsupported("a bool was expected");
-              out.push_back(items[i] == Py_True);
-            }
-            Py_DECREF(seq);
-            return c10::IValue(out);
-          }
-          default:
-            break;
-        }
-      } catch (...) {
-        Py_DECREF(seq);
-        throw;
-      }
-      Py_DECREF(seq);
-      if (n == 0) return c10::IValue(c10::impl::GenericList(elem));  // (Tensor[], Tensor?[], ...)
-      throw Unsupported("a list of " + elem->str());
     }
     default:
       throw Unsupported("an argument of type " + type->str());

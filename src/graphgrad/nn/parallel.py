@@ -38,6 +38,7 @@ if dist.is_available():
 
 from .._compat import DisableTorchFunctionSubclass as _Disable
 from .._compat import flatten_dense_tensors as _flatten_dense_tensors
+from .._compat import plain_alias
 from .._compat import unflatten_dense_tensors as _unflatten_dense_tensors
 from ..graph import topo_order
 from .adoption import adopt
@@ -106,12 +107,6 @@ def assign_buckets(sizes: list[tuple[int, Any]], cap_bytes: int) -> list[list[in
         if state[1] >= state[2]:
             del open_buckets[key]
     return buckets
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A plain torch.Tensor sharing ``t``'s storage: what collectives and raw copies get."""
-    with _Disable():
-        return torch.Tensor.detach(t)
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -386,7 +381,7 @@ class DataParallel(torch.nn.Module):
         """Overwrite ``tensors`` with rank 0's values: one flat broadcast per dtype and device."""
         groups: dict[Any, list[torch.Tensor]] = {}
         for t in tensors:
-            groups.setdefault((t.dtype, t.device), []).append(_plain(t))
+            groups.setdefault((t.dtype, t.device), []).append(plain_alias(t))
         with torch.no_grad(), _Disable():
             for group in groups.values():
                 flat = _flatten_dense_tensors(group)
