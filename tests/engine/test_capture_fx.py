@@ -3,7 +3,8 @@
 ``to_fx``: the recorded plan as a torch.fx.GraphModule run with plain torch tensors reproduces
 the eager step bit for bit (results, the model's parameters and buffers updated in place, the
 .grad values it returns), and refuses a plan whose optimizer step runs eagerly. ``fuse=True``:
-each kernel segment compiled by torch.compile (Inductor) on its first replay; replays match the
+each kernel segment compiled by Inductor on its first replay, optimizer steps recorded as
+torch.compile traces them (capturable: no .item(), so they are kernels too); replays match the
 eager step within torch.testing.assert_close's default tolerances (check=N uses them); where
 Inductor refuses, one warning and the unfused segment, bitwise again.
 """
@@ -114,8 +115,10 @@ def test_to_fx_refuses_an_optimizer_step_that_runs_eagerly():
 
 
 def test_fused_replays_match_the_eager_step():
-    """A float32 MLP with AdamW (its step runs eagerly between fused segments): check=2
-    compares the first replays with the eager step within tolerance; 5 more steps stay close."""
+    """A float32 MLP with AdamW (CPU defaults: unfused, its step reads the step count with
+    .item() and runs eagerly; fused, it is recorded as torch.compile traces it, as kernels):
+    check=2 compares the first replays with the eager step within tolerance; 5 more steps stay
+    close; the optimizer's own settings and torch.compiler.is_compiling are as they were."""
     (a, b), (oa, ob), step_of = pair(mlp, torch.optim.AdamW, dtype=torch.float32, lr=0.01)
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     fused, eager = gg.capture(step_of(a, oa), fuse=True, check=2), step_of(b, ob)
@@ -123,18 +126,41 @@ def test_fused_replays_match_the_eager_step():
         torch.testing.assert_close(plain(fused(x, y)), plain(eager(x, y)))
     assert fused.replays == 6 and fused.records == 1
     summary = fused.plan.summary()
-    assert summary.segments[0]["runner"] == "inductor"
+    assert [s["kind"] for s in summary.segments] == ["kernels", "optimizer (captured)"]
+    assert all(s["runner"] == "inductor" for s in summary.segments)
+    assert oa.param_groups[0]["capturable"] is False and not torch.compiler.is_compiling()
     assert fused.plan.compile_seconds > 0
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(plain(p), plain(q), rtol=1e-4, atol=1e-5)
 
 
+def test_an_optimizer_step_that_raises_while_recording_leaves_nothing_changed():
+    """The fused recording's tracing of optimizer steps (capturable, is_compiling) is undone
+    when the step raises inside the optimizer, as when it ends."""
+    (a, _), (oa, _), step_of = pair(mlp, torch.optim.AdamW, lr=0.01)
+    calls = []
+
+    def failing_on_second_record(opt, args, kwargs):
+        calls.append(torch.compiler.is_compiling())
+        if len(calls) == 2:
+            raise RuntimeError("a failing hook")
+    handle = oa.register_step_pre_hook(failing_on_second_record)
+    x, y = torch.randn(8, 16, dtype=DT), torch.randn(8, 4, dtype=DT)
+    fused = gg.capture(step_of(a, oa), fuse=True)
+    fused(x, y)  # warm-up (eager)
+    with pytest.raises(RuntimeError, match="a failing hook"):
+        fused(x, y)  # recording: the hook runs inside the traced step
+    handle.remove()
+    assert calls == [False, True]
+    assert oa.param_groups[0]["capturable"] is False and not torch.compiler.is_compiling()
+
+
 def test_where_inductor_refuses_one_warning_and_the_unfused_segment(monkeypatch):
-    def refuse(gm, **kw):
+    def refuse(gm, example_inputs, options=None):
         def compiled(*args):
             raise RuntimeError("no kernel for this (a test's refusal)")
         return compiled
-    monkeypatch.setattr(fx.torch, "compile", refuse)
+    monkeypatch.setattr(fx.torch._inductor, "compile", refuse)
     (a, b), (oa, ob), step_of = pair(mlp, torch.optim.SGD, lr=0.1, momentum=0.9)
     x, y = torch.randn(8, 16, dtype=DT), torch.randn(8, 4, dtype=DT)
     fused, eager = gg.capture(step_of(a, oa), fuse=True), step_of(b, ob)

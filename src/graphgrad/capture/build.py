@@ -74,7 +74,7 @@ def build_plan(prog: Program, spans: Sequence[OptimizerSpan], *, arg_guard: Argu
     ``end_grads``: (leaf, its .grad after the step) for every leaf the step touched;
     ``results``: (pytree spec or None for a single tensor, flat results with their classes);
     ``known_pre``: id(leaf) -> its .grad before the step, where known;
-    ``fuse``: compile each kernel segment with torch.compile (the unfused one as its fallback).
+    ``fuse``: compile each kernel segment with Inductor (the unfused one as its fallback).
     """
     by_id = prog.by_id
     drafts = _timeline(prog, spans)

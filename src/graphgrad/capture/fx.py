@@ -1,5 +1,5 @@
 """A plan as a ``torch.fx`` graph: ``plan.to_fx()``, ``lower_to_fx`` (one segment) and
-``Fused`` (a segment compiled by ``torch.compile``: ``gg.capture(step, fuse=True)``).
+``Fused`` (a segment compiled by Inductor: ``gg.capture(step, fuse=True)``).
 
 Each kept ATen call becomes a ``call_function`` node on the very overload recorded, with the
 same arguments (tensors as nodes, everything else as recorded); results that are lists or
@@ -146,19 +146,23 @@ def plan_to_fx(plan: Any) -> torch.fx.GraphModule:
 
 
 class Fused:
-    """A segment compiled by ``torch.compile`` (Inductor: C++ on CPU, Triton on CUDA), called
-    as the unfused segment is. It runs on plain-tensor aliases of its inputs (so that Dynamo
-    does not trace graphgrad's tensor class); in-place writes reach the originals' storage. The
-    first call compiles (``compile_seconds``); where Inductor refuses, one warning says why and
-    the unfused function runs from then on."""
+    """A segment compiled by Inductor (C++ on CPU, Triton on CUDA), called as the unfused
+    segment is. It runs on plain-tensor aliases of its inputs (Inductor's code calls torch on
+    them: graphgrad's tensor class would record those calls); in-place writes reach the
+    originals' storage. The first call compiles (``compile_seconds``); where Inductor refuses,
+    one warning says why and the unfused function runs from then on.
+
+    Note [Inductor without Dynamo]: the graph is already an ATen graph, and the plan's guards
+    already fix every input's dtype, shape, strides and device, so it goes to
+    ``torch._inductor.compile`` (Inductor's entry for graphs captured without Dynamo) rather
+    than through ``torch.compile``, whose Dynamo frame would check its own guards on every input
+    again at each call (about 0.7 ms a call on a GPT-2-shaped step's 170 inputs: some 5% of it).
+    tests/engine/test_capture_fx.py checks the fused replays against the eager step."""
 
     def __init__(self, name: str, gm: torch.fx.GraphModule, unfused: Callable[..., tuple]):
         self.name = name
         self.gm = gm
-        # fallback_random: random kernels stay ATen's, drawing from the step's generator as the
-        # eager step does (Inductor's own random numbers would differ from eager's)
-        self.compiled = torch.compile(gm, fullgraph=True, dynamic=False,
-                                      options={"fallback_random": True})
+        self.compiled: Callable[..., Any] | None = None
         self.unfused = unfused
         self.compile_seconds = 0.0
         self.ready = False
@@ -171,7 +175,11 @@ class Fused:
             return self.unfused(*ins)
         start = time.perf_counter()
         try:
-            out = self.compiled(*[plain_alias(t) for t in ins])
+            plain = [plain_alias(t) for t in ins]
+            # fallback_random: random kernels stay ATen's, drawing from the step's generator as
+            # the eager step does (Inductor's own random numbers would differ from eager's)
+            self.compiled = torch._inductor.compile(self.gm, plain, options={"fallback_random": True})
+            out = self.compiled(*plain)
         except Exception as e:  # (Inductor raises many kinds; each means: not fused)
             first = str(e).strip().splitlines()
             self.why = f"{type(e).__name__}: {first[0] if first else ''}"[:300]

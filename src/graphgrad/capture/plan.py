@@ -141,7 +141,7 @@ class Plan:
 
     @property
     def compile_seconds(self) -> float:
-        """Time ``torch.compile`` took on the fused segments' first replay (``fuse=True``)."""
+        """Time Inductor took on the fused segments' first replay (``fuse=True``)."""
         return sum(s.fn.compile_seconds for s in self.segments
                    if isinstance(s, KernelSegment) and isinstance(s.fn, Fused))
 

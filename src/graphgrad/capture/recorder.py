@@ -182,16 +182,35 @@ class _PythonReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class Recorder:
-    """Records one call of the step on this thread (``with recorder.active(): step(...)``)."""
+# Note [Optimizers as torch.compile traces them]
+# torch.optim's CPU defaults read the step count into Python (``_get_value``: ``.item()``), so a
+# plain recording runs such a step eagerly between kernel segments. torch.compile traces the same
+# step differently: ``torch.compiler.is_compiling()`` is true and Dynamo sets ``capturable`` in
+# the traced param groups (torch/_dynamo/variables/optimizer.py), so the bias corrections are
+# tensor kernels and the whole update is a graph. A fused recording (``gg.capture(fuse=True)``,
+# whose replays equal eager within rounding, not bitwise) traces optimizer steps the same way:
+# during each step, on this thread, ``is_compiling()`` answers True and every group that has a
+# ``capturable`` flag sees it set; both are put back when the step ends (or the recording does).
+# The update is torch's capturable formula, as torch.compile's; unfused recordings keep the
+# eager arithmetic (bitwise replays).
 
-    def __init__(self) -> None:
+
+class Recorder:
+    """Records one call of the step on this thread (``with recorder.active(): step(...)``).
+
+    ``as_compiled``: trace optimizer steps as torch.compile does (Note [Optimizers as
+    torch.compile traces them])."""
+
+    def __init__(self, as_compiled: bool = False) -> None:
         self.recording = Recording()
         self.thread = threading.get_ident()
         self.span: OptimizerSpan | None = None
         self.span_index = -1
         self._depth = 0
         self._constant: set[int] = set()  # storages whose values follow from shapes alone
+        self.as_compiled = as_compiled
+        self._flipped: list[dict] = []  # param groups whose capturable flag this step set
+        self._is_compiling: Any = None  # torch.compiler.is_compiling while it is replaced
 
     # -- values that depend on no data ----------------------------------------------------
     def is_constant(self, t: Any) -> bool:
@@ -242,6 +261,8 @@ class Recorder:
         self.span = span
         self.span_index = len(self.recording.spans)
         self.recording.spans.append(span)
+        if self.as_compiled:
+            self._trace_as_compiled(opt)
 
     def _step_post(self, opt, args, kwargs):
         if threading.get_ident() != self.thread:
@@ -249,6 +270,7 @@ class Recorder:
         self._depth -= 1
         if self._depth > 0:
             return
+        self._untrace()
         span = self.span
         span.end = len(self.recording.calls)
         changed = hyperparameters(opt) != span.hyper or _state_scalars(opt) != span.state_scalars
@@ -256,6 +278,26 @@ class Recorder:
             span.eager = "it changes Python-level state (hyperparameters or non-tensor state)"
         self.span = None
         self.span_index = -1
+
+    def _trace_as_compiled(self, opt: torch.optim.Optimizer) -> None:
+        for group in opt.param_groups:
+            if group.get("capturable") is False:
+                group["capturable"] = True
+                self._flipped.append(group)
+        original = self._is_compiling = torch.compiler.is_compiling
+        thread = self.thread
+
+        def is_compiling() -> bool:
+            return threading.get_ident() == thread or original()
+        torch.compiler.is_compiling = is_compiling
+
+    def _untrace(self) -> None:
+        for group in self._flipped:
+            group["capturable"] = False
+        self._flipped.clear()
+        if self._is_compiling is not None:
+            torch.compiler.is_compiling = self._is_compiling
+            self._is_compiling = None
 
     def _accumulated(self, leaf, old):
         if threading.get_ident() == self.thread:
@@ -302,6 +344,7 @@ class Recorder:
             with self._seeding_refused(), _PythonReads(self), _Dispatch(self):
                 yield self.recording
         finally:
+            self._untrace()  # (a step that raised never reached its post hook)
             executor.observe_accumulation(previous)
             for h in handles:
                 h.remove()

@@ -210,7 +210,7 @@ class CapturedStep:
         autocast_off = tuple(d for d in ("cpu", "cuda") if (d == "cpu" or torch.cuda.is_available())
                              and torch.is_autocast_enabled(d))
         seed = torch.initial_seed()
-        recorder = Recorder()
+        recorder = Recorder(as_compiled=self.fuse)
         with recorder.active():
             out = self._budgeted(args, kwargs)
         recording = recorder.recording
@@ -396,10 +396,12 @@ def capture(fn: Callable[..., Any] | None = None, *, warmup: int = 1, check: int
     percentage of what its warm-up call holds unconstrained) with an exact plan made from the
     warm-up call, so the plan recorded drops and recomputes what that plan chose, and every
     replay does the same; calls that draw random numbers are kept, never recomputed.
-    ``fuse=True``: each segment of kernels is compiled by ``torch.compile`` (Inductor) on its
-    first replay (``plan.compile_seconds``); where Inductor refuses, a warning and the unfused
-    segment. Fused replays equal the eager step within floating-point rounding, not bitwise:
-    ``check=N`` then compares within ``torch.testing.assert_close``'s default tolerances.
+    ``fuse=True``: each segment of kernels is compiled by Inductor on its first replay
+    (``plan.compile_seconds``); where Inductor refuses, a warning and the unfused segment.
+    Optimizer steps are recorded as torch.compile traces them (capturable: their bias
+    corrections are kernels, not Python numbers), so they join the compiled kernels. Fused
+    replays equal the eager step within floating-point rounding, not bitwise: ``check=N`` then
+    compares within ``torch.testing.assert_close``'s default tolerances.
     """
     def make(f: Callable[..., Any]) -> CapturedStep:
         return CapturedStep(f, warmup=warmup, check=check, cache_size=cache_size,
