@@ -151,13 +151,24 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2's shape, small: token + position embeddings, pre-LN blocks, tied LM head."""
+    """GPT-2's shape, small: token + position embeddings, pre-LN blocks, tied LM head, and
+    GPT-2's initialisation (weights N(0, 0.02), the residual projections' scaled by
+    1/sqrt(2 layers), biases 0). With torch's defaults instead (embeddings N(0, 1), tied to the
+    head) the first logits have a standard deviation near 11, softmax underflows to subnormal
+    numbers, and the first steps' matrix products run several times slower, each engine at a
+    different step of its own training: a benchmark of denormals, not of the engines."""
 
     def __init__(self, vocab=512, d=128, heads=4, layers=2, seq=64):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 2:
+                std = 0.02 / (2 * layers) ** 0.5 if name.endswith(("proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, std=std)
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos.weight[: idx.shape[1]]
