@@ -197,7 +197,7 @@ class _Value:
     """One tensor a recorded call made, or one from outside (``call`` None)."""
 
     __slots__ = ("call", "index", "ref", "strong", "version", "group", "home", "saved", "users",
-                 "pinned", "leaf", "offloaded", "key", "copied", "__weakref__")
+                 "pinned", "leaf", "offloaded", "key", "copied", "changed", "__weakref__")
 
     def __init__(self, call, index, tensor, version, group, leaf=False):
         self.call = call
@@ -214,6 +214,7 @@ class _Value:
         self.offloaded = None
         self.key = None  # (call number, output index or -1 - saved index): the plan's name for it
         self.copied = False  # from outside, copied before an in-place change (see snapshot)
+        self.changed = False  # saved, then changed in place by a recorded call (backward raises)
 
     def cost(self) -> float:
         """Seconds to recompute: its call, and the calls of the inputs that are gone too, back
@@ -247,18 +248,42 @@ class _Saved(CheckedPack):
     """What a node keeps instead of a tensor inside a memory budget. ``check`` runs before
     backward runs anything (as the engine checks the saved tensors it holds itself)."""
 
-    __slots__ = ("block", "value", "tensor", "origin", "detached", "__weakref__")
+    __slots__ = ("block", "value", "tensor", "origin", "detached", "saved", "version", "__weakref__")
 
     def __init__(self, block, tensor, origin):
         self.block = block
         self.value = None
         self.tensor = tensor  # until the call that saved it returns (then its value holds it)
+        # Note [Saved tensors changed in place under a budget]: a saved tensor changed in place
+        # since it was saved makes backward raise, as torch's does, whether its value was dropped
+        # (and could be recomputed as it was) or kept; else the same program would raise or not
+        # depending on what the limit dropped. A change by a recorded call marks the value
+        # (_Value.changed: seen even where the tensor is gone by backward); a change after the
+        # block shows in the version of the tensor saved, while it is alive.
+        self.saved = weakref.ref(origin)
+        with _Disable():
+            self.version = origin._version
         # the tensor saved, while it had a grad_fn: detach_() on it since is refused, as torch does
         self.origin = weakref.ref(origin) if getattr(origin, "_gg_node", None) is not None and \
             not _is_leaf(origin) else None
         self.detached = getattr(origin, "_gg_detached", 0) if self.origin is not None else 0
 
+    def unchanged(self, name):
+        t = self.saved()
+        with _Disable():
+            if t is not None and t._version != self.version:
+                raise RuntimeError(modified_message(name, "saved tensor", t, self.version))
+            if self.value is not None and self.value.changed:
+                raise RuntimeError(modified_message(name, "saved tensor", t, self.version)
+                                   if t is not None else
+                                   "one of the variables needed for gradient computation has been "
+                                   f"modified by an inplace operation: saved by {name} as its 'saved "
+                                   f"tensor' at version {self.version}, it was changed in place "
+                                   "afterwards. Hint: clone the tensor before changing it in place, "
+                                   "or change it after backward.")
+
     def check(self, name):
+        self.unchanged(name)
         origin = self.origin() if self.origin is not None else None
         if origin is not None and getattr(origin, "_gg_detached", 0) != self.detached and \
                 origin.grad_fn is None:
@@ -350,6 +375,9 @@ class _Block:
         out_slots = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
         with _Disable():
             mutated = [k for k, (i, v) in enumerate(zip(slots, before)) if flat[i]._version != v]
+        for k in mutated:  # Note [Saved tensors changed in place under a budget]
+            if inputs[k].saved:
+                inputs[k].changed = True
         call = None
         seq = -1
         if out_slots:  # the calls the profile numbers: those that make tensors
@@ -635,6 +663,7 @@ class _Block:
 
     # -- backward --------------------------------------------------------------------------
     def unpack(self, handle):
+        handle.unchanged("memory_budget")
         self.clock += 1
         v = handle.value
         if v is None:

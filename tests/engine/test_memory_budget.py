@@ -235,6 +235,32 @@ def test_a_recorded_value_changed_in_place_is_recomputed_as_it_was():
     assert mb.stats.evicted > 0
 
 
+@pytest.mark.parametrize("limit", [2**40, 128, 16, 8])
+@pytest.mark.parametrize("live", [True, False])
+def test_a_saved_tensor_changed_in_place_inside_the_block_is_refused_as_torch_refuses(limit, live):
+    """abs saves its input b; b.add_ after that makes backward raise in torch. Under any limit,
+    whether b's saved value was dropped (and could be recomputed as it was) or kept, it raises
+    the same, before backward changes anything. Found by the fuzzer: where dropped values are
+    always recomputed (``_live=False``, gg.capture's mode under a budget) backward returned a
+    gradient where torch raises."""
+    def program(make, budget):
+        x = make(torch.ones(1, 1, dtype=DT) * 0.5)
+        with budget:
+            b = x.abs().abs()
+            c = b.abs()
+            b.add_(c)
+        return x, c.sum()
+
+    tx, tloss = program(lambda t: t.requires_grad_(), contextlib.nullcontext())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        tloss.backward()
+    mb = gg.memory_budget(limit, _live=live)
+    x, loss = program(lambda t: gg.as_tensor(t, requires_grad=True), mb)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    assert x.grad is None
+
+
 def test_an_input_changed_after_the_block_is_refused_as_torch_refuses():
     x = gg.as_tensor(torch.randn(32, 32, dtype=DT))
     w = gg.as_tensor(torch.randn(32, 32, dtype=DT), requires_grad=True)
