@@ -52,8 +52,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(world, scenarios, out, **extra_env):
-    """Start ``world`` ranks on loopback; return their exit codes (their output: read_logs)."""
+def launch(world, scenarios, out, worker=WORKER, **extra_env):
+    """Start ``world`` ranks of ``worker`` on loopback; return their exit codes (their output: read_logs)."""
     port = free_port()
     procs, logs = [], []
     for rank in range(world):
@@ -61,7 +61,7 @@ def launch(world, scenarios, out, **extra_env):
                    LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo", **extra_env)
         log = open(out / f"log_rank{rank}.txt", "w")  # noqa: SIM115  (closed below)
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), ",".join(scenarios)],
+        procs.append(subprocess.Popen([sys.executable, str(worker), str(out), ",".join(scenarios)],
                                       env=env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + JOIN_S
     try:

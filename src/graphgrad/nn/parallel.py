@@ -43,7 +43,7 @@ from .._compat import unflatten_dense_tensors as _unflatten_dense_tensors
 from ..graph import topo_order
 from .adoption import adopt
 
-__all__ = ["DataParallel", "init_process_group", "destroy_process_group"]
+__all__ = ["DataParallel", "GradientBuckets", "init_process_group", "destroy_process_group"]
 
 _FIRST_BUCKET_BYTES = 1 << 20  # like torch DDP: a small first bucket starts communication early
 
@@ -136,39 +136,29 @@ def _on_leaf_node(ref: weakref.ref, index: int) -> Callable[[tuple, tuple], None
     return hook
 
 
-class DataParallel(torch.nn.Module):
-    """Wrap ``module`` for data-parallel training: one replica per process, gradients averaged.
+class GradientBuckets(torch.nn.Module):
+    """What ``DataParallel`` and ``ShardedDataParallel`` share: the checks and the broadcast at
+    wrap time, the hooks on the parameters' AccumulateGrad nodes, the buckets launched in bucket
+    order as their gradients become ready, the unused-parameter bookkeeping, and the waits that
+    name a failed collective.
 
-    Call ``torch.distributed.init_process_group`` first (``torchrun`` sets the environment).
-    The module is adopted (``gg.nn.adopt``) if needed, and its parameters and buffers are
-    replaced by rank 0's. Every ``backward()`` after a forward through this wrapper (with grad
-    enabled, outside ``no_sync()``) leaves in each ``.grad`` the average over the ranks.
-
-    - ``bucket_cap_mb``: gradients are all-reduced in flat buckets of about this size.
-    - ``broadcast_buffers``: copy rank 0's buffers (BatchNorm statistics) to every rank before
-      each forward that will be synchronized. Forwards under ``no_grad`` communicate nothing,
-      so evaluation may run on one rank alone.
-    - ``find_unused_parameters``: each forward walks the graph from its outputs; parameters it
-      does not reach, and parameters reached that get no gradient, count as zero on this rank.
-      After the step, a parameter that got a gradient on any rank holds the average (zeros
-      included); one that got none on any rank keeps its ``.grad`` unchanged (``None`` stays
-      ``None``, so optimizers skip it). Without it, every parameter must take part in every
-      synchronized backward; if one does not, the next forward raises and names it.
-
-    One backward per forward (sum the losses first); every output of forward that depends on
-    the parameters must take part in the loss. Use ``no_sync()`` to accumulate gradients.
+    A subclass builds ``self._buckets`` (``_build_buckets``) and says what a bucket's collective
+    is (``_launch``), where a parameter's gradient goes in its bucket (``_grad_slot``) and what
+    the reduced bucket is written back to (``_write_back``); ``_run_module`` runs the module.
     """
 
-    def __init__(self, module: torch.nn.Module, process_group: Any = None, bucket_cap_mb: float = 25.0,
-                 broadcast_buffers: bool = True, find_unused_parameters: bool = False):
-        super().__init__()
+    def _setup(self, module: torch.nn.Module, process_group: Any, bucket_cap_mb: float,
+               broadcast_buffers: bool, find_unused_parameters: bool, signature: str = "") -> None:
+        """Check the arguments and the other ranks' models, adopt ``module`` and take rank 0's
+        parameters and buffers. ``signature`` is compared across ranks with the parameters."""
+        what = self._what()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
-                "gg.nn.DataParallel needs a torch.distributed process group: call "
+                f"{what} needs a torch.distributed process group: call "
                 "torch.distributed.init_process_group('gloo' or 'nccl') first (launch with torchrun, "
                 "which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT).")
         if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"gg.nn.DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
+            raise TypeError(f"{what} wraps a torch.nn.Module, got {type(module).__name__}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.module = adopt(module)
@@ -180,50 +170,43 @@ class DataParallel(torch.nn.Module):
         self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError("gg.nn.DataParallel: the module has no parameter that requires grad")
+            raise ValueError(f"{what}: the module has no parameter that requires grad")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._device = self._params[0].device
-        self._check_same_model()
-        self._broadcast(self._params + list(module.buffers()), "the initial parameters and buffers")
-        self._build_buckets(int(bucket_cap_mb * 1024 * 1024))
-        ref = weakref.ref(self)
-        self._handles = []
-        for i, p in enumerate(self._params):
-            self._handles.append(p._gg_node.register_hook(_on_leaf_node(ref, i)))
+        self._check_same_model(signature)
+        self._broadcast(list(module.parameters()) + list(module.buffers()),
+                        "the initial parameters and buffers")
         self._require_sync = True
         self._overlap = True  # False: launch every bucket after the last gradient (benchmarks)
         self._local_used = [False] * len(self._params)  # kept across no_sync() iterations
+        self._handles: list = []
+        self._failed: str | None = None  # a collective failed: this rank's state is not to be trusted
+
+    def _hook_leaves(self) -> None:
+        """Hook each parameter's AccumulateGrad node: it calls ``_on_gradient`` once the
+        parameter's gradient of a backward pass is final."""
+        ref = weakref.ref(self)
+        self._handles += [p._gg_node.register_hook(_on_leaf_node(ref, i)) for i, p in enumerate(self._params)]
         self._reset(expecting=False, sync=False)
 
-    # -- setup ---------------------------------------------------------------------------
-    def _check_same_model(self) -> None:
+    @classmethod
+    def _what(cls) -> str:
+        return f"gg.nn.{cls.__name__}"
+
+    def _check_same_model(self, signature: str = "") -> None:
         """Every rank must wrap the same model: compare a signature before any other collective."""
-        desc = ";".join(f"{n}{tuple(p.shape)}{p.dtype}" for n, p in zip(self._names, self._params))
+        desc = ";".join(f"{n}{tuple(p.shape)}{p.dtype}{p.requires_grad}"
+                        for n, p in self.module.named_parameters()) + signature
         mine = torch.tensor([len(self._params), zlib.crc32(desc.encode())], dtype=torch.int64,
                             device=self._device)
         low, high = mine.clone(), mine.clone()
         self._wait(dist.all_reduce(low, dist.ReduceOp.MIN, self.process_group, async_op=True), "a check")
         self._wait(dist.all_reduce(high, dist.ReduceOp.MAX, self.process_group, async_op=True), "a check")
         if not torch.equal(low, high):
-            raise RuntimeError("gg.nn.DataParallel: the module's parameters (names, shapes or dtypes) "
-                               "differ between ranks; every rank must build the same model.")
-
-    def _build_buckets(self, cap_bytes: int) -> None:
-        params = self._params
-        sizes = [(p.numel() * p.element_size(), (p.dtype, p.device)) for p in params]
-        self._buckets: list[_Bucket] = []
-        self._bucket_of = [0] * len(params)
-        self._offset = [0] * len(params)
-        for k, indices in enumerate(assign_buckets(sizes, cap_bytes)):
-            total = 0
-            for i in indices:
-                self._bucket_of[i] = k
-                self._offset[i] = total
-                total += params[i].numel()
-            first = params[indices[0]]
-            flat = torch.zeros(total, dtype=first.dtype, device=first.device)
-            self._buckets.append(_Bucket(indices, flat))
+            raise RuntimeError(f"{self._what()}: the module's parameters (names, shapes, dtypes or "
+                               "requires_grad) or the wrapper's settings differ between ranks; every "
+                               "rank must build the same model and wrap it the same way.")
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
@@ -248,16 +231,26 @@ class DataParallel(torch.nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; prepare the gradient reduction of the backward that follows."""
+        self._refuse_if_failed()
         self._check_previous_iteration()
         grad_on = torch.is_grad_enabled()
         if grad_on and self._require_sync and self.broadcast_buffers and self._world > 1:
             self._broadcast(list(self.module.buffers()), "the buffers")
-        output = self.module(*inputs, **kwargs)
+        output = self._run_module(inputs, kwargs)
         self._reset(expecting=grad_on, sync=grad_on and self._require_sync)
         if self._sync_iter and self.find_unused_parameters:
             reached = _reachable_nodes(output)
             self._unreached = [i for i, p in enumerate(self._params) if p._gg_node not in reached]
         return output
+
+    def _run_module(self, inputs: tuple, kwargs: dict) -> Any:
+        return self.module(*inputs, **kwargs)
+
+    def _refuse_if_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"{self._what()} (rank {self._rank}): a collective failed before "
+                               f"({self._failed}); this rank's parameters and gradients may be partly "
+                               "updated. Rebuild the process group and the model from a checkpoint.")
 
     def _reset(self, expecting: bool, sync: bool) -> None:
         self._expecting = expecting
@@ -282,7 +275,7 @@ class DataParallel(torch.nn.Module):
                     b.work.wait()
         self._reset(expecting=False, sync=False)
         raise RuntimeError(
-            "gg.nn.DataParallel: the previous backward pass gave no gradient to some parameters, so "
+            f"{self._what()}: the previous backward pass gave no gradient to some parameters, so "
             f"its gradient reduction never finished; parameters without a gradient: {', '.join(missing)}. "
             "Pass find_unused_parameters=True if some parameters do not take part in every forward, "
             "and make every output of forward take part in the loss.")
@@ -312,7 +305,7 @@ class DataParallel(torch.nn.Module):
         else:
             why = ("its gradient was already reduced in this iteration; call backward once per "
                    "forward (sum the losses first), or run the extra passes under no_sync()")
-        raise RuntimeError(f"gg.nn.DataParallel: parameter {self._names[i]} got a gradient, but {why}.")
+        raise RuntimeError(f"{self._what()}: parameter {self._names[i]} got a gradient, but {why}.")
 
     def _mark_ready(self, i: int, used: bool) -> None:
         self._ready[i] = True
@@ -321,17 +314,25 @@ class DataParallel(torch.nn.Module):
             self._local_used[i] = True
         p = self._params[i]
         bucket = self._buckets[self._bucket_of[i]]
-        slot = bucket.flat[self._offset[i]:self._offset[i] + p.numel()]
+        slot = self._grad_slot(bucket, i)
         grad = p.grad
         if self._local_used[i] and grad is not None:
             slot.view(grad.shape).copy_(grad)
         else:
             slot.zero_()
+        self._grad_taken(i)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready_buckets()
         if self._n_ready == len(self._params):
             self._finalize()
+
+    def _grad_slot(self, bucket: _Bucket, i: int) -> torch.Tensor:
+        """Where parameter ``i``'s gradient goes in ``bucket``'s flat buffer."""
+        return bucket.flat[self._offset[i]:self._offset[i] + self._params[i].numel()]
+
+    def _grad_taken(self, i: int) -> None:
+        """Parameter ``i``'s gradient is copied into its bucket."""
 
     def _launch_ready_buckets(self) -> None:
         """Launch complete buckets in bucket order: every rank issues the same collectives in
@@ -344,12 +345,13 @@ class DataParallel(torch.nn.Module):
                 self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        if self._world > 1:
-            bucket.flat.div_(self._world)  # before the sum, like torch DDP: no overflow in low precision
-        bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+        raise NotImplementedError
+
+    def _write_back(self, bucket: _Bucket, used: list[int] | None) -> None:
+        raise NotImplementedError
 
     def _finalize(self) -> None:
-        """The last gradient is in: wait for every bucket and write the averages to ``.grad``."""
+        """The last gradient is in: wait for every bucket and write the results back."""
         try:
             if not self._overlap:
                 for bucket in self._buckets:
@@ -362,16 +364,10 @@ class DataParallel(torch.nn.Module):
                 used = flags.tolist()
             for k, bucket in enumerate(self._buckets):
                 work, bucket.work = bucket.work, None
-                self._wait(work, f"gradient bucket {k}")
-                for i in bucket.params:
-                    if used is not None and not used[i]:
-                        continue  # no rank had a gradient: leave .grad as it was
-                    p = self._params[i]
-                    view = bucket.flat[self._offset[i]:self._offset[i] + p.numel()].view(p.shape)
-                    if p.grad is None:
-                        p.grad = view.clone()
-                    else:
-                        p.grad.copy_(view)
+                if work is not None:
+                    self._wait(work, f"gradient bucket {k}")
+            for bucket in self._buckets:  # only once all arrived: no partly written gradients
+                self._write_back(bucket, used)
         finally:
             self._finalized = True
             self._local_used = [False] * len(self._params)
@@ -395,7 +391,72 @@ class DataParallel(torch.nn.Module):
         try:
             work.wait()
         except Exception as exc:
+            self._failed = f"the collective for {what}"
             raise RuntimeError(
-                f"gg.nn.DataParallel (rank {self._rank} of {self._world}): the collective for {what} "
+                f"{self._what()} (rank {self._rank} of {self._world}): the collective for {what} "
                 "failed. Another rank probably stopped (it raised, exited, or did not run the same "
                 f"forward and backward) or the process group timed out. Cause: {exc}") from exc
+
+
+class DataParallel(GradientBuckets):
+    """Wrap ``module`` for data-parallel training: one replica per process, gradients averaged.
+
+    Call ``torch.distributed.init_process_group`` first (``torchrun`` sets the environment).
+    The module is adopted (``gg.nn.adopt``) if needed, and its parameters and buffers are
+    replaced by rank 0's. Every ``backward()`` after a forward through this wrapper (with grad
+    enabled, outside ``no_sync()``) leaves in each ``.grad`` the average over the ranks.
+
+    - ``bucket_cap_mb``: gradients are all-reduced in flat buckets of about this size.
+    - ``broadcast_buffers``: copy rank 0's buffers (BatchNorm statistics) to every rank before
+      each forward that will be synchronized. Forwards under ``no_grad`` communicate nothing,
+      so evaluation may run on one rank alone.
+    - ``find_unused_parameters``: each forward walks the graph from its outputs; parameters it
+      does not reach, and parameters reached that get no gradient, count as zero on this rank.
+      After the step, a parameter that got a gradient on any rank holds the average (zeros
+      included); one that got none on any rank keeps its ``.grad`` unchanged (``None`` stays
+      ``None``, so optimizers skip it). Without it, every parameter must take part in every
+      synchronized backward; if one does not, the next forward raises and names it.
+
+    One backward per forward (sum the losses first); every output of forward that depends on
+    the parameters must take part in the loss. Use ``no_sync()`` to accumulate gradients.
+    """
+
+    def __init__(self, module: torch.nn.Module, process_group: Any = None, bucket_cap_mb: float = 25.0,
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False):
+        super().__init__()
+        self._setup(module, process_group, bucket_cap_mb, broadcast_buffers, find_unused_parameters)
+        self._build_buckets(int(bucket_cap_mb * 1024 * 1024))
+        self._hook_leaves()
+
+    def _build_buckets(self, cap_bytes: int) -> None:
+        params = self._params
+        sizes = [(p.numel() * p.element_size(), (p.dtype, p.device)) for p in params]
+        self._buckets: list[_Bucket] = []
+        self._bucket_of = [0] * len(params)
+        self._offset = [0] * len(params)
+        for k, indices in enumerate(assign_buckets(sizes, cap_bytes)):
+            total = 0
+            for i in indices:
+                self._bucket_of[i] = k
+                self._offset[i] = total
+                total += params[i].numel()
+            first = params[indices[0]]
+            flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+            self._buckets.append(_Bucket(indices, flat))
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self._world > 1:
+            bucket.flat.div_(self._world)  # before the sum, like torch DDP: no overflow in low precision
+        bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+
+    def _write_back(self, bucket: _Bucket, used: list[int] | None) -> None:
+        """Copy the averages into ``.grad``."""
+        for i in bucket.params:
+            if used is not None and not used[i]:
+                continue  # no rank had a gradient: leave .grad as it was
+            p = self._params[i]
+            view = bucket.flat[self._offset[i]:self._offset[i] + p.numel()].view(p.shape)
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
