@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="data-parallel: gg.nn.DataParallel beside torch DDP, each rank on its share of "
                            "every batch; launch with torchrun --nproc_per_node=N -m graphgrad demo "
                            "--distributed (alone: a group of one)")
+    demo.add_argument("--shard", type=int, choices=(1, 2, 3), default=0, metavar="STAGE",
+                      help="with --distributed: gg.nn.ShardedDataParallel of ZeRO stage STAGE (1, 2 or "
+                           "3) instead of gg.nn.DataParallel")
     demo.add_argument("--capture", action="store_true",
                       help="also train a third copy with its training step under gg.capture "
                            "(recorded once, replayed as a plan of kernels): adds its time per step "
@@ -181,6 +184,8 @@ def _run(args: argparse.Namespace) -> int:
                                "pip install 'graphgrad[demo]'")
         _check_device(args.device)
         _check_folder(args.out, "--out")
+        if args.shard and not args.distributed:
+            raise CommandError("--shard needs --distributed (it shards over the ranks)")
         if args.capture and args.distributed:
             raise CommandError("--capture and --distributed cannot be combined (gg.capture records "
                                "one process's step)")
@@ -189,7 +194,7 @@ def _run(args: argparse.Namespace) -> int:
                                "copy trains in one process)")
         config = DemoConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size,
                             lr=args.lr, device=args.device, out=args.out, seed=args.seed,
-                            progress=not args.no_progress, distributed=args.distributed,
+                            progress=not args.no_progress, distributed=args.distributed, shard=args.shard,
                             threads=args.threads, capture=args.capture,
                             memory_budget=args.memory_budget)
         try:

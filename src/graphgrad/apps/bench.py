@@ -16,6 +16,9 @@ Workloads (the figures and how to read them: ``docs/performance.md``):
   d=768, 12 heads, seq 512, batch 8 in float32 and bf16 autocast, with peak CUDA memory).
 * DDP (full CPU runs): 2 processes with gg.nn.DataParallel on gloo, step time with and without
   overlapping communication with backward, beside torch's DistributedDataParallel.
+* D-GPT 2x / 4x (full CPU runs): 2 and 4 processes on gloo, an AdamW step of a GPT-2-shaped
+  model with gg.nn.ShardedDataParallel stages 1-3, beside gg.nn.DataParallel (stages 1 and 2)
+  and torch's FSDP ``fully_shard`` on the plain torch model (stage 3) (``run_sharded_bench``).
 * W6 the compiled engine against the pure-Python one (a subprocess with GRAPHGRAD_PURE_PYTHON=1
   running the same code) on W1 and W4.
 * GC: cyclic-GC collections and their total pause time (``gc.callbacks``) during N W2 steps,
@@ -57,7 +60,7 @@ import torch.nn.functional as F
 import graphgrad as gg
 
 from .bench_capture import capture_rows
-from .bench_distributed import run_distributed_bench
+from .bench_distributed import run_distributed_bench, run_sharded_bench
 from .bench_memory import memory_rows
 from .workloads import Phases, chain, chain_bound, clock, mlp, mlp_bound_grads, sync
 
@@ -537,6 +540,14 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
         rows.extend(ddp.get("rows", []))
         extra["DDP"] = ddp.get("extra", {})
         done("DDP")
+        for world in (2, 4):  # ZeRO stages 1-3 beside DataParallel and torch's FSDP
+            zero = run_sharded_bench(world_size=world)
+            if zero.get("error"):
+                extra[f"D-GPT {world}x error"] = zero["error"]
+                log(f"  D-GPT {world}x failed: {zero['error']}")
+            rows.extend(zero.get("rows", []))
+            extra[f"D-GPT {world}x"] = zero.get("extra", {})
+        done("D-GPT")
 
     result = {
         "meta": _machine(cfg, device, time.perf_counter() - t_start, repeats, warmup),

@@ -100,6 +100,7 @@ class DemoConfig:
     seed: int = 0
     progress: bool = True
     distributed: bool = False  # gg.nn.DataParallel beside torch DDP; launch with torchrun
+    shard: int = 0  # with distributed: gg.nn.ShardedDataParallel of this ZeRO stage (1-3) instead
     threads: int = 1  # torch's intra-op threads for the whole run, both engines
     capture: bool = False  # also train a copy with its step under gg.capture
     memory_budget: int | str | None = None  # also train a copy with its forward under gg.memory_budget
@@ -176,7 +177,22 @@ def _gradient_agreement(ours, theirs, x, y) -> float:
 PARITY_STEPS = 10
 
 
-def _float64_parity(initial, batches, distributed: bool) -> dict:
+def _data_parallel(model, shard: int):
+    """graphgrad's data-parallel wrapper: ``ShardedDataParallel`` of ZeRO stage ``shard``, or
+    ``DataParallel`` (``shard`` 0)."""
+    return gg.nn.ShardedDataParallel(model, stage=shard) if shard else gg.nn.DataParallel(model)
+
+
+def _weights(model) -> list[torch.Tensor]:
+    """The trained weights in the module's order: a sharded model's come from its full state dict
+    (every rank calls this: it gathers), a replica's are its parameters."""
+    if isinstance(model, gg.nn.ShardedDataParallel):
+        full = model.state_dict()
+        return [full[name] for name, _ in model.module.named_parameters()]
+    return [p.detach().as_subclass(torch.Tensor) for p in model.parameters()]
+
+
+def _float64_parity(initial, batches, distributed: bool, shard: int = 0) -> dict:
     """Both engines train float64 copies of the same initial model for a few steps (the
     same batches, dropout masks and Adam): the largest relative difference of their losses
     and of their final weights. In float64 the two agree to rounding, so this is the check
@@ -185,7 +201,7 @@ def _float64_parity(initial, batches, distributed: bool) -> dict:
     theirs = copy.deepcopy(initial).double()
     ours = gg.nn.adopt(copy.deepcopy(theirs))
     if distributed:
-        ours = gg.nn.DataParallel(ours)
+        ours = _data_parallel(ours, shard)
         theirs = torch.nn.parallel.DistributedDataParallel(theirs)
     losses: dict[str, list[float]] = {"ours": [], "theirs": []}
     for name, model in (("ours", ours), ("theirs", theirs)):
@@ -199,8 +215,8 @@ def _float64_parity(initial, batches, distributed: bool) -> dict:
             losses[name].append(loss.item())
     loss_gap = max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses["ours"], losses["theirs"]))
     scale = max(q.detach().abs().max().item() for q in theirs.parameters()) or 1.0
-    weight_gap = max((p.detach().as_subclass(torch.Tensor) - q.detach()).abs().max().item()
-                     for p, q in zip(ours.parameters(), theirs.parameters())) / scale
+    weight_gap = max((p - q.detach()).abs().max().item()
+                     for p, q in zip(_weights(ours), theirs.parameters())) / scale
     return {"steps": len(batches), "max_relative_loss_difference": loss_gap,
             "max_relative_weight_difference": weight_gap}
 
@@ -255,6 +271,8 @@ def run_demo(config: DemoConfig) -> dict:
     """Train, evaluate, compare, and write the outputs; return the summary."""
     if config.model not in MODELS:
         raise ValueError(f"unknown model {config.model!r}; choose one of {', '.join(MODELS)}")
+    if config.shard and not config.distributed:
+        raise ValueError("shard needs distributed: gg.nn.ShardedDataParallel shards over the ranks")
     if config.capture and config.distributed:
         raise ValueError("capture and distributed cannot be combined: gg.capture records one "
                          "process's step; run the captured demo without --distributed")
@@ -292,12 +310,16 @@ def _run(config: DemoConfig) -> dict:
     for start in range(0, min(PARITY_STEPS, steps_per_epoch) * config.batch_size, config.batch_size):
         idx = first[start:start + config.batch_size][rank::world].to(config.device)
         parity_batches.append((x_train[idx], y_train[idx]))
-    float64 = _float64_parity(theirs, parity_batches, config.distributed)
+    float64 = _float64_parity(theirs, parity_batches, config.distributed, config.shard)
+    if config.shard:  # the engines' gradients, compared before sharding (a shard is a flat slice)
+        agreement = _gradient_agreement(gg.nn.adopt(copy.deepcopy(theirs)), copy.deepcopy(theirs),
+                                        x_train[:config.batch_size], y_train[:config.batch_size])
     if config.distributed:
-        ours = gg.nn.DataParallel(ours)
+        ours = _data_parallel(ours, config.shard)
         theirs = torch.nn.parallel.DistributedDataParallel(theirs)
-    agreement = _gradient_agreement(ours, theirs, x_train[:config.batch_size],
-                                    y_train[:config.batch_size])
+    if not config.shard:
+        agreement = _gradient_agreement(ours, theirs, x_train[:config.batch_size],
+                                        y_train[:config.batch_size])
     captured_model = gg.nn.adopt(copy.deepcopy(theirs)) if config.capture else None
     engines = {"ours": _train_step(ours, config.lr), "theirs": _train_step(theirs, config.lr)}
     if captured_model is not None:
@@ -331,8 +353,13 @@ def _run(config: DemoConfig) -> dict:
     losses_ours, losses_theirs = losses["ours"], losses["theirs"]
     loss_gap = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses_ours, losses_theirs))
     if config.distributed:
+        trained = ours.state_dict() if config.shard else None  # (stage 3: the module holds no bytes)
         gg.distributed.destroy_process_group()
-        ours = ours.module
+        if config.shard:
+            ours = gg.nn.adopt(copy.deepcopy(theirs.module))
+            ours.load_state_dict(trained)
+        else:
+            ours = ours.module
     parity = {"max_relative_gradient_difference_one_batch": agreement, "float64": float64,
               "float32_loss_curves_max_relative_difference": loss_gap}
     captured = None
@@ -375,6 +402,7 @@ def _run(config: DemoConfig) -> dict:
         "steps": steps,
         "device": config.device,
         "world_size": world,
+        "zero_stage": config.shard,
         "test_accuracy": accuracy,
         "test_accuracy_torch_autograd": accuracy_torch,
         "parity": parity,
@@ -595,6 +623,8 @@ def _report(summary: dict, out: pathlib.Path) -> None:
     t = summary["time_per_step_ms"]
     parity = summary["parity"]
     procs = f", {summary['world_size']} processes" if summary["world_size"] > 1 else ""
+    if summary.get("zero_stage"):
+        procs += f", gg.nn.ShardedDataParallel stage {summary['zero_stage']}"
     print(f"model {summary['model']} on digits, {_plural(summary['epochs'], 'epoch')} "
           f"({_plural(summary['steps'], 'step')}, {summary['device']}{procs}, engine: "
           f"{summary['engine']})")
