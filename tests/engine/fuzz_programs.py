@@ -332,6 +332,23 @@ def _node_kind(node) -> str:
     return re.sub(r"Backward\d*$", "", name)
 
 
+def _records_sgn(tensors) -> bool:
+    """Does the graph of ``tensors`` hold a sgn node? Under create_graph=True a rule records
+    its formula, and some formulas call sgn (abs's ``grad * input.sgn()``): a later pass
+    through that node gets sgn's known zero, as after a sgn op (see check_grads)."""
+    todo = [t.grad_fn for t in tensors if t is not None and t.grad_fn is not None]
+    seen = set()
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if _node_kind(node) == "Sgn":
+            return True
+        todo.extend(nxt for nxt, _ in getattr(node, "next_functions", ()))
+    return False
+
+
 def kind_of(exc):
     text = str(exc)
     for words, kind in SYNONYMS.items():
@@ -458,7 +475,7 @@ class Interpreter:
         self.hooks = 0  # hooks registered so far (their ids in the logs)
         self.kept_only_by_torch = False  # see call_backward
         self.kept_only_by_graphgrad = False  # see call_backward
-        self.known_zeros = False  # see check_grads: a sgn op ran (its known-zero gradient)
+        self.known_zeros = False  # see check_grads: a sgn op ran, or a created graph holds one
         self.ckpt_inputs_without_grad = set()  # see op(): torch's checkpoint recomputes with them
         self.created_graph = False  # see call_backward: a create_graph=True pass ran
         self.overlapping = set()  # views made by OVERLAP (and views of them)
@@ -586,7 +603,8 @@ class Interpreter:
                     g.grad.shape == t.grad.shape:
                 # sgn's known-zero gradient stays exactly zero through every rule in graphgrad,
                 # through ops with ZeroTensor kernels only in torch, which gives NaN elsewhere
-                # (0 * inf in a custom Function's backward, reciprocal...: documented)
+                # (0 * inf in a custom Function's backward, reciprocal, a rule before a slice,
+                # whose backward writes the zero into plain zeros...: documented)
                 # (added to a .grad an earlier pass filled: graphgrad's stays, torch's is NaN)
                 kept = torch.isnan(plain(t.grad)) & ~torch.isnan(plain(g.grad))
                 if bool(kept.any()):
@@ -683,6 +701,9 @@ class Interpreter:
         if ok and create:
             self.created_graph = True
             self.empty_created_graph |= any(t.numel() == 0 for t in self.T.env)
+            # the gradients made (returned, or written to .grad) may hold a sgn node
+            made = list(got_g) if isinstance(got_g, (tuple, list)) else []
+            self.known_zeros |= _records_sgn(made + [g.grad for _, g, _ in holders])
         if not ok and kind == "not have been used in the graph" and (
                 len(self.G.log) > logged or any(g.grad is not b[0] for (_, g, _), b in zip(holders, before))):
             # an input reached that got no gradient: both libraries ran the pass, then refused

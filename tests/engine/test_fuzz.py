@@ -281,3 +281,23 @@ def test_the_comparison_can_fail():
         assert_same_log([("tensor", 0, None)], [("tensor", 0, g)], TOL)
     with pytest.raises(AssertionError, match="hook call 0"):  # another hook ran
         assert_same_log([("pre", 1, [g])], [("pre", 0, [g])], TOL)
+
+
+def test_a_sgn_that_a_rule_recorded_under_create_graph_counts_as_a_known_zero():
+    """abs differentiated with create_graph=True records its formula, ``grad * input.sgn()``:
+    a later backward through that graph carries sgn's known zero, which graphgrad keeps
+    through every rule and torch writes into plain zeros at a slice's backward (here the bias
+    slice of a batch norm differentiated twice), which a rule before turns to NaN at an inf
+    (documented). The comparison allowed it only after a sgn op; a leaf's .grad of 0 where
+    torch has NaN failed this program, found by the fuzzer."""
+    program = {
+        "base": (2, 1), "leaves": [(0, True)], "seed": 0, "quantized": False, "special": False,
+        "budget": None,
+        "steps": [(("overflow", "abs", "big", 0, "grad_create", False), False),
+                  (("grad2", 0, 0, 1, True, "none", "gg"), False),
+                  (("unary", "abs", 0), False),
+                  (("double", "batch_norm", 0, 0, 3, "bias", False, "none"), False),
+                  (("overflow", "abs", "big", 0, "grad_create", False), False)]}
+    before = STATS["known_zeros_where_torch_gives_nan"]
+    run_program(program)
+    assert STATS["known_zeros_where_torch_gives_nan"] > before

@@ -123,3 +123,21 @@ def test_sgn_declares_its_known_zeros_and_no_other_rule_does():
     declared = {rule.name for rule in RULES.values() if getattr(rule, "known_zeros", False)}
     assert declared == {"SgnBackward"}
     assert Lib("gg").is_gg
+
+
+def test_a_sgn_that_abs_recorded_under_create_graph_gives_a_known_zero():
+    """abs's rule records ``grad * input.sgn()`` under create_graph=True, so a backward
+    through that graph gets sgn's known zero, kept through ``cos`` at inf. torch's stays a
+    zero tensor up to the slice, whose backward writes it into plain zeros: its cos rule
+    then gives 0 * -sin(inf) = NaN (the documented difference, met by the fuzzer through a
+    batch norm's bias slice differentiated twice)."""
+    def grad_of(lib, grad):
+        x = lib.tensor([INF, 1.0], dtype=torch.float64, requires_grad=True)
+        z = x.cos()[:1]
+        (g,) = grad(z.abs().sum(), [z], create_graph=True)
+        g.sum().backward()
+        return x.grad
+
+    assert torch.equal(grad_of(gg, gg.grad), torch.zeros(2, dtype=torch.float64))
+    want = grad_of(torch, torch.autograd.grad)
+    assert want[0].isnan() and want[1] == 0
