@@ -275,7 +275,10 @@ def _joined_store(rank, world):
     return dist.PrefixStore("default_pg", store)
 
 
-def main(argv):
+def main(argv, scenarios=None):
+    """Run the scenarios named in ``argv[1]`` (of ``scenarios``, default this file's), saving
+    each result in ``argv[0]``; on an exception, write it down and exit at once."""
+    scenarios = SCENARIOS if scenarios is None else scenarios
     out_dir, names = argv[0], argv[1].split(",")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -283,7 +286,7 @@ def main(argv):
         init_process_group("gloo", store=_joined_store(rank, world), rank=rank, world_size=world,
                            timeout=timedelta(seconds=TIMEOUT_S))
         for name in names:
-            torch.save(SCENARIOS[name](rank, world), os.path.join(out_dir, f"{name}_rank{rank}.pt"))
+            torch.save(scenarios[name](rank, world), os.path.join(out_dir, f"{name}_rank{rank}.pt"))
         destroy_process_group()
     except Exception as exc:
         with open(os.path.join(out_dir, f"error_rank{rank}.txt"), "w") as f:

@@ -12,8 +12,6 @@ import os
 import signal
 import sys
 import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.nn as nn
@@ -23,9 +21,9 @@ import graphgrad as gg
 from distributed_worker import PER_RANK as PER_RANK_DP
 from distributed_worker import SEED as SEED_DP
 from distributed_worker import STEPS as STEPS_DP
-from distributed_worker import TIMEOUT_S, Branchy, _joined_store, branches
+from distributed_worker import TIMEOUT_S, Branchy, branches
 from distributed_worker import batch as batch_dp
-from graphgrad.distributed import destroy_process_group, init_process_group
+from distributed_worker import main as run_scenarios
 
 SEED = 200  # rank 0's initial weights; rank r starts from SEED + r (the wrapper must fix that)
 PER_RANK = 3  # sequences per rank and step
@@ -301,23 +299,7 @@ SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if na
 
 
 def main(argv):
-    out_dir, names = argv[0], argv[1].split(",")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    try:
-        init_process_group("gloo", store=_joined_store(rank, world), rank=rank, world_size=world,
-                           timeout=timedelta(seconds=TIMEOUT_S))
-        for name in names:
-            result = SCENARIOS[name](rank, world)
-            torch.save(result, os.path.join(out_dir, f"{name}_rank{rank}.pt"))
-        destroy_process_group()
-    except Exception as exc:
-        with open(os.path.join(out_dir, f"error_rank{rank}.txt"), "w") as f:
-            f.write(f"{type(exc).__name__}: {exc}")
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(3)  # no clean-up: the process group may be broken
-    return 0
+    return run_scenarios(argv, SCENARIOS)
 
 
 if __name__ == "__main__":
