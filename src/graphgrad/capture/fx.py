@@ -147,16 +147,18 @@ def plan_to_fx(plan: Any) -> torch.fx.GraphModule:
 
 class Fused:
     """A segment compiled by Inductor (C++ on CPU, Triton on CUDA), called as the unfused
-    segment is. It runs on plain-tensor aliases of its inputs (Inductor's code calls torch on
-    them: graphgrad's tensor class would record those calls); in-place writes reach the
-    originals' storage. The first call compiles (``compile_seconds``); where Inductor refuses,
-    one warning says why and the unfused function runs from then on.
+    segment is; in-place writes reach the inputs. The first call compiles
+    (``compile_seconds``); where Inductor refuses, one warning says why and the unfused function
+    runs from then on.
 
     Note [Inductor without Dynamo]: the graph is already an ATen graph, and the plan's guards
     already fix every input's dtype, shape, strides and device, so it goes to
     ``torch._inductor.compile`` (Inductor's entry for graphs captured without Dynamo) rather
     than through ``torch.compile``, whose Dynamo frame would check its own guards on every input
     again at each call (about 0.7 ms a call on a GPT-2-shaped step's 170 inputs: some 5% of it).
+    It compiles on plain-tensor aliases of the inputs; later calls pass the inputs themselves,
+    as the replay runs with the torch-function protocol off (graphgrad's class records nothing
+    there), which saves an alias per input per call (0.5 ms on that step).
     tests/engine/test_capture_fx.py checks the fused replays against the eager step."""
 
     def __init__(self, name: str, gm: torch.fx.GraphModule, unfused: Callable[..., tuple]):
@@ -170,7 +172,7 @@ class Fused:
 
     def __call__(self, *ins: torch.Tensor) -> tuple:
         if self.ready:
-            return self.compiled(*[plain_alias(t) for t in ins])
+            return self.compiled(*ins)
         if self.why:
             return self.unfused(*ins)
         start = time.perf_counter()
