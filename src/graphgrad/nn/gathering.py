@@ -68,8 +68,9 @@ class _Gathered:
 # stage 3 a block's full buffer is freed when its forward returns. While a block runs forward (and
 # during the wrapper's own forward) a pair of saved-tensor hooks is pushed: a saved tensor whose
 # storage is a gathered unit's full buffer (the parameter, or a view of it such as ``w.t()``) is
-# packed as a handle on the unit and the tensor itself; freeing resizes that same storage, so the
-# tensor object stays valid and becomes readable again when ``unpack`` gathers the unit. Any other
+# packed as a handle on the unit and the tensor itself; freeing resizes that same storage (and
+# makes the parameters empty tensors: _point), so the tensor object stays valid and becomes
+# readable again when ``unpack`` gathers the unit (which points the parameters back). Any other
 # tensor goes to the hooks that were active before (gg.checkpoint's), with the units whose forward
 # was running (the block's, the root's): their unpack may recompute the call that made the tensor,
 # which reads those units' parameters, so they are gathered first; or, with no such hooks, is kept
