@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -132,6 +133,15 @@ def _spawn(worker: str, task: dict[str, Any], world_size: int, timeout: float) -
     return {"error": f"exit codes {[p.returncode for p in procs]}: {tails}"}
 
 
+def _bench(worker: str, task: dict[str, Any], world_size: int, timeout: float,
+           rows: Callable[[dict[str, Any], int], list[dict[str, Any]]]) -> dict[str, Any]:
+    """Run ``worker`` on ``world_size`` processes; its rows, or ``"error"`` (and no rows)."""
+    result = _spawn(worker, task, world_size, timeout)
+    if "error" in result:
+        return {"error": result["error"], "rows": []}
+    return {"rows": rows(result, world_size), "extra": {**result, "task": task}}
+
+
 def run_distributed_bench(world_size: int = 2, steps: int = 20, warmup: int = 3, quick: bool = False,
                           timeout: float = 300.0) -> dict[str, Any]:
     """Spawn ``world_size`` CPU processes on loopback; return ``{"rows": [...], "extra": {...}}``.
@@ -144,10 +154,7 @@ def run_distributed_bench(world_size: int = 2, steps: int = 20, warmup: int = 3,
     task = {"widths": widths, "batch": 64, "bucket_cap_mb": 1.0 if quick else 4.0,
             "steps": min(steps, 8) if quick else steps, "warmup": min(warmup, 2) if quick else warmup,
             "timeout": 60}
-    result = _spawn("_worker", task, world_size, timeout)
-    if "error" in result:
-        return {"error": result["error"], "rows": []}
-    return {"rows": _rows(result, world_size), "extra": {**result, "task": task}}
+    return _bench("_worker", task, world_size, timeout, _rows)
 
 
 def _rows(result: dict[str, Any], world: int) -> list[dict[str, Any]]:
@@ -247,10 +254,7 @@ def run_sharded_bench(world_size: int = 2, steps: int = 10, warmup: int = 2, qui
         dict(vocab=2048, d=128, heads=4, layers=4, seq=32)
     task = {"gpt": gpt, "batch": 4 if quick else 8, "bucket_cap_mb": 0.25 if quick else 1.0,
             "steps": min(steps, 4) if quick else steps, "warmup": 1 if quick else warmup, "timeout": 120}
-    result = _spawn("_sharded_worker", task, world_size, timeout)
-    if "error" in result:
-        return {"error": result["error"], "rows": []}
-    return {"rows": _sharded_rows(result, world_size), "extra": {**result, "task": task}}
+    return _bench("_sharded_worker", task, world_size, timeout, _sharded_rows)
 
 
 def _sharded_rows(result: dict[str, Any], world: int) -> list[dict[str, Any]]:
