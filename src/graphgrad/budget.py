@@ -44,7 +44,8 @@ from .references import (
 from .saved_hooks import saved_tensors_hooks
 from .tensor import as_tensor
 
-__all__ = ["memory_budget", "MemoryBudgetError", "BudgetStats", "parse_limit"]
+__all__ = ["memory_budget", "MemoryBudgetError", "BudgetStats", "parse_limit", "keep_for_backward",
+           "register_storage_owner"]
 
 _Disable = _compat.DisableTorchFunctionSubclass
 plain_alias = _compat.plain_alias
@@ -115,6 +116,45 @@ def _format(n: int) -> str:
         if n >= size:
             return f"{n} bytes ({n / size:.2f} {unit})"
     return f"{n} bytes"
+
+
+# Note [Storages freed between uses]
+# Some tensors' storages are freed by their owner between uses and filled again when the owner
+# needs them: the full buffers of a stage-3 gg.nn.ShardedDataParallel hold bytes only around the
+# use of their block, and filling one is a collective, which every rank must issue at the same
+# point of its backward. What a budget drops depends on times measured on each rank, so it must
+# never be the one to fill such a storage. The owner arranges that a recomputation only reads
+# storages it has filled at that point (the wrapper keeps each block's output with
+# ``keep_for_backward``, so a recomputation never reaches back past the block whose backward is
+# running, and gathers the running block's parameters before a value saved there is unpacked).
+# It registers here, and before a recomputation runs a call, ``owner.check_readable(tensors,
+# what)`` waits for those storages to be filled, or raises if one is freed: a clear error, never
+# a read of freed memory or a collective that only this rank issues.
+_storage_owners: weakref.WeakSet = weakref.WeakSet()
+_active_blocks: list = []  # the blocks of the memory budgets active now, innermost last
+
+
+def register_storage_owner(owner: object) -> None:
+    """Register ``owner`` (weakly): before a budget's recomputation runs a call, it is handed the
+    call's tensor arguments (``owner.check_readable(tensors, what)``; Note [Storages freed between
+    uses])."""
+    _storage_owners.add(owner)
+
+
+def keep_for_backward(tensors: list[torch.Tensor]) -> None:
+    """Inside a ``memory_budget``: hold ``tensors`` (made by calls recorded there) for backward and
+    never drop them, so that a recomputation that reaches them stops there. They count against the
+    limit, and are held while the budget's record lives. Outside a budget: nothing."""
+    for block in reversed(_active_blocks):
+        for t in tensors:
+            v = getattr(t, "_gg_budget", None)
+            if v is None or v.call is None:
+                continue
+            with _Disable():
+                if block.lookup(_key(t), t._version) is not v:
+                    continue
+                v.pinned = v.kept = True
+                block.make_resident(v, plain_alias(t))
 
 
 # -- what is recorded ------------------------------------------------------------------------
@@ -197,7 +237,7 @@ class _Value:
     """One tensor a recorded call made, or one from outside (``call`` None)."""
 
     __slots__ = ("call", "index", "ref", "strong", "version", "group", "home", "saved", "users",
-                 "pinned", "leaf", "offloaded", "key", "copied", "changed", "__weakref__")
+                 "pinned", "leaf", "offloaded", "key", "copied", "changed", "kept", "__weakref__")
 
     def __init__(self, call, index, tensor, version, group, leaf=False):
         self.call = call
@@ -215,6 +255,7 @@ class _Value:
         self.key = None  # (call number, output index or -1 - saved index): the plan's name for it
         self.copied = False  # from outside, copied before an in-place change (see snapshot)
         self.changed = False  # saved, then changed in place by a recorded call (backward raises)
+        self.kept = False  # held for backward whatever nodes keep it (keep_for_backward)
 
     def cost(self) -> float:
         """Seconds to recompute: its call, and the calls of the inputs that are gone too, back
@@ -431,10 +472,13 @@ class _Block:
             except (RuntimeError, NotImplementedError):  # no storage, or not a valid one
                 return None
             group = self.groups.get(key)
-            if group is None or (not group.resident and group.anchor() is None):
-                # new, or its tensors are all gone and the address may be another storage's now
+            anchor = group.anchor() if group is not None else None
+            if group is None or (not group.resident and (
+                    anchor is None or anchor.untyped_storage().data_ptr() != key[1])):
+                # new, or its tensors are all gone or moved (a stage-3 sharded parameter, between
+                # uses) and the address may be another storage's now
                 group = self.groups[key] = _Group(storage.nbytes(), weakref.ref(t))
-            elif group.anchor() is None:
+            elif anchor is None:
                 group.anchor = weakref.ref(t)
         return group
 
@@ -451,10 +495,19 @@ class _Block:
     def lookup(self, key, version):
         found = self.values.get(key)
         v = found() if found is not None else None
-        # a value matches only while its tensor is alive: a dead one's address may be reused
-        if v is not None and v.version == version and v.ref() is not None:
-            return v
-        return None
+        # a value matches only while its tensor is alive and still there: a dead one's address
+        # may be reused, and so may that of a live one that moved (re-pointed with .data, which
+        # keeps its version: a stage-3 sharded parameter, between uses)
+        if v is None or v.version != version:
+            return None
+        t = v.ref()
+        if t is None:
+            return None
+        if type(key[0]) is int:
+            with _Disable():
+                if t.data_ptr() != key[0]:
+                    return None
+        return v
 
     def value_of(self, t, version):
         """The recorded value an argument is, or a new one from outside (kept as it is)."""
@@ -598,7 +651,7 @@ class _Block:
             if home.saved == 0:
                 self.would_hold -= home.nbytes
         v.offloaded = None
-        if v.call is not None or not v.users:
+        if (v.call is not None or not v.users) and not v.kept:
             self.drop(v)
 
     # -- keeping under the limit -----------------------------------------------------------
@@ -656,8 +709,9 @@ class _Block:
         where = f" at {getattr(func, '__qualname__', func)}" if func is not None else " in backward"
         return (f"memory_budget: the limit of {_format(self.limit)} cannot be kept{where}: "
                 f"{_format(kept)} held for backward there cannot be dropped (saved tensors that no "
-                f"call recorded inside the block made, whose inputs changed in place, or that "
-                f"backward is using), so the smallest limit that can work is {_format(kept)}. "
+                f"call recorded inside the block made, whose inputs changed in place, that backward "
+                f"is using, or kept for backward: a stage-3 sharded model keeps each block's output), "
+                f"so the smallest limit that can work is {_format(kept)}. "
                 f"Raise the limit to at least that, or begin the block earlier so that more of "
                 f"what is saved can be recomputed.")
 
@@ -779,6 +833,9 @@ class _Block:
                     made[id(u)] = t
                 flat[call.slots[k]] = t
             del saved[:]  # (what the clones saved)
+            for owner in list(_storage_owners):  # Note [Storages freed between uses]
+                owner.check_readable([flat[i] for i in call.slots],
+                                     getattr(call.func, "__qualname__", call.func))
             args, kwargs = _tree_unflatten(flat, call.spec)
             if call.rng is not None:
                 cpu, cuda = call.rng
@@ -892,6 +949,7 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
         except BaseException:
             pop_saved_hooks()
             raise
+        _active_blocks.append(self._block)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -899,6 +957,8 @@ class memory_budget:  # noqa: N801 - a context manager named like torch's
         mode.__exit__(*exc)
         pop_saved_hooks()
         block = self._block
+        if block in _active_blocks:
+            _active_blocks.remove(block)
         block.resolve(None)
         limit = self.nbytes
         if limit is None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import graphgrad as gg
-from graphgrad.budget import parse_limit
+from graphgrad.budget import keep_for_backward, parse_limit, register_storage_owner
 from graphgrad.budget_plan import StepProfile, plan_drops
 
 DT = torch.float64
@@ -352,6 +352,43 @@ def test_the_budget_inside_a_checkpoint():
         return w.grad
 
     assert torch.equal(program(1500), program(2**40))
+
+
+class _Owner:
+    """A storage owner (Note [Storages freed between uses]): told of every call run again."""
+
+    def __init__(self):
+        self.rerun = []
+
+    def check_readable(self, tensors, what):
+        self.rerun.append(str(what))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_value_kept_for_backward_is_never_recomputed_and_owners_see_every_rerun(keep):
+    def program(budget):
+        torch.manual_seed(0)
+        w = gg.as_tensor(torch.randn(64, 64, dtype=DT), requires_grad=True)
+        with budget:
+            k = w.exp()  # saved by exp (its output) and by sin (its input)
+            if keep:
+                keep_for_backward([k])
+            loss = k.sin().cos().tanh().sum()
+            del k  # (alive, it would be read rather than recomputed)
+        loss.backward()
+        return w.grad
+
+    want = program(contextlib.nullcontext())
+    owner = _Owner()
+    register_storage_owner(owner)
+    mb = gg.memory_budget(2 * 64 * 64 * 8 + 100)  # one of the three saved storages must go
+    assert torch.equal(program(mb), want)
+    assert mb.stats.recomputed == len(owner.rerun) > 0
+    if keep:  # held while the budget's record lives, never dropped, never recomputed
+        assert mb.held_bytes == 64 * 64 * 8
+        assert not any("exp" in what for what in owner.rerun)
+    else:
+        assert mb.held_bytes == 0
 
 
 def test_nothing_outlives_backward():
