@@ -188,12 +188,16 @@ def test_gg_checkpoint_inside_stage3_blocks(run):
         assert_state(res["checkpointed"], want)
 
 
-def test_a_memory_budget_with_stage2_changes_nothing_and_stage3_refuses(run):
+def test_a_memory_budget_changes_nothing_in_stages_2_and_3(run):
+    """gg.memory_budget around the forward: what it drops differs between ranks (measured times),
+    the training does not; in stage 3 a recomputation reads only units gathered at that point."""
     for res in run("checkpoints"):
-        assert res["budget4000"]["evicted"] > 0
-        for name, want in res["budgetNone"]["state"].items():
-            assert torch.equal(res["budget4000"]["state"][name], want), name
-        assert "stage 3 cannot run under gg.memory_budget" in res["budget_stage3"]
+        for name, budget in (("2", 4000), ("3", 6000), ("3outside", 6000), ("3noprefetch", 6000)):
+            got, want = res[f"budget{name}{budget}"], res[f"budget{name}None"]
+            assert got["evicted"] > 0, name
+            for key, value in want["state"].items():
+                assert torch.equal(got["state"][key], value), (name, key)
+        assert "not gathered at this point of backward" in res["budget_freed"]
 
 
 def test_misuse_and_mismatched_models_raise_on_every_rank(run):

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from .._compat import DisableTorchFunction
+from .._compat import DisableTorchFunction, plain_alias
 from .._compat import DisableTorchFunctionSubclass as _Disable
-from ..budget import _unpack as _budget_unpack  # a memory budget's unpack hook
+from ..budget import keep_for_backward, register_storage_owner
 from ..references import CheckedPack, current_saved_hooks, pop_saved_hooks, push_saved_hooks
 from .parallel import _tensors_in
 
@@ -66,25 +66,29 @@ class _Gathered:
 # Note [Gathering for backward]
 # Backward rules read saved parameters (linear keeps its weight for the input's gradient), but in
 # stage 3 a block's full buffer is freed when its forward returns. While a block runs forward (and
-# during the wrapper's own forward) a pair of saved-tensor hooks is pushed: a saved tensor whose
-# storage is a gathered unit's full buffer (the parameter, or a view of it such as ``w.t()``) is
-# packed as a handle on the unit and the tensor itself; freeing resizes that same storage (and
-# makes the parameters empty tensors: _point), so the tensor object stays valid and becomes
-# readable again when ``unpack`` gathers the unit (which points the parameters back). Any other
-# tensor goes to the hooks that were active before (gg.checkpoint's), with the units whose forward
-# was running (the block's, the root's): their unpack may recompute the call that made the tensor,
-# which reads those units' parameters, so they are gathered first; or, with no such hooks, is kept
-# as is. (A block's pair inside the wrapper's forward is the wrapper's own pair again.) A pre-hook
-# on the nodes that made the block's output gathers the unit when backward enters the block, so a
-# recomputation inside it (a gg.checkpoint whose own hooks are inside ours) finds it. A unit is
-# freed again once the AccumulateGrad hooks of all its parameters have run: every rule that reads a
-# parameter (or a view of it) runs before the parameter's leaf node. The gathers in backward happen
-# in the order the graph is executed, the same on every rank.
+# during the wrapper's own forward) a pair of saved-tensor hooks is pushed. With no hooks active
+# before it, a saved tensor whose storage is a gathered unit's full buffer (the parameter, or a
+# view of it such as ``w.t()``) is packed as a handle on the unit and the tensor itself; freeing
+# resizes that same storage (and makes the parameters empty tensors: _point), so the tensor object
+# stays valid and becomes readable again when ``unpack`` gathers the unit (which points the
+# parameters back); any other tensor is kept as is. Under hooks active before (gg.checkpoint's,
+# gg.memory_budget's) every saved tensor goes to them (a budget counts what each call saves; a
+# parameter as an alias of its buffer, which keeps its shape when it is freed), with the units
+# whose forward was running (the block's, the root's) and the one the tensor lives in:
+# their unpack may return it, or recompute the call that made it, which reads those units'
+# parameters, so they are gathered first (Note [Stage 3 under a memory budget]). (A block's pair
+# inside the wrapper's forward is the wrapper's own pair again.) A pre-hook on the nodes that made
+# the block's output gathers the unit when backward enters the block, so a recomputation inside it
+# (a gg.checkpoint whose own hooks are inside ours) finds it. A unit is freed again once the
+# AccumulateGrad hooks of all its parameters have run: every rule that reads a parameter (or a view
+# of it) runs before the parameter's leaf node. The gathers in backward happen in the order the
+# graph is executed, the same on every rank.
 
 
 class _Covered(CheckedPack):
-    """What the covered hooks packed, with the units running then: their unpack may recompute
-    (gg.checkpoint) and read those parameters (Note [Gathering for backward])."""
+    """What the covered hooks packed, with the units running then and the one the tensor lives
+    in: their unpack may return it, or recompute and read those units' parameters (Note
+    [Gathering for backward])."""
 
     __slots__ = ("packed", "units")
 
@@ -102,11 +106,14 @@ def _saved_hooks(ref: weakref.ref, outer: tuple | None) -> tuple[Callable, Calla
     def pack(t: torch.Tensor) -> Any:
         sdp = ref()
         unit = sdp._unit_holding(t) if sdp is not None else None
-        if unit is not None:
-            return _Gathered(unit, t)
         if outer is None:
-            return t
-        return _Covered(outer[0](t), tuple(sdp._active) if sdp is not None else ())
+            return t if unit is None else _Gathered(unit, t)
+        units = tuple(sdp._active) if sdp is not None else ()
+        if unit is not None:  # (an alias: the parameter itself becomes an empty tensor when freed)
+            t = plain_alias(t)
+            if unit not in units:
+                units += (unit,)
+        return _Covered(outer[0](t), units)
 
     def unpack(packed: Any) -> torch.Tensor:
         if type(packed) is _Gathered:
@@ -142,6 +149,7 @@ def _block_post_hook(ref: weakref.ref, unit: _Unit) -> Callable:
             if unit in sdp._active:
                 sdp._active.remove(unit)
             sdp._gather_before_backward(output, unit)
+            keep_for_backward(list(_tensors_in(output)))  # Note [Stage 3 under a memory budget]
             if not unit.whole:
                 sdp._free(unit)
             sdp._pop_saved_hooks()
@@ -203,6 +211,33 @@ class _OutsideUse(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# Note [Stage 3 under a memory budget]
+# gg.memory_budget records the calls of forward and may run them again in backward, reading
+# parameters of the blocks they ran in. Filling a freed unit is a collective that every rank must
+# issue at the same point, and what a budget drops (so what it recomputes, and when) depends on
+# times measured on each rank; so a recomputation must only read units that are gathered anyway
+# at that point (Note [Storages freed between uses] in budget.py). That holds because (1) each
+# block's output and the wrapper's are kept for backward (``keep_for_backward``), so a
+# recomputation never reaches back into an earlier block: it stays inside the block that saved
+# the value it serves; (2) under the budget's hooks every saved tensor goes to them with the units
+# running when it was saved (the block's and the root's), gathered before the budget's unpack at
+# the same point on every rank whether it recomputes or not (Note [Gathering for backward]); and
+# (3) the wrapper is registered as the owner of its full buffers: before a recomputation runs a
+# call, ``check_readable`` waits for a prefetch still landing, or raises a clear error if a unit
+# the call reads is freed (a model whose calls read another block's parameters). Parameters are
+# re-pointed with ``.data`` (_point), which keeps their version counters: their values did not
+# change, and a budget checks the versions of what it kept and reruns on.
+
+
+def _storage_id(t: torch.Tensor) -> int | None:
+    """The identity of ``t``'s storage (the same while it is resized), None without one."""
+    with _Disable():
+        try:
+            return torch.Tensor.untyped_storage(t)._cdata
+        except (RuntimeError, NotImplementedError):  # sparse, or a wrapper without storage
+            return None
+
+
 class GatheredUnits:
     """Gathering and freeing stage 3's units (see the module's docstring)."""
 
@@ -223,6 +258,9 @@ class GatheredUnits:
         unit until first used."""
         handles = []
         self._unit_of_parameter = {id(self._params[i]): unit for unit in units for i in unit.params}
+        self._unit_of_storage = {b.full.untyped_storage()._cdata: unit  # (the same while resized)
+                                 for unit in units for b in unit.buckets}
+        register_storage_owner(self)
         for unit, (_, block) in zip(units[1:], picked):
             if unit.buckets:
                 handles.append(block.register_forward_pre_hook(_block_pre_hook(self._ref, unit)))
@@ -249,6 +287,7 @@ class GatheredUnits:
             for unit in self._units:
                 if unit.whole:
                     self._gather_before_backward(output, unit)
+            keep_for_backward(list(_tensors_in(output)))  # Note [Stage 3 under a memory budget]
             return output
         finally:
             self._active.clear()
@@ -276,12 +315,6 @@ class GatheredUnits:
 
     def _push_saved_hooks(self) -> None:
         outer = current_saved_hooks()
-        if outer is not None and outer[1] is _budget_unpack:
-            raise RuntimeError(
-                "gg.nn.ShardedDataParallel: stage 3 cannot run under gg.memory_budget: the budget "
-                "recomputes dropped values from calls that read parameters of blocks whose gathered "
-                "copies are freed by then. Use stage 1 or 2 with a budget, or gg.checkpoint with "
-                "stage 3.")
         if outer is not None and getattr(outer[0], "sharded_by", None) is self._ref:
             push_saved_hooks(*outer)  # ours already (a block inside the wrapper's forward)
         else:
@@ -292,6 +325,22 @@ class GatheredUnits:
         if self._hooks_pushed:
             pop_saved_hooks()
             self._hooks_pushed -= 1
+
+    def check_readable(self, tensors: list[torch.Tensor], what: Any) -> None:
+        """A memory budget is about to run ``what`` again on ``tensors``: wait for the units they
+        live in to land, or raise if one is freed (Note [Stage 3 under a memory budget])."""
+        for t in tensors:
+            unit = self._unit_of_storage.get(_storage_id(t))
+            if unit is None:
+                continue
+            if not unit.gathered:
+                raise RuntimeError(
+                    f"gg.nn.ShardedDataParallel (stage 3) under gg.memory_budget: recomputing {what} "
+                    f"needs the parameters of {unit.name}, which are not gathered at this point of "
+                    "backward (a call in one block read another block's parameters, or a value was "
+                    "recomputed across the blocks). Make the calls that read a block's parameters part "
+                    "of that block's forward, name larger blocks (blocks=), or use stage 2.")
+            self._gather(unit)  # gathered: only waits for a prefetch still landing
 
     def _unit_holding(self, t: torch.Tensor) -> _Unit | None:
         """The gathered unit whose full buffer is ``t``'s storage, if any."""
@@ -323,17 +372,18 @@ class GatheredUnits:
         fresh = all(b.plain._version == b.version for b in unit.buckets)
         if unit.gathered and (fresh or unit.works):
             return
-        for b in unit.buckets:
-            storage = b.full.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(b.full.numel() * b.full.element_size())
-                self._gathered_bytes += storage.nbytes()
-                self._held[storage.data_ptr()] = unit
-        self._point(unit, whole=True)
-        for b in unit.buckets:
-            unit.works.append(dist.all_gather_single(b.full, b.plain, group=self.process_group,
-                                                     async_op=True))
-            b.version = b.plain._version
+        with DisableTorchFunction():  # (the wrapper's own calls: no mode records them, no budget)
+            for b in unit.buckets:
+                storage = b.full.untyped_storage()
+                if storage.nbytes() == 0:
+                    storage.resize_(b.full.numel() * b.full.element_size())
+                    self._gathered_bytes += storage.nbytes()
+                    self._held[storage.data_ptr()] = unit
+            self._point(unit, whole=True)
+            for b in unit.buckets:
+                unit.works.append(dist.all_gather_single(b.full, b.plain, group=self.process_group,
+                                                         async_op=True))
+                b.version = b.plain._version
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
         unit.gathered = True
 
@@ -353,26 +403,28 @@ class GatheredUnits:
         works, unit.works = unit.works, []
         for work in works:  # a prefetch still writing into the buffers
             self._wait(work, f"the parameters of {unit.name}")
-        for b in unit.buckets:
-            storage = b.full.untyped_storage()
-            self._gathered_bytes -= storage.nbytes()
-            self._held.pop(storage.data_ptr(), None)
-            storage.resize_(0)
-        self._point(unit, whole=False)
+        with DisableTorchFunction():
+            for b in unit.buckets:
+                storage = b.full.untyped_storage()
+                self._gathered_bytes -= storage.nbytes()
+                self._held.pop(storage.data_ptr(), None)
+                storage.resize_(0)
+            self._point(unit, whole=False)
         unit.gathered = False
 
     def _point(self, unit: _Unit, whole: bool) -> None:
         """Stage 3: ``unit``'s parameters as views into their full buffers (``whole``), or, freed,
         as empty tensors: read outside forward and backward, a parameter is an empty tensor
         (torch's FSDP does the same), never a view of memory that is gone (which some kernels
-        read without checking). The Parameter objects stay; saved views of them (``w.t()``) hold
-        the buffer's storage itself and become readable again when it is gathered."""
+        read without checking). The Parameter objects stay, with their version counters (``.data``:
+        Note [Stage 3 under a memory budget]); saved views of them (``w.t()``) hold the buffer's
+        storage itself and become readable again when it is gathered."""
         with torch.no_grad(), DisableTorchFunction():  # (no mode either: _OutsideUse would see p)
             for i in unit.params:
                 p = self._params[i]
                 if whole:
                     b, at = self._buckets[self._bucket_of[i]], self._offset[i]
                     shape = self._shapes[i]
-                    torch.Tensor.set_(p, b.full[at:at + math.prod(shape)].view(shape))
+                    p.data = b.full[at:at + math.prod(shape)].view(shape)
                 else:
-                    torch.Tensor.set_(p, p.new_empty(0))
+                    p.data = p.new_empty(0)
