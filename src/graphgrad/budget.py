@@ -710,8 +710,8 @@ class _Block:
         return (f"memory_budget: the limit of {_format(self.limit)} cannot be kept{where}: "
                 f"{_format(kept)} held for backward there cannot be dropped (saved tensors that no "
                 f"call recorded inside the block made, whose inputs changed in place, that backward "
-                f"is using, or kept for backward: a stage-3 sharded model keeps each block's output), "
-                f"so the smallest limit that can work is {_format(kept)}. "
+                f"is using, or kept for backward: a stage-3 sharded model keeps each block's inputs "
+                f"and output), so the smallest limit that can work is {_format(kept)}. "
                 f"Raise the limit to at least that, or begin the block earlier so that more of "
                 f"what is saved can be recomputed.")
 

@@ -122,15 +122,18 @@ def test_memory_per_rank_within_the_zero_formula(run):
             if variant == "2buckets":  # at most a few full gradient buckets during backward
                 assert held["peak_gradient_buffers"] <= 4 * max(units[0]) < G
             if stage == 3:
-                # without prefetch: the root unit (tied embedding) and one block at a time; with it,
-                # the next block too, and in backward a unit stays until its last AccumulateGrad
-                # node has run, which the executor may schedule after the next block's first rule
+                # after the first forward (which keeps every unit it sees used outside its block
+                # gathered throughout): without prefetch, the root unit (tied embedding, used only
+                # before the first block and after the last) or one block at a time; with it, the
+                # next unit too, and in backward a unit stays until its last AccumulateGrad node
+                # has run, which the executor may schedule after the next block's first rule
                 sizes = sorted((sum(u) for u in units), reverse=True)
                 assert held["parameters"] <= (P + pad) / world
                 if variant == "3blocks":
-                    assert held["peak_gathered"] == sum(units[0]) + max(sum(u) for u in units[1:])
+                    assert r["memory"][0]["peak_gathered"] == sum(units[0]) + max(map(sum, units[1:]))
+                    assert held["peak_gathered"] == max(map(sum, units))
                 else:
-                    assert held["peak_gathered"] <= sum(sizes[:4]) < sum(sizes)
+                    assert held["peak_gathered"] <= sum(sizes[:3]) < sum(sizes)
 
 
 def test_no_sync_accumulation_equals_the_whole_batch(run):
@@ -192,7 +195,7 @@ def test_a_memory_budget_changes_nothing_in_stages_2_and_3(run):
     """gg.memory_budget around the forward: what it drops differs between ranks (measured times),
     the training does not; in stage 3 a recomputation reads only units gathered at that point."""
     for res in run("checkpoints"):
-        for name, budget in (("2", 4000), ("3", 6000), ("3outside", 6000), ("3noprefetch", 6000)):
+        for name, budget in (("2", 4000), ("3", 7000), ("3outside", 7000), ("3noprefetch", 7000)):
             got, want = res[f"budget{name}{budget}"], res[f"budget{name}None"]
             assert got["evicted"] > 0, name
             for key, value in want["state"].items():

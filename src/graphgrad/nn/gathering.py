@@ -7,7 +7,8 @@ freed by its forward hook; gathered again in backward, when backward enters the 
 on the nodes that made the block's output) or unpacks a parameter the block saved (saved-tensor
 hooks: Note [Gathering for backward]), and freed once the AccumulateGrad hooks of all its
 parameters have run. The root unit, and the units the first forward saw used outside their block
-(Note [Used outside]), stay gathered for the whole forward. With ``prefetch``, gathering a unit
+(Note [Used outside]), stay gathered for the whole forward (or, used only before the first block
+and after the last, around those: Note [Units used at the ends]). With ``prefetch``, gathering a unit
 starts the gather of the unit that came next in the same pass (forward or backward) of the
 previous step.
 
@@ -17,7 +18,6 @@ previous step.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
 from collections.abc import Callable, Iterable
@@ -41,13 +41,14 @@ _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # never called: their 
 class _Unit:
     """Stage 3: the buckets gathered together (one block's trainable parameters)."""
 
-    __slots__ = ("name", "buckets", "params", "gathered", "pending", "works", "whole")
+    __slots__ = ("name", "buckets", "params", "gathered", "pending", "works", "whole", "ends")
 
     def __init__(self, name: str, params: list[int], whole: bool = False):
         self.name = name
         self.params = params
         self.buckets: list = []  # sharded._Shard: the unit's buckets
         self.whole = whole  # gathered for the whole forward of the wrapper (Note [Used outside])
+        self.ends = False  # whole, but only used before the first block and after the last one
         self.gathered = False
         self.pending = 0  # AccumulateGrad hooks still to run in this backward
         self.works: list = []  # all-gathers in flight into the buffers (a prefetch)
@@ -137,8 +138,14 @@ def _block_pre_hook(ref: weakref.ref, unit: _Unit) -> Callable:
         sdp = ref()
         if sdp is not None:
             sdp._push_saved_hooks()
+            keep_for_backward(list(_tensors_in(args)))  # Note [Stage 3 under a memory budget]
+            if unit is sdp._first_block and sdp._pass == "forward":  # (not a recomputation)
+                sdp._leave_ends()  # Note [Units used at the ends]
             sdp._gather(unit)
             sdp._active.append(unit)
+            sdp._running.append(unit)
+            if sdp._events is not None:
+                sdp._events.append(("start", unit))
     return hook
 
 
@@ -148,10 +155,17 @@ def _block_post_hook(ref: weakref.ref, unit: _Unit) -> Callable:
         if sdp is not None:
             if unit in sdp._active:
                 sdp._active.remove(unit)
-            sdp._gather_before_backward(output, unit)
+            if unit in sdp._running:
+                sdp._running.remove(unit)
+            if sdp._events is not None:
+                sdp._events.append(("end", unit))
+            last = unit is sdp._last_block and sdp._pass == "forward"
+            sdp._gather_before_backward(output, unit, leave_ends=last)
             keep_for_backward(list(_tensors_in(output)))  # Note [Stage 3 under a memory budget]
             if not unit.whole:
                 sdp._free(unit)
+            if last:
+                sdp._enter_ends()
             sdp._pop_saved_hooks()
     return hook
 
@@ -187,9 +201,23 @@ def pick_blocks(module: torch.nn.Module, blocks: Any) -> list[tuple[str, torch.n
 # self.wte.weight.t()`` at the end of the model's forward, or ``self.wpe.weight[:T]`` of an
 # embedding whose forward is never called. Outside its forward the block's buffer holds no bytes.
 # So the first forward watches every torch call (a TorchFunctionMode): when an op is about to read
-# a parameter of a unit whose block is not running (to use it, or to take a view of it), the unit
-# is gathered there and marked ``whole``: from then on it is gathered for the whole forward of the
-# wrapper, as the root unit is. The same code marks the same units, at the same op, on every rank.
+# a tensor in the buffer of a unit whose block is not running (a parameter, or a view of one), the
+# unit is gathered there and marked ``whole``: from then on it is gathered for the whole forward
+# of the wrapper, as the root unit is (but see Note [Units used at the ends]). The same code marks
+# the same units, at the same op, on every rank.
+
+
+# Note [Units used at the ends]
+# A whole unit (the root's parameters, a tied embedding) is often used only before the first block
+# and after the last one: the embeddings at the start, the final norm and the tied head at the end.
+# Gathered for the whole forward it would sit beside every block. So the first forward also
+# records when each whole unit is read outside its block, and when each block runs; a whole unit
+# read only before the first of the other blocks starts and after the last one ends is an *ends*
+# unit: from then on it is freed when the first block starts and gathered again when the last one
+# ends (and in backward it is freed when backward enters the last block; a saved tensor of it
+# unpacked later gathers it again). Its parameters are then not in ``_active`` while the blocks
+# run. So at most the larger of the ends units and one block (two with prefetch) are gathered at
+# once. Every rank records the same forward, so all free and gather at the same points.
 
 
 class _OutsideUse(TorchFunctionMode):
@@ -203,8 +231,12 @@ class _OutsideUse(TorchFunctionMode):
         kwargs = kwargs or {}
         owner = self.owner
         for t in _tensors_in((args, kwargs)):
-            unit = owner._unit_of_parameter.get(id(t))  # (the wrapper's own buffers are not seen)
-            if unit is not None and unit not in owner._active:
+            # a parameter (freed, an empty tensor on a storage of its own) or a view of a buffer
+            unit = owner._unit_of_parameter.get(id(t)) or owner._unit_of_storage.get(_storage_id(t))
+            if unit is None or unit in owner._running:
+                continue
+            owner._events.append(("read", unit))  # Note [Units used at the ends]
+            if unit not in owner._active:
                 unit.whole = True
                 owner._gather(unit)
                 owner._active.append(unit)
@@ -217,14 +249,15 @@ class _OutsideUse(TorchFunctionMode):
 # issue at the same point, and what a budget drops (so what it recomputes, and when) depends on
 # times measured on each rank; so a recomputation must only read units that are gathered anyway
 # at that point (Note [Storages freed between uses] in budget.py). That holds because (1) each
-# block's output and the wrapper's are kept for backward (``keep_for_backward``), so a
-# recomputation never reaches back into an earlier block: it stays inside the block that saved
-# the value it serves; (2) under the budget's hooks every saved tensor goes to them with the units
-# running when it was saved (the block's and the root's), gathered before the budget's unpack at
-# the same point on every rank whether it recomputes or not (Note [Gathering for backward]); and
-# (3) the wrapper is registered as the owner of its full buffers: before a recomputation runs a
-# call, ``check_readable`` waits for a prefetch still landing, or raises a clear error if a unit
-# the call reads is freed (a model whose calls read another block's parameters). Parameters are
+# block's inputs and outputs and the wrapper's output are kept for backward
+# (``keep_for_backward``), so a recomputation never reaches out of the block that saved the value
+# it serves (into an earlier block, or the code before the first one); (2) under the budget's
+# hooks every saved tensor goes to them with the units running when it was saved (the block's,
+# and the root's where it is gathered then), gathered before the budget's unpack at the same point
+# on every rank whether it recomputes or not (Note [Gathering for backward]); and (3) the wrapper
+# is registered as the owner of its full buffers: before a recomputation runs a call,
+# ``check_readable`` waits for a prefetch still landing, or raises a clear error if a unit the
+# call reads is freed (a model whose calls read another block's parameters). Parameters are
 # re-pointed with ``.data`` (_point), which keeps their version counters: their values did not
 # change, and a budget checks the versions of what it kept and reruns on.
 
@@ -247,7 +280,11 @@ class GatheredUnits:
         self._hooks_pushed = 0
         self._ref = weakref.ref(self)
         self._held: dict[int, _Unit] = {}  # the data pointer of each gathered full buffer
-        self._active: list[_Unit] = []  # the units whose forward is running
+        self._active: list[_Unit] = []  # the units gathered for what runs now (saved with it)
+        self._running: list[_Unit] = []  # the units whose block's forward is running
+        self._events: list | None = None  # the first forward: blocks run and units read outside
+        self._first_block: _Unit | None = None  # Note [Units used at the ends]
+        self._last_block: _Unit | None = None
         self._pass = "backward"  # the gathers of forward and of backward, each pass's order
         self._passes: dict[str, tuple[list[_Unit], list[_Unit]]] = {"forward": ([], []), "backward": ([], [])}
         self._gathered_bytes = 0
@@ -281,31 +318,71 @@ class GatheredUnits:
             for unit in whole:
                 self._gather(unit)
             self._active += whole
-            with _OutsideUse(self) if self._learning else contextlib.nullcontext():
+            if self._learning:
+                self._events = []
+                with _OutsideUse(self):
+                    output = self.module(*inputs, **kwargs)
+                self._find_ends(self._events)
+                self._learning = False
+            else:
                 output = self.module(*inputs, **kwargs)
-            self._learning = False
             for unit in self._units:
                 if unit.whole:
                     self._gather_before_backward(output, unit)
             keep_for_backward(list(_tensors_in(output)))  # Note [Stage 3 under a memory budget]
             return output
         finally:
+            self._events = None
             self._active.clear()
+            self._running.clear()
             while self._hooks_pushed > depth:
                 self._pop_saved_hooks()
             for unit in self._units:  # a block that raised left its unit gathered
                 self._free(unit)
             self._start_pass("backward")
 
-    def _gather_before_backward(self, output: Any, unit: _Unit) -> None:
+    def _find_ends(self, events: list) -> None:
+        """After the first forward: the ends units, the first and the last block (Note [Units
+        used at the ends])."""
+        starts = [k for k, (kind, u) in enumerate(events) if kind == "start" and not u.whole]
+        ends = [k for k, (kind, u) in enumerate(events) if kind == "end" and not u.whole]
+        if not starts:
+            return
+        first, last = starts[0], ends[-1]
+        for unit in self._units:
+            if unit.whole:
+                times = [k for k, (_, u) in enumerate(events) if u is unit]
+                unit.ends = all(k < first or k > last for k in times)
+        self._first_block, self._last_block = events[first][1], events[last][1]
+
+    def _leave_ends(self, backward: bool = False) -> None:
+        """The first block starts (or, ``backward``, backward enters the last one): free the ends
+        units. In backward their parameters keep their shapes until their gradients are in."""
+        for unit in self._units:
+            if unit.ends:
+                if unit in self._active:
+                    self._active.remove(unit)
+                self._free(unit, shaped=backward)
+
+    def _enter_ends(self) -> None:
+        """The last block has ended: gather the ends units again."""
+        for unit in self._units:
+            if unit.ends:
+                self._gather(unit)
+                self._active.append(unit)
+
+    def _gather_before_backward(self, output: Any, unit: _Unit, leave_ends: bool = False) -> None:
         """Gather ``unit`` when backward reaches the nodes that made ``output`` (a block's, or the
         wrapper's): before any rule of the block runs, or any recomputation inside it (a
-        gg.checkpoint in the block, whose own saved-tensor hooks are inside ours)."""
+        gg.checkpoint in the block, whose own saved-tensor hooks are inside ours). ``leave_ends``:
+        the last block's, where the ends units are freed first (Note [Units used at the ends])."""
         ref = self._ref
 
         def gather(grad_outputs: tuple) -> None:
             sdp = ref()
             if sdp is not None:
+                if leave_ends:
+                    sdp._leave_ends(backward=True)
                 sdp._gather(unit)
 
         for t in _tensors_in(output):
@@ -396,8 +473,9 @@ class GatheredUnits:
                 self._passes[self._pass] = (now, [])
             self._pass = name
 
-    def _free(self, unit: _Unit) -> None:
-        """Stage 3: release ``unit``'s full buffers (its parameters become empty tensors)."""
+    def _free(self, unit: _Unit, shaped: bool = False) -> None:
+        """Stage 3: release ``unit``'s full buffers (its parameters become empty tensors, or
+        ``shaped``: see _point)."""
         if self.stage < 3:
             return
         works, unit.works = unit.works, []
@@ -409,16 +487,19 @@ class GatheredUnits:
                 self._gathered_bytes -= storage.nbytes()
                 self._held.pop(storage.data_ptr(), None)
                 storage.resize_(0)
-            self._point(unit, whole=False)
+            self._point(unit, whole=False, shaped=shaped)
         unit.gathered = False
 
-    def _point(self, unit: _Unit, whole: bool) -> None:
+    def _point(self, unit: _Unit, whole: bool, shaped: bool = False) -> None:
         """Stage 3: ``unit``'s parameters as views into their full buffers (``whole``), or, freed,
         as empty tensors: read outside forward and backward, a parameter is an empty tensor
         (torch's FSDP does the same), never a view of memory that is gone (which some kernels
         read without checking). The Parameter objects stay, with their version counters (``.data``:
         Note [Stage 3 under a memory budget]); saved views of them (``w.t()``) hold the buffer's
-        storage itself and become readable again when it is gathered."""
+        storage itself and become readable again when it is gathered. ``shaped``: freed in backward
+        before the parameters' gradients are in (an ends unit: Note [Units used at the ends]), each
+        is a zero expanded to its shape (one element of memory), so that its AccumulateGrad node
+        can set a gradient of that shape; the unit is freed again, emptied, once they are in."""
         with torch.no_grad(), DisableTorchFunction():  # (no mode either: _OutsideUse would see p)
             for i in unit.params:
                 p = self._params[i]
@@ -426,5 +507,7 @@ class GatheredUnits:
                     b, at = self._buckets[self._bucket_of[i]], self._offset[i]
                     shape = self._shapes[i]
                     p.data = b.full[at:at + math.prod(shape)].view(shape)
+                elif shaped:
+                    p.data = p.new_zeros(()).expand(self._shapes[i])
                 else:
                     p.data = p.new_empty(0)
