@@ -210,6 +210,40 @@ def scenario_checkpoints(rank, world):
     return out
 
 
+def scenario_mixed(rank, world):
+    """mixed_precision: float64 masters computed in float32 in every stage, and in bfloat16 in
+    stage 3; the dtypes forward sees; state_dict round trips at full precision."""
+    out = {}
+    for stage, dtype in ((1, torch.float32), (2, torch.float32), (3, torch.float32), (3, torch.bfloat16)):
+        model = TinyLM(SEED + rank)
+        model.shift.data = model.shift.fill_(rank).to(dtype)  # buffers are the user's: cast them
+        seen = []
+
+        def look(module, args, seen=seen):
+            seen.append((args[0].dtype, module.up.weight.dtype))
+        model.blocks[0].register_forward_pre_hook(look)
+        sdp = gg.nn.ShardedDataParallel(model, stage=stage, find_unused_parameters=True,
+                                        mixed_precision=dtype)
+        opt = torch.optim.AdamW(sdp.parameters(), lr=LR, weight_decay=WD)
+        for step in range(STEPS):
+            x, y = batch(step, world * PER_RANK)
+            opt.zero_grad()
+            loss_of(sdp, mine(x, rank), mine(y, rank)).backward()
+            opt.step()
+        full, mine_only = sdp.state_dict(), sdp.sharded_state_dict()
+        fresh = TinyLM(SEED + 9)
+        fresh.shift.data = fresh.shift.to(dtype)
+        again = gg.nn.ShardedDataParallel(fresh, stage=stage, find_unused_parameters=True,
+                                          mixed_precision=dtype)
+        again.load_state_dict(full)
+        loaded = again.state_dict()
+        again.load_sharded_state_dict(mine_only)
+        out[f"{stage}{dtype}"] = {"state": full, "loaded": loaded, "loaded_sharded": again.state_dict(),
+                                  "seen": seen, "shards": [t.dtype for t in sdp.parameters()],
+                                  "grads": [t.grad.dtype for t in sdp.parameters() if t.grad is not None]}
+    return out
+
+
 def scenario_branchy(rank, world):
     """Stages 1 and 2, find_unused_parameters=True: heads used by some ranks in some steps, one by
     none, a parameter reached without a gradient (DataParallel's Branchy model and schedule)."""

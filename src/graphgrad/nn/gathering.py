@@ -13,7 +13,8 @@ starts the gather of the unit that came next in the same pass (forward or backwa
 previous step.
 
 ``GatheredUnits`` is mixed into ``ShardedDataParallel``, whose ``stage``, ``process_group``,
-``_wait``, ``_params`` and ``_units`` it uses; it keeps its own state (``_init_units``).
+``_gather_source``, ``_wait``, ``_params`` and ``_units`` it uses; it keeps its own state
+(``_init_units``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # never called: their 
 class _Unit:
     """Stage 3: the buckets gathered together (one block's trainable parameters)."""
 
-    __slots__ = ("name", "buckets", "params", "gathered", "pending", "works", "whole", "ends")
+    __slots__ = ("name", "buckets", "params", "gathered", "pending", "works", "sources", "whole", "ends")
 
     def __init__(self, name: str, params: list[int], whole: bool = False):
         self.name = name
@@ -52,6 +53,7 @@ class _Unit:
         self.gathered = False
         self.pending = 0  # AccumulateGrad hooks still to run in this backward
         self.works: list = []  # all-gathers in flight into the buffers (a prefetch)
+        self.sources: list = []  # what they send (kept until they are done)
 
 
 class _Gathered:
@@ -431,6 +433,7 @@ class GatheredUnits:
         works, unit.works = unit.works, []
         for work in works:
             self._wait(work, f"the parameters of {unit.name}")
+        unit.sources = []
         if not works:
             return  # already there: gathered (and prefetched after) before
         self._passes[self._pass][1].append(unit)
@@ -458,7 +461,8 @@ class GatheredUnits:
                     self._held[storage.data_ptr()] = unit
             self._point(unit, whole=True)
             for b in unit.buckets:
-                unit.works.append(dist.all_gather_single(b.full, b.plain, group=self.process_group,
+                unit.sources.append(self._gather_source(b))  # (mixed precision: a cast copy)
+                unit.works.append(dist.all_gather_single(b.full, unit.sources[-1], group=self.process_group,
                                                          async_op=True))
                 b.version = b.plain._version
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
@@ -481,6 +485,7 @@ class GatheredUnits:
         works, unit.works = unit.works, []
         for work in works:  # a prefetch still writing into the buffers
             self._wait(work, f"the parameters of {unit.name}")
+        unit.sources = []
         with DisableTorchFunction():
             for b in unit.buckets:
                 storage = b.full.untyped_storage()

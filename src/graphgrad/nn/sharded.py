@@ -20,6 +20,17 @@ AccumulateGrad hooks, names and tied references stay).
 Stages 1 and 2 keep the full parameters: after the optimizer has stepped the shards (views into
 the full buffers), the next forward all-gathers each bucket whose shard changed (its version
 counter moved), in place.
+
+Note [Mixed precision]
+With ``mixed_precision=dtype`` (bfloat16, say) the full buffers, so the module's parameters, its
+forward and backward, and the gradient buckets and their reductions, are in ``dtype``, while the
+shards, what the optimizer updates, stay in the parameters' own dtype: the master copy. A shard
+is then a tensor of its own (not a view into the full buffer); each gather all-gathers the shard
+cast to ``dtype``, and the reduced gradient is cast back into the shard's ``.grad``. Floating-point
+inputs of forward are cast to ``dtype``; buffers are left as they are. Frozen parameters are used
+in ``dtype`` and their originals kept beside them. ``state_dict()`` gathers the masters (and the
+frozen originals), so it holds the parameters at full precision; ``load_state_dict`` writes into
+the masters.
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._compat import DisableTorchFunctionSubclass as _Disable
-from .._compat import plain_alias
+from .._compat import plain_alias, pytree
 from .adoption import Parameter
 from .gathering import GatheredUnits, _Unit, pick_blocks
 from .parallel import GradientBuckets, _Bucket, assign_buckets
@@ -100,6 +111,8 @@ class ShardedDataParallel(GradientBuckets, GatheredUnits):
       parameters the first forward reads outside the block's forward (Note [Used outside]).
     - ``prefetch`` (stage 3): while a unit is used, gather the one that followed it in the same
       pass (forward, or backward) of the previous step: two units are held at once.
+    - ``mixed_precision``: a floating-point dtype to compute in (forward, backward and the
+      gradient reductions), the shards staying in the parameters' dtype (Note [Mixed precision]).
     - ``bucket_cap_mb``, ``broadcast_buffers``, ``find_unused_parameters``: as ``DataParallel``.
 
     Frozen parameters (``requires_grad=False``) are not sharded: every rank keeps them whole, as
@@ -108,17 +121,31 @@ class ShardedDataParallel(GradientBuckets, GatheredUnits):
 
     def __init__(self, module: torch.nn.Module, stage: int = 3, process_group: Any = None,
                  bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False, blocks: Any = None, prefetch: bool = True):
+                 find_unused_parameters: bool = False, blocks: Any = None, prefetch: bool = True,
+                 mixed_precision: torch.dtype | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"gg.nn.ShardedDataParallel: stage must be 1, 2 or 3, got {stage!r}")
+        if mixed_precision is not None and not (isinstance(mixed_precision, torch.dtype)
+                                                and mixed_precision.is_floating_point):
+            raise TypeError("gg.nn.ShardedDataParallel: mixed_precision must be a floating-point "
+                            f"torch.dtype (torch.bfloat16, torch.float16) or None, not {mixed_precision!r}")
         self.stage = stage
+        self.mixed_precision = mixed_precision
         picked = pick_blocks(module, blocks) if stage == 3 and isinstance(module, torch.nn.Module) else []
-        signature = f";stage={stage};cap={bucket_cap_mb};blocks=" + ",".join(n for n, _ in picked)
+        signature = f";stage={stage};cap={bucket_cap_mb};mp={mixed_precision};blocks=" + \
+            ",".join(n for n, _ in picked)
         self._setup(module, process_group, bucket_cap_mb, broadcast_buffers, find_unused_parameters,
                     signature)
         self._init_units(prefetch)
         self.peak_gradient_buffer_bytes = 0  # the most bytes of full gradient buckets held at once
+        self._frozen_masters: dict[int, torch.Tensor] = {}  # Note [Mixed precision]
+        if mixed_precision is not None:
+            with torch.no_grad(), _Disable():
+                for p in module.parameters():
+                    if not p.requires_grad and p.is_floating_point() and p.dtype != mixed_precision:
+                        self._frozen_masters[id(p)] = plain_alias(p).clone()
+                        p.data = plain_alias(p).to(mixed_precision)
         units = self._build_units(picked)
         self._units = units
         self._build_buckets(int(bucket_cap_mb * 1024 * 1024))
@@ -166,20 +193,26 @@ class ShardedDataParallel(GradientBuckets, GatheredUnits):
                 indices = [unit.params[j] for j in local]
                 total = sum(params[i].numel() for i in indices)
                 first = params[indices[0]]
-                full = torch.zeros(math.ceil(total / world) * world, dtype=first.dtype, device=first.device)
+                master = first.dtype
+                full = torch.zeros(math.ceil(total / world) * world, dtype=self.mixed_precision or master,
+                                   device=first.device)
+                exact = full if self.mixed_precision is None else \
+                    torch.zeros(full.numel(), dtype=master, device=full.device)  # the masters
                 offset = 0
                 with torch.no_grad(), _Disable():
                     for i in indices:
                         p, n = params[i], params[i].numel()
+                        exact[offset:offset + n].view(p.shape).copy_(p)
                         view = full[offset:offset + n].view(p.shape)
                         view.copy_(p)
-                        torch.Tensor.set_(p, view)
+                        p.data = view  # (keeps the Parameter, its version; the dtype may change)
                         self._bucket_of[i], self._offset[i] = len(self._buckets), offset
                         self._unit_of[i] = unit
                         offset += n
                     size = full.numel() // world
-                    mine = full[rank * size:(rank + 1) * size]
-                    shard = Parameter(mine.clone() if self.stage == 3 else mine)
+                    mine = exact[rank * size:(rank + 1) * size]
+                    separate = self.stage == 3 or self.mixed_precision is not None
+                    shard = Parameter(mine.clone() if separate else mine)
                 bucket = _Shard(indices, full, shard, unit)
                 bucket.version = bucket.plain._version
                 unit.buckets.append(bucket)
@@ -204,6 +237,11 @@ class ShardedDataParallel(GradientBuckets, GatheredUnits):
 
     # -- forward -------------------------------------------------------------------------
     def _run_module(self, inputs: tuple, kwargs: dict) -> Any:
+        if self.mixed_precision is not None:  # Note [Mixed precision]
+            dtype = self.mixed_precision
+            inputs, kwargs = pytree.tree_map(
+                lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                (inputs, kwargs))
         if self.stage < 3:
             self._sync_full()
             return self.module(*inputs, **kwargs)
@@ -211,14 +249,21 @@ class ShardedDataParallel(GradientBuckets, GatheredUnits):
 
     def _sync_full(self) -> None:
         """Stages 1 and 2: all-gather, in place, each bucket whose shard the optimizer changed."""
-        works = []
+        works, sources = [], []  # (the sources live until the gathers are done)
         for k, bucket in enumerate(self._buckets):
             if bucket.plain._version != bucket.version:
-                works.append((k, dist.all_gather_single(bucket.full, bucket.plain,
-                                                             group=self.process_group, async_op=True)))
+                sources.append(self._gather_source(bucket))
+                works.append((k, dist.all_gather_single(bucket.full, sources[-1],
+                                                        group=self.process_group, async_op=True)))
         for k, work in works:
             self._wait(work, f"the parameters of bucket {k}")
             self._buckets[k].version = self._buckets[k].plain._version
+
+    def _gather_source(self, bucket: _Shard) -> torch.Tensor:
+        """What a gather of ``bucket`` sends: the shard, in the dtype of the full buffer."""
+        plain, dtype = bucket.plain, bucket.full.dtype
+        with _Disable():
+            return plain if plain.dtype == dtype else plain.to(dtype)
 
     @contextlib.contextmanager
     def _full_parameters(self) -> Iterator[None]:
@@ -289,7 +334,7 @@ class ShardedDataParallel(GradientBuckets, GatheredUnits):
                 piece = bucket.reduced
             shard = bucket.shard
             if shard.grad is None:
-                shard.grad = piece.clone() if self.stage == 1 else piece
+                shard.grad = piece.to(shard.dtype, copy=self.stage == 1)
             else:
                 shard.grad.add_(piece)
         bucket.flat = bucket.reduced = None
@@ -307,7 +352,7 @@ class ShardedDataParallel(GradientBuckets, GatheredUnits):
         ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule); return that norm."""
         norm_type = float(norm_type)
         grads = [plain_alias(b.shard.grad) for b in self._buckets if b.shard.grad is not None]
-        dtype = self._buckets[0].full.dtype
+        dtype = self._buckets[0].shard.dtype
         with torch.no_grad(), _Disable():
             if norm_type == math.inf:
                 local = max((g.abs().max() for g in grads), default=torch.zeros((), dtype=dtype))
@@ -359,13 +404,36 @@ class ShardedDataParallel(GradientBuckets, GatheredUnits):
         return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The full state dict under the wrapped module's names (loads into the unwrapped module)."""
+        """The full state dict under the wrapped module's names (loads into the unwrapped module);
+        with ``mixed_precision``, the parameters at their own precision (the masters)."""
         self._refuse_if_failed()
+        if self.mixed_precision is not None:
+            masters = self._gathered_masters()
+            state = self.module.state_dict(*args, **kwargs)
+            prefix = kwargs.get("prefix", "")
+            for name, p in self.module.named_parameters(remove_duplicate=False):
+                if prefix + name in state and id(p) in masters:
+                    state[prefix + name] = masters[id(p)]
+            return {key: plain_alias(value).clone() for key, value in state.items()}
         with self._full_parameters():
             state = self.module.state_dict(*args, **kwargs)
             for key, value in state.items():
                 state[key] = plain_alias(value).clone()
         return state
+
+    def _gathered_masters(self) -> dict[int, torch.Tensor]:
+        """With ``mixed_precision``: each parameter whole at its own precision, by ``id``: the
+        trainable ones all-gathered from the shards (a collective), the frozen originals."""
+        out = dict(self._frozen_masters)
+        with torch.no_grad(), _Disable():
+            for k, b in enumerate(self._buckets):
+                full = torch.empty(b.size * self._world, dtype=b.plain.dtype, device=b.plain.device)
+                self._wait(dist.all_gather_single(full, b.plain, group=self.process_group, async_op=True),
+                           f"the parameters of bucket {k}")
+                for i in b.params:
+                    n = math.prod(self._shapes[i])
+                    out[id(self._params[i])] = full[self._offset[i]:self._offset[i] + n].view(self._shapes[i])
+        return out
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a full state dict (the wrapped module's names); every rank calls it, and every
@@ -374,6 +442,8 @@ class ShardedDataParallel(GradientBuckets, GatheredUnits):
             raise ValueError("gg.nn.ShardedDataParallel.load_state_dict: assign=True would replace "
                              "the parameters, which are views into the shards' buffers")
         self._refuse_if_failed()
+        if self.mixed_precision is not None:
+            return self._load_masters(state_dict, strict)
         with self._full_parameters():
             result = self.module.load_state_dict(state_dict, strict=strict)
             rest = [p for p in self.module.parameters() if not p.requires_grad]
@@ -386,13 +456,40 @@ class ShardedDataParallel(GradientBuckets, GatheredUnits):
                     b.version = b.plain._version
         return result
 
+    def _load_masters(self, state_dict: Any, strict: bool) -> Any:
+        """``load_state_dict`` with ``mixed_precision``: into the masters (Note [Mixed precision])."""
+        masters = self._gathered_masters()
+        with self._full_parameters():  # (checks the keys and shapes, loads the buffers)
+            result = self.module.load_state_dict(state_dict, strict=strict)
+        names = dict(self.module.named_parameters(remove_duplicate=False))
+        with torch.no_grad(), _Disable():
+            for name, value in state_dict.items():
+                p = names.get(name)
+                if p is not None and id(p) in masters:
+                    masters[id(p)].copy_(plain_alias(value))
+            fulls = []
+            for b in self._buckets:  # every rank ends with rank 0's values
+                full = torch.zeros(b.size * self._world, dtype=b.plain.dtype, device=b.plain.device)
+                for i in b.params:
+                    n = math.prod(self._shapes[i])
+                    full[self._offset[i]:self._offset[i] + n].copy_(masters[id(self._params[i])].reshape(-1))
+                fulls.append(full)
+            frozen = [p for p in self.module.parameters() if id(p) in self._frozen_masters]
+            originals = [self._frozen_masters[id(p)] for p in frozen]
+            self._broadcast(fulls + originals + list(self.module.buffers()), "the loaded state")
+            for b, full in zip(self._buckets, fulls):
+                b.plain.copy_(full[self._rank * b.size:(self._rank + 1) * b.size])  # the next use gathers
+            for p in frozen:
+                plain_alias(p).copy_(self._frozen_masters[id(p)])
+        return result
+
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's part: its shards, and the buffers and frozen parameters (for large checkpoints;
         ``load_sharded_state_dict`` on the same rank of the same world size reads it back)."""
         self._refuse_if_failed()
         rest = dict(self.module.named_buffers())  # not state_dict(): stage 3's parameters are empty
-        rest.update((n, p) for n, p in self.module.named_parameters(remove_duplicate=False)
-                    if not p.requires_grad)
+        rest.update((n, self._frozen_masters.get(id(p), p))
+                    for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad)
         return {"stage": self.stage, "world_size": self._world, "rank": self._rank,
                 "shards": [b.plain.clone() for b in self._buckets],
                 "rest": {n: plain_alias(t).clone() for n, t in rest.items()}}
@@ -409,4 +506,7 @@ class ShardedDataParallel(GradientBuckets, GatheredUnits):
         with torch.no_grad(), _Disable():
             for b, t in zip(self._buckets, shards):
                 b.plain.copy_(t)  # moves the version: the next forward gathers
+            for n, p in self.module.named_parameters(remove_duplicate=False):
+                if id(p) in self._frozen_masters and n in state["rest"]:
+                    self._frozen_masters[id(p)].copy_(state["rest"][n])
         self.module.load_state_dict(state["rest"], strict=False)
