@@ -124,9 +124,9 @@ def _format(n: int) -> str:
 # use of their block, and filling one is a collective, which every rank must issue at the same
 # point of its backward. What a budget drops depends on times measured on each rank, so it must
 # never be the one to fill such a storage. The owner arranges that a recomputation only reads
-# storages it has filled at that point (the wrapper keeps each block's output with
-# ``keep_for_backward``, so a recomputation never reaches back past the block whose backward is
-# running, and gathers the running block's parameters before a value saved there is unpacked).
+# storages it has filled at that point (the wrapper keeps each block's inputs and output with
+# ``keep_for_backward``, so a recomputation never leaves the block whose backward is running, and
+# gathers the running block's parameters before a value saved there is unpacked).
 # It registers here, and before a recomputation runs a call, ``owner.check_readable(tensors,
 # what)`` waits for those storages to be filled, or raises if one is freed: a clear error, never
 # a read of freed memory or a collective that only this rank issues.
