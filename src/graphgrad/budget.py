@@ -25,6 +25,7 @@ import re
 import sys
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -141,10 +142,13 @@ def register_storage_owner(owner: object) -> None:
     _storage_owners.add(owner)
 
 
-def keep_for_backward(tensors: list[torch.Tensor]) -> None:
+def keep_for_backward(tensors: Iterable[torch.Tensor]) -> None:
     """Inside a ``memory_budget``: hold ``tensors`` (made by calls recorded there) for backward and
     never drop them, so that a recomputation that reaches them stops there. They count against the
     limit, and are held while the budget's record lives. Outside a budget: nothing."""
+    if not _active_blocks:
+        return
+    tensors = list(tensors)
     for block in reversed(_active_blocks):
         for t in tensors:
             v = getattr(t, "_gg_budget", None)

@@ -124,7 +124,7 @@ def scenario_steps(rank, world):
             opt.step()
             memory.append(sdp.memory_stats(opt))
             if step == 0:  # the first forward learns where each unit is used (whole until then)
-                sdp.peak_gathered_bytes = 0
+                sdp.reset_peak_memory_stats()
         # outside forward and backward a stage-3 parameter is an empty tensor (reading it never
         # touches freed memory); state_dict() gathers it whole again
         outside = [tuple(p.shape) for p in model.parameters() if p.requires_grad]

@@ -232,7 +232,7 @@ def _sharded_worker(task: dict[str, Any]) -> dict[str, Any]:
             if name.startswith("stage"):
                 memory[name] = models[name].memory_stats(opt)
                 if r == 0:  # the peaks of the steps after the first (which learns where units are used)
-                    model.peak_gathered_bytes = model.peak_gradient_buffer_bytes = 0
+                    model.reset_peak_memory_stats()
     slowest = torch.tensor([times[name] for name in names], dtype=torch.float64)
     dist.all_reduce(slowest, dist.ReduceOp.MAX)
     states = {name: _full_state(name, models[name]) for name in names}

@@ -140,7 +140,7 @@ def _block_pre_hook(ref: weakref.ref, unit: _Unit) -> Callable:
         sdp = ref()
         if sdp is not None:
             sdp._push_saved_hooks()
-            keep_for_backward(list(_tensors_in(args)))  # Note [Stage 3 under a memory budget]
+            keep_for_backward(_tensors_in(args))  # Note [Stage 3 under a memory budget]
             if unit is sdp._first_block and sdp._pass == "forward":  # (not a recomputation)
                 sdp._leave_ends()  # Note [Units used at the ends]
             sdp._gather(unit)
@@ -163,7 +163,7 @@ def _block_post_hook(ref: weakref.ref, unit: _Unit) -> Callable:
                 sdp._events.append(("end", unit))
             last = unit is sdp._last_block and sdp._pass == "forward"
             sdp._gather_before_backward(output, unit, leave_ends=last)
-            keep_for_backward(list(_tensors_in(output)))  # Note [Stage 3 under a memory budget]
+            keep_for_backward(_tensors_in(output))  # Note [Stage 3 under a memory budget]
             if not unit.whole:
                 sdp._free(unit)
             if last:
@@ -281,7 +281,6 @@ class GatheredUnits:
         self._learning = True  # until a first forward has shown which units are used outside
         self._hooks_pushed = 0
         self._ref = weakref.ref(self)
-        self._held: dict[int, _Unit] = {}  # the data pointer of each gathered full buffer
         self._active: list[_Unit] = []  # the units gathered for what runs now (saved with it)
         self._running: list[_Unit] = []  # the units whose block's forward is running
         self._events: list | None = None  # the first forward: blocks run and units read outside
@@ -331,7 +330,7 @@ class GatheredUnits:
             for unit in self._units:
                 if unit.whole:
                     self._gather_before_backward(output, unit)
-            keep_for_backward(list(_tensors_in(output)))  # Note [Stage 3 under a memory budget]
+            keep_for_backward(_tensors_in(output))  # Note [Stage 3 under a memory budget]
             return output
         finally:
             self._events = None
@@ -423,8 +422,8 @@ class GatheredUnits:
 
     def _unit_holding(self, t: torch.Tensor) -> _Unit | None:
         """The gathered unit whose full buffer is ``t``'s storage, if any."""
-        with _Disable():
-            return self._held.get(torch.Tensor.untyped_storage(t).data_ptr())
+        unit = self._unit_of_storage.get(_storage_id(t))
+        return unit if unit is not None and unit.gathered else None
 
     def _gather(self, unit: _Unit) -> None:
         """Stage 3: ``unit``'s full buffers, all-gathered (again if a shard changed since); then
@@ -458,7 +457,6 @@ class GatheredUnits:
                 if storage.nbytes() == 0:
                     storage.resize_(b.full.numel() * b.full.element_size())
                     self._gathered_bytes += storage.nbytes()
-                    self._held[storage.data_ptr()] = unit
             self._point(unit, whole=True)
             for b in unit.buckets:
                 unit.sources.append(self._gather_source(b))  # (mixed precision: a cast copy)
@@ -490,7 +488,6 @@ class GatheredUnits:
             for b in unit.buckets:
                 storage = b.full.untyped_storage()
                 self._gathered_bytes -= storage.nbytes()
-                self._held.pop(storage.data_ptr(), None)
                 storage.resize_(0)
             self._point(unit, whole=False, shaped=shaped)
         unit.gathered = False

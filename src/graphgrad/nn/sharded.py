@@ -403,6 +403,11 @@ class ShardedDataParallel(GradientBuckets, GatheredUnits):
                         add("optimizer", value)
         return out
 
+    def reset_peak_memory_stats(self) -> None:
+        """Start ``memory_stats``' peaks (``peak_gathered``, ``peak_gradient_buffers``) afresh:
+        after the first step, say, whose forward learns where each unit is used."""
+        self.peak_gathered_bytes = self.peak_gradient_buffer_bytes = 0
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The full state dict under the wrapped module's names (loads into the unwrapped module);
         with ``mixed_precision``, the parameters at their own precision (the masters)."""
