@@ -13,6 +13,8 @@ _load_engine(__name__, _os.path.dirname(__file__))
 from . import (  # noqa: E402
     _compat,  # noqa: E402
     distributed,  # noqa: F401  (gg.distributed: init_process_group, destroy_process_group)
+    forward_ad,
+    func,
     functional,
     nn,
     ops,  # noqa: E402,F401  (registers the derivative rules)
@@ -66,7 +68,7 @@ __all__ = [
     "Function", "FunctionCtx", "checkpoint", "saved_tensors_hooks", "save_on_cpu",
     "memory_budget", "MemoryBudgetError", "BudgetStats",
     "detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
-    "functional", "nn", "viz",
+    "functional", "forward_ad", "func", "nn", "viz",
     "capture", "CapturedStep", "CaptureError", "CaptureMismatch",
     "compiled", "native_meta", "engine", "__version__",
 ]

@@ -28,7 +28,7 @@ from graphgrad.fastcalls cimport (autocast_enabled as _autocast_enabled,
                                   torch_requires_grad as _torch_requires_grad)
 
 cdef object _PlainTensor
-cdef object _TENSOR_CLS, _observer
+cdef object _TENSOR_CLS, _observer, _forward
 cdef dict _NO_KWARGS, _ROUTES, _SPECIAL, _RULES
 cdef object _OpOverload
 cdef bint _overloads_routed
@@ -40,8 +40,9 @@ cdef bint _view_needs_grad(object t, int tag) except -1
 cdef bint _only_ours(tuple args, dict kwargs) except -1
 cdef int _list_kind(object items) except? -2
 cdef int _kind(object x)
-@cython.locals(rule=Rule)
 cpdef object call(object func, tuple args, dict kwargs)
+@cython.locals(rule=Rule)
+cpdef object call_primal(object func, tuple args, dict kwargs)
 cpdef object note_call(object func)
 @cython.locals(graph=AutogradGraph, pending=list)
 cdef object _record(object func, Rule rule, tuple args, dict kwargs, bint silent)

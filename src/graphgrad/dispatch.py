@@ -57,7 +57,8 @@ from .views import (
 )
 from .wrap import is_input, on_tensor_class, wrap_output, wrap_plain
 
-__all__ = ["torch_function", "call", "observe_calls", "note_call", "redispatch", "route"]
+__all__ = ["torch_function", "call", "call_primal", "set_forward", "observe_calls", "note_call",
+           "redispatch", "route"]
 
 _PlainTensor = torch.Tensor
 _TENSOR_CLS = None  # graphgrad.Tensor (see wrap.on_tensor_class), read on the hot path
@@ -68,6 +69,7 @@ _DIFFERENTIABLE_DTYPES = frozenset(
     if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex))
 _RULES = RULES  # (a C-typed dict when compiled: .get without a method lookup per call)
 _observer = None  # see observe_calls
+_forward = None  # forward mode's entry while a dual level is active (set_forward)
 #: torch functions that graphgrad answers with its own (``torch.autograd.grad`` -> ``gg.grad``,
 #: ``Tensor.grad.__get__``), filled by ``route`` from the modules above this one: called with
 #: the torch-function protocol on (_ROUTES) or off (_SPECIAL)
@@ -228,8 +230,23 @@ def call(func, args, kwargs):
     """Run ``func(*args, **kwargs)`` with torch and record it if a gradient must flow.
 
     The torch-function protocol ends here, and so do the operator and method fast paths
-    that ``install_fast_paths`` puts on the Tensor class (which skip the protocol).
+    that ``install_fast_paths`` puts on the Tensor class (which skip the protocol). While a
+    dual level is active, forward mode's entry (tangents.py) takes the call first.
     """
+    if _forward is not None:
+        return _forward(func, args, kwargs)
+    return call_primal(func, args, kwargs)
+
+
+def set_forward(entry) -> None:
+    """Hand every call to ``entry(func, args, kwargs)`` (forward mode's, while a dual level is
+    active; it computes the primal with ``call_primal``), or to nobody again (None)."""
+    global _forward
+    _forward = entry
+
+
+def call_primal(func, args, kwargs):
+    """``call`` without forward mode: the values, and the reverse-mode record."""
     rule = _RULES.get(func)
     if _observer is not None:
         _observer(func)

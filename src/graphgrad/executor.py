@@ -40,7 +40,7 @@ from .view_rules import COPY_SLICES_RULE
 # the node's saved tensors are unpacked: version checks, unpack hooks, "freed" errors)
 _INSIDE_COPY_SLICES = 2
 
-__all__ = ["run_backward", "observe_accumulation"]
+__all__ = ["run_backward", "observe_accumulation", "set_forward_probe"]
 
 _Disable = _compat.DisableTorchFunctionSubclass
 _set_grad_enabled = _compat.set_grad_enabled
@@ -68,6 +68,16 @@ def observe_accumulation(fn):
     previous = _accumulation_observer
     _accumulation_observer = fn
     return previous
+
+
+_forward_probe = None  # tangents.py's "is a dual level active here?" (set_forward_probe)
+
+
+def set_forward_probe(probe) -> None:
+    """``probe()`` says whether backward passes must run their rules with the torch-function
+    protocol on (a dual level is active: tangents.py); None: never."""
+    global _forward_probe
+    _forward_probe = probe
 
 
 def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
@@ -105,9 +115,15 @@ def run_backward(roots, root_grads, retain_graph, create_graph, inputs=None,
     else:
         _set_grad_enabled(False)
         try:
-            with _Disable():
+            if _forward_probe is not None and _forward_probe():
+                # under a dual level the rules' ops must reach graphgrad, which gives them
+                # tangents: forward over reverse (tangents.py)
                 result = _run(root_nodes, root_grads, retain_graph, False, targets, inputs,
                               accumulate, allow_unused, into_torch)
+            else:
+                with _Disable():
+                    result = _run(root_nodes, root_grads, retain_graph, False, targets, inputs,
+                                  accumulate, allow_unused, into_torch)
         finally:
             _set_grad_enabled(prev_grad_mode)
     if not retain_graph:  # what ran is about to be freed: let its graph drop it soon

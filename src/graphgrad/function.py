@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-from . import _compat
+from . import _compat, tangents
 from .codes import (
     CUSTOM_FUNCTION_VIEW,
     CUSTOM_MULTI_VIEW,
@@ -80,6 +80,15 @@ class FunctionCtx:
         self.dirty: tuple = ()
         self.materialize_grads = True
         self._node = None
+        self._for_forward: tuple | None = None  # save_for_forward's tensors, while jvp runs
+
+    def save_for_forward(self, *tensors: torch.Tensor | None) -> None:
+        """Keep tensors for ``jvp`` (forward mode), where ``ctx.saved_tensors`` returns them."""
+        for t in tensors:
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError("save_for_forward can only save tensors or None; store other "
+                                f"values as ctx attributes (got {type(t).__name__})")
+        self.saved_for_forward = tensors
 
     def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
         """Keep tensors (inputs, outputs or intermediates) for backward, with version checks."""
@@ -103,6 +112,8 @@ class FunctionCtx:
 
     @property
     def saved_tensors(self) -> tuple:
+        if self._for_forward is not None:  # inside jvp
+            return self._for_forward
         node = self._node
         if node is None:
             raise RuntimeError("saved_tensors is only available in backward")
@@ -215,12 +226,20 @@ class Function:
     def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> Any:
         raise NotImplementedError("this gg.Function defines no backward(ctx, *grads)")
 
+    @staticmethod
+    def jvp(ctx: FunctionCtx, *tangents: torch.Tensor | None) -> Any:
+        raise NotImplementedError(
+            "You must implement the jvp function for custom autograd.Function to use it with "
+            "forward mode AD: @staticmethod jvp(ctx, *tangents) returning the outputs' tangents "
+            "(ctx.save_for_forward(...) in forward keeps what it needs).")
+
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
         nodes = [_node_of(a) for a in args]
         recording = torch.is_grad_enabled() and any(n is not None for n in nodes)
         ctx = FunctionCtx(tuple(recording and n is not None for n in nodes))
-        with torch.no_grad():
+        forward_mode = tangents.any_tangent(args, kwargs)
+        with torch.no_grad(), tangents.suspended(forward_mode):  # (forward sees primals, as torch's)
             if _uses_setup_context(cls):
                 outputs = cls.forward(*args, **kwargs)
                 cls.setup_context(ctx, args, outputs)
@@ -253,6 +272,8 @@ class Function:
             with _Disable():
                 increment_version([t for t in ctx.dirty if isinstance(t, torch.Tensor)])
         outs = _attach_outputs(node, ctx, args, outs, targets, graph)
+        if forward_mode:
+            tangents.function_tangents(cls, ctx, args, outs)
         if node is None:
             ctx.to_save = ()
             return outs[0] if single else outs
@@ -288,7 +309,7 @@ _torch_apply = _compat.torch_function_apply()
 def _apply_torch_function(cls, *args: Any, **kwargs: Any) -> Any:
     """``torch.autograd.Function.apply``: graphgrad records the call when a graphgrad tensor
     that requires grad is among the arguments (torch's engine cannot see it); otherwise torch."""
-    if _records_on_graphgrad(args, kwargs):
+    if _records_on_graphgrad(args, kwargs) or tangents.any_tangent(args, kwargs):
         return Function.apply.__func__(cls, *args, **kwargs)
     return _torch_apply(cls, *args, **kwargs)
 

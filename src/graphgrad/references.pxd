@@ -34,7 +34,7 @@ cpdef object check_saved_versions(object name, object params, object saved, obje
 
 
 cdef class SavedResult:
-    cdef public object data, version, unpack, view_node
+    cdef public object data, version, unpack, view_node, tangent
     cdef public bint multi
     cpdef object value(self)
     cpdef object kept(self)

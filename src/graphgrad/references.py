@@ -157,11 +157,12 @@ class SavedResult:
     does not read are kept as None.
     """
 
-    __slots__ = ("data", "version", "unpack", "multi", "view_node")
+    __slots__ = ("data", "version", "unpack", "multi", "view_node", "tangent")
 
     def __init__(self, data):
         # data is a plain torch.Tensor (or a tuple of them for multi-output ops)
         self.view_node = None
+        self.tangent = None
         self.multi = not isinstance(data, TensorBase)
         hooks = current_saved_hooks()
         if hooks is not None:
@@ -229,6 +230,7 @@ def saved_output(out):
     result = SavedResult.__new__(SavedResult)
     result.unpack = None
     result.view_node = None
+    result.tangent = None
     result.multi = multi
     if multi:
         result.version = tuple([None if t is None else _version(t) for t in out])
@@ -503,20 +505,28 @@ def describe(tensor) -> str:
         return f"{tensor.type()} {list(tensor.shape)}"
 
 
+#: tangents.py's ``with_tangent(data, tangent)``: a saved output and the tangent it was given
+_with_tangent = [None]
+
+
 def unpack_result(node, create_graph):
     """The saved output; under ``create_graph`` a graphgrad tensor whose grad_fn is ``node``, or
     for an in-place op on a view, the view's grad_fn after the op (Note [the saved output of an
-    in-place op on a view])."""
+    in-place op on a view]). With the tangent it was given under a dual level, if any."""
     data = node.result.value()
-    if not create_graph:
-        return data
-    if isinstance(data, TensorBase):
-        ref = node.result.view_node
-        owner = ref() if ref is not None else None
-        return wrap_output(data.detach(), node if owner is None else owner, 0)
-    n = node.num_outputs  # outputs past it carry no gradient (integers, declared statistics)
-    return tuple(None if t is None else wrap_output(t.detach(), node if i < n else None, i)
-                 for i, t in enumerate(data))
+    tangent = node.result.tangent
+    if create_graph:
+        if isinstance(data, TensorBase):
+            ref = node.result.view_node
+            owner = ref() if ref is not None else None
+            data = wrap_output(data.detach(), node if owner is None else owner, 0)
+        else:
+            n = node.num_outputs  # outputs past it carry no gradient (integers, statistics)
+            data = tuple(None if t is None else wrap_output(t.detach(), node if i < n else None, i)
+                         for i, t in enumerate(data))
+    if tangent is not None:  # forward over reverse: the output's tangent too
+        data = _with_tangent[0](data, tangent)
+    return data
 
 
 def storage_of(t):

@@ -213,7 +213,7 @@ class Rule:
                  "family", "keep_cache", "elementwise", "all_positional", "may_view", "saves",
                  "differentiable_outputs", "view", "inplace_view", "writes", "kernel",
                  "kernel_ndim", "saved_outputs", "shaped", "param_defaults", "n_positional",
-                 "keyword_index", "bind_tails", "no_variadic", "known_zeros")
+                 "keyword_index", "bind_tails", "no_variadic", "known_zeros", "jvp", "linear")
 
     def __init__(self, fn: Callable, kind: RuleKind, name: str | None = None,
                  multi_output: bool = False, saved_for: dict | None = None,
@@ -232,6 +232,8 @@ class Rule:
         self.saved_outputs = None  # the outputs the backward reads, when declared (derivative)
         self.shaped = None  # per parameter: is its gradient shaped like it? (derivative)
         self.known_zeros = False  # may its gradients be torch's efficient zero? (derivative)
+        self.jvp = None  # its tangent rule, when declared (derivative; tangents.py)
+        self.linear = False  # is the op linear in its tensors? (derivative; tangents.py)
         self.keep_cache = {}  # which params need grad (bits) -> keep
         self.saves = saves
         self._set_traits(view, elementwise, inplace_view, family)
@@ -391,7 +393,9 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
                kernel_ndim: int = 0,
                saved_outputs: tuple[int, ...] | None = None,
                shaped: tuple[str, ...] = (),
-               known_zeros: bool = False) -> Callable[[Callable], Callable]:
+               known_zeros: bool = False,
+               jvp: Callable | None = None,
+               linear: bool = False) -> Callable[[Callable], Callable]:
     """Register ``fn`` as the derivative rule of the torch functions ``funcs``.
 
     Its nodes are named ``node_name(fn.__name__)`` (``nll_loss`` -> ``NllLossBackward``)
@@ -450,6 +454,16 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
 
     ``family`` groups the functions in docs/ops.md (default: the ops module of ``fn``).
 
+    Forward mode (tangents.py): ``jvp=fn(tangents, <the rule's parameters>)`` is the tangent
+    rule: ``tangents`` holds one entry per parameter (the argument's tangent, a tuple of them
+    for a list argument, None where it has none) and a keyword-only ``result`` receives the
+    op's output; it returns the output's tangent (a tuple for several outputs, None where
+    one has none). ``linear=True`` declares the op linear in its floating-point tensor
+    arguments taken together, every other argument fixed (``cat``, ``sum``, ``fft_fft``:
+    never ``add``, whose Python-number ``other`` is a constant added): its tangent is the op
+    applied to the tangents. Without either, elementwise rules of real tensors and view rules
+    get a derived tangent rule, and the others the transpose of their own backward.
+
     ``kernel``: a function called with the op's arguments in place of the torch function
     when the op is recorded or run under no_grad, for ops whose ATen kernel chooses its
     computation by torch's ``requires_grad`` flag, which graphgrad's tensors leave False
@@ -476,6 +490,8 @@ def derivative(*funcs: Any, name: str | None = None, inplace: tuple = (),
             rule.saved_outputs = None if saved_outputs is None else tuple(saved_outputs)
             rule.shaped = _shaped_positions(fn, rule.params, shaped)
             rule.known_zeros = known_zeros
+            rule.jvp = jvp
+            rule.linear = linear
             return rule
 
         rule = _register(funcs, make())

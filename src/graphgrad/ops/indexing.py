@@ -99,7 +99,43 @@ def getitem(grad, input: Meta, index):
     return zeros
 
 
-@derivative(T.__setitem__, view=True)
+# Tangent rules of the fills: a Python-number fill value is a constant (its tangent is zero), so
+# these ops are affine, not linear, and the op applied to the tangents would add the constant.
+def _value_tangent(t, value):
+    """The tangent of a fill ``value``: its own, or 0 (a number, or a tensor without one)."""
+    return 0.0 if t is None else t
+
+
+def _input_tangent(t, input):
+    return torch.zeros_like(input) if t is None else t
+
+
+def _setitem_jvp(t, input, index, value):
+    out = _input_tangent(t[0], input).clone()
+    out[index] = _value_tangent(t[2], value)
+    return out
+
+
+def _fill_jvp(t, input, value=None):
+    return torch.zeros_like(input).fill_(_value_tangent(t[1], value))
+
+
+def _index_fill_jvp(t, input, dim, index, value):
+    return _input_tangent(t[0], input).index_fill(dim, index, _value_tangent(t[3], value))
+
+
+def _masked_fill_jvp(t, input, mask, value):
+    return _input_tangent(t[0], input).masked_fill(mask, _value_tangent(t[2], value))
+
+
+def _scatter_jvp(t, input, dim, index, src=None, *, value=None, reduce=None):
+    if reduce is not None:
+        raise NotImplementedError(f"scatter(reduce={reduce!r}) has no derivative in graphgrad")
+    fill = _input_tangent(t[3], src) if isinstance(src, torch.Tensor) else 0.0
+    return _input_tangent(t[0], input).scatter(dim, index, fill)
+
+
+@derivative(T.__setitem__, view=True, jvp=_setitem_jvp)
 def setitem(grad, input: Meta, index, value: Meta, *, needs_input_grad):
     """``input[index] = value``: the overwritten part of ``input`` gets no gradient."""
     grad_input = None
@@ -118,7 +154,7 @@ def copy_(grad, input: Meta, src: Meta, non_blocking=False, *, needs_input_grad)
     return torch.zeros_like(grad) if needs_input_grad[0] else None, grad
 
 
-@derivative(T.fill_, T.zero_, torch.fill_, torch.zero_, view=True)
+@derivative(T.fill_, T.zero_, torch.fill_, torch.zero_, view=True, jvp=_fill_jvp)
 def fill_(grad, input: Meta, value=None, *, needs_input_grad):
     """``fill_`` / ``zero_``: a zero gradient for the old values (as torch), the sum for a
     tensor ``value``."""
@@ -126,7 +162,7 @@ def fill_(grad, input: Meta, value=None, *, needs_input_grad):
             grad.sum() if needs_input_grad[1] else None)
 
 
-@derivative(torch.fill, view=False)
+@derivative(torch.fill, view=False, jvp=_fill_jvp)
 def fill(grad, input: Meta, value, *, needs_input_grad):
     """Out-of-place ``fill``: as ``fill_``, on a new tensor."""
     return (torch.zeros_like(grad) if needs_input_grad[0] else None,
@@ -162,7 +198,7 @@ def index_copy(grad, input, dim, index, source, *, needs_input_grad):
             grad.index_select(dim, index) if needs_input_grad[3] else None)
 
 
-@derivative(torch.index_fill, T.index_fill, inplace=(T.index_fill_,), view=True)
+@derivative(torch.index_fill, T.index_fill, inplace=(T.index_fill_,), view=True, jvp=_index_fill_jvp)
 def index_fill(grad, input, dim, index, value: Meta, *, needs_input_grad):
     """A repeated index fills its place once, so ``value`` collects each place's gradient once."""
     grad_value = grad.index_select(dim, index.unique()).sum() if needs_input_grad[3] else None
@@ -174,7 +210,7 @@ def gather(grad, input: Meta, dim, index, *, sparse_grad=False):
     return grad.new_zeros(input.shape).scatter_add(dim, index, grad)
 
 
-@derivative(torch.scatter, T.scatter, inplace=(T.scatter_,), view=True)
+@derivative(torch.scatter, T.scatter, inplace=(T.scatter_,), view=True, jvp=_scatter_jvp)
 def scatter(grad, input, dim, index, src: Meta = None, *, value=None, reduce=None, needs_input_grad):
     """``src`` may be a tensor or (positionally) a number; ``reduce=`` has no gradient here."""
     if reduce is not None:
@@ -209,7 +245,8 @@ def unfold(grad, input: Meta, dimension, size, step):
     return _add_at_positions(grad, input, _positions(input).unfold(dimension, size, step))
 
 
-@derivative(torch.masked_fill, T.masked_fill, inplace=(T.masked_fill_,), view=True)
+@derivative(torch.masked_fill, T.masked_fill, inplace=(T.masked_fill_,), view=True,
+            jvp=_masked_fill_jvp)
 def masked_fill(grad, input, mask, value: Meta, *, needs_input_grad):
     grad_value = torch.where(mask, grad, 0.0).sum() if needs_input_grad[2] else None
     return grad.masked_fill(mask, 0.0) if needs_input_grad[0] else None, None, grad_value
