@@ -32,6 +32,7 @@ from . import _compat
 from .references import CheckedPack, current_saved_hooks, detached_message, modified_message
 from .rules import qualified_name
 from .saved_hooks import saved_tensors_hooks
+from .tangents import set_tangent, tangent_of
 from .tensor import as_tensor
 
 __all__ = ["checkpoint"]
@@ -74,6 +75,9 @@ class _Input:
         detached = as_tensor(value).detach()
         if self.requires_grad:
             detached.requires_grad_(True)
+        tangent = tangent_of(value)
+        if tangent is not None:  # under a dual level the recomputation computes tangents too
+            set_tangent(detached, tangent)
         return detached
 
 

@@ -8,17 +8,20 @@ Each transform turns its inputs into fresh graphgrad leaves, runs the user's fun
 the products it needs:
 
 - ``vjp``: one reverse pass with ``grad_outputs=v``.
-- ``jvp``: graphgrad is reverse-mode only, so the forward product is obtained by the
-  double-vjp trick. With ``u`` a dummy cotangent that requires grad, ``g(u) = vjp(u) = J^T u``
-  is linear in ``u``; differentiating ``<g(u), v>`` with respect to ``u`` gives ``J v``. This
-  needs ``create_graph=True`` on the first pass, which graphgrad supports because every rule
-  is written with recorded torch ops.
+- ``jvp``: one forward pass in forward mode (``gg.forward_ad``: the function runs on dual
+  tensors, no tape). ``strategy="reverse-mode"`` (and ``strict=True``, whose checks are
+  reverse mode's) use torch's double-vjp trick instead: with ``u`` a dummy cotangent that
+  requires grad, ``g(u) = vjp(u) = J^T u`` is linear in ``u``; differentiating ``<g(u), v>``
+  with respect to ``u`` gives ``J v`` (two reverse passes, the first with ``create_graph``).
 - ``jacobian``: one reverse pass per output element (rows of the Jacobian), graph retained.
   ``vectorize=True`` is accepted and computes the same result row by row (there is no batched
   backward); as in torch it cannot be combined with ``strict=True``. ``strategy=
-  "forward-mode"`` raises ``NotImplementedError``: graphgrad has no forward-mode AD.
+  "forward-mode"``: one forward pass per input element (columns), as torch, without
+  ``strict`` or ``create_graph``.
 - ``hessian``: the Jacobian of the (differentiable, ``create_graph=True``) Jacobian.
-- ``vhp``: a vjp of the gradient; ``hvp``: the double-vjp trick applied to the gradient.
+- ``vhp``: a vjp of the gradient; ``hvp``: forward over reverse (the tangent of the gradient,
+  one reverse pass on dual tensors); ``strategy="reverse-mode"`` or ``strict=True``: torch's
+  double-vjp trick applied to the gradient.
 
 Inputs may be plain torch tensors or graphgrad tensors; plain torch tensors are always data
 (graphgrad cannot reach torch's own autograd graph, so their native ``requires_grad`` is
@@ -38,6 +41,7 @@ import torch
 
 from . import _compat
 from .autograd import grad as _gg_grad
+from .forward_ad import dual_level, make_dual, unpack_dual
 from .tensor import Tensor, as_tensor
 
 __all__ = ["vjp", "jvp", "jacobian", "hessian", "hvp", "vhp"]
@@ -261,13 +265,65 @@ def vjp(func: Callable[..., TensorOrTensors], inputs: TensorOrTensors, v: Tensor
     return _tuple_postprocess(outputs, is_outputs_tuple), _tuple_postprocess(result, is_inputs_tuple)
 
 
+def _check_strategy(strategy: str) -> None:
+    if strategy not in ("forward-mode", "reverse-mode"):
+        raise AssertionError('Expected strategy to be either "forward-mode" or "reverse-mode", '
+                             f"got {strategy!r}.")
+
+
+def _tangents(outputs: tuple) -> tuple[tuple, tuple]:
+    """The primals of dual outputs and their tangents (zeros where an output has none)."""
+    prims, tans = [], []
+    for out in outputs:
+        p, t = unpack_dual(out)
+        prims.append(p)
+        tans.append(_zeros_like(p) if t is None else t)
+    return tuple(prims), tuple(tans)
+
+
+def _jvp_forward(func: Callable, inputs: TensorOrTensors, v: TensorOrTensors | None,
+                 create_graph: bool) -> tuple:
+    """``jvp`` in forward mode: the function once, on dual tensors."""
+    is_inputs_tuple, inputs = _as_tuple(inputs, "inputs", "jvp")
+    with torch.set_grad_enabled(True if create_graph else torch.is_grad_enabled()):
+        inputs = _grad_preprocess(inputs, create_graph=create_graph, need_graph=False)
+        if v is not None:
+            _, v = _as_tuple(v, "v", "jvp")
+            v = _grad_preprocess(v, create_graph=create_graph, need_graph=False)
+            _validate_v(v, inputs, is_inputs_tuple)
+        elif len(inputs) != 1 or inputs[0].nelement() != 1:
+            raise RuntimeError("The vector v can only be None if the input to the user-provided "
+                               "function is a single Tensor with a single element.")
+        else:
+            v = (_ones_like(inputs[0]),)
+        with dual_level():
+            duals = tuple(make_dual(inp, vi) for inp, vi in zip(inputs, v))
+            outputs = func(*duals)
+            is_outputs_tuple, outputs = _as_tuple(outputs, "outputs of the user-provided function", "jvp")
+            outputs, result = _tangents(outputs)
+    outputs = _grad_postprocess(outputs, create_graph)
+    result = _grad_postprocess(result, create_graph)
+    return _tuple_postprocess(outputs, is_outputs_tuple), _tuple_postprocess(result, is_outputs_tuple)
+
+
+def _ones_like(t: torch.Tensor) -> Tensor:
+    with _Disable():
+        one = torch.ones_like(t)
+    return as_tensor(one)
+
+
 def jvp(func: Callable[..., TensorOrTensors], inputs: TensorOrTensors, v: TensorOrTensors | None = None,
-        create_graph: bool = False, strict: bool = False) -> tuple[TensorOrTensors, TensorOrTensors]:
-    """``(func(inputs), J v)``, like ``torch.autograd.functional.jvp`` (double-vjp trick).
+        create_graph: bool = False, strict: bool = False,
+        strategy: str = "forward-mode") -> tuple[TensorOrTensors, TensorOrTensors]:
+    """``(func(inputs), J v)``, like ``torch.autograd.functional.jvp``.
 
     ``v`` has the inputs' structure; it may be omitted for a single one-element input.
-    The jvp has the output's structure.
+    The jvp has the output's structure. In forward mode (one pass, no tape) unless
+    ``strategy="reverse-mode"`` or ``strict=True``: then torch's double-vjp trick.
     """
+    _check_strategy(strategy)
+    if strategy == "forward-mode" and not strict:
+        return _jvp_forward(func, inputs, v, create_graph)
     with torch.enable_grad():
         is_inputs_tuple, inputs = _as_tuple(inputs, "inputs", "jvp")
         inputs = _grad_preprocess(inputs, create_graph=create_graph, need_graph=True)
@@ -308,10 +364,16 @@ def jacobian(func: Callable[..., TensorOrTensors], inputs: TensorOrTensors, crea
                              'your function has more outputs than inputs, "forward-mode" tends to be more '
                              'performant. Otherwise, prefer to use "reverse-mode".')
     if strategy == "forward-mode":
-        raise NotImplementedError(
-            'graphgrad.functional.jacobian: strategy="forward-mode" is not supported: graphgrad '
-            'is a reverse-mode engine. Use strategy="reverse-mode" (the default); it gives the same '
-            "Jacobian.")
+        if create_graph:
+            raise NotImplementedError(
+                'graphgrad.functional.jacobian: `create_graph=True` and `strategy="forward-mode"` are '
+                'not supported together (as in torch). Set `create_graph=False` or use '
+                '`strategy="reverse-mode"`.')
+        if strict:
+            raise RuntimeError(
+                'graphgrad.functional.jacobian: `strict=True` and `strategy="forward-mode"` are not '
+                'supported together (as in torch). Set `strict=False` or use `strategy="reverse-mode"`.')
+        return _jacobian_forward(func, inputs)
     with torch.enable_grad():
         is_inputs_tuple, inputs = _as_tuple(inputs, "inputs", "jacobian")
         inputs = _grad_preprocess(inputs, create_graph=create_graph, need_graph=True)
@@ -357,6 +419,43 @@ def jacobian(func: Callable[..., TensorOrTensors], inputs: TensorOrTensors, crea
         return _tuple_postprocess(result, (is_outputs_tuple, is_inputs_tuple))
 
 
+def _jacobian_forward(func: Callable, inputs: TensorOrTensors) -> NestedTensors:
+    """``jacobian`` in forward mode: one pass on dual tensors per input element (a column)."""
+    is_inputs_tuple, inputs = _as_tuple(inputs, "inputs", "jacobian")
+    inputs = _grad_preprocess(inputs, create_graph=False, need_graph=False)
+    columns: list[list[tuple]] = [[] for _ in inputs]  # [input][element] -> output tangents
+    outputs = None
+    is_outputs_tuple = False
+    for j, inp in enumerate(inputs):
+        for k in range(inp.nelement()):
+            with _Disable():
+                e = torch.zeros(inp.nelement(), dtype=inp.dtype, device=inp.device)
+                e[k] = 1
+            with dual_level():
+                duals = tuple(make_dual(x, as_tensor(e.view_as(x)) if i == j else _zeros_like(x))
+                              for i, x in enumerate(inputs))
+                out = func(*duals)
+                is_outputs_tuple, out = _as_tuple(out, "outputs of the user-provided function", "jacobian")
+                outputs, tans = _tangents(out)
+            columns[j].append(tans)
+    if outputs is None:  # no input has an element
+        is_outputs_tuple, outputs = _as_tuple(func(*inputs), "outputs of the user-provided function",
+                                              "jacobian")
+    jac = []
+    for i, out in enumerate(outputs):
+        per_input = []
+        for j, inp in enumerate(inputs):
+            if columns[j]:
+                with _Disable():
+                    block = torch.stack([c[i] for c in columns[j]], dim=-1)
+            else:
+                block = out.new_zeros(tuple(out.shape) + (0,))
+            per_input.append(block.reshape(out.size() + inp.size()))
+        jac.append(tuple(per_input))
+    result = _grad_postprocess(tuple(jac), False)
+    return _tuple_postprocess(result, (is_outputs_tuple, is_inputs_tuple))
+
+
 def hessian(func: Callable[..., torch.Tensor], inputs: TensorOrTensors, create_graph: bool = False,
             strict: bool = False, vectorize: bool = False,
             outer_jacobian_strategy: str = "reverse-mode") -> NestedTensors:
@@ -368,6 +467,12 @@ def hessian(func: Callable[..., torch.Tensor], inputs: TensorOrTensors, create_g
     is_inputs_tuple, inputs = _as_tuple(inputs, "inputs", "hessian")
     if outer_jacobian_strategy not in ("forward-mode", "reverse-mode"):
         raise AssertionError('Expected strategy to be either "forward-mode" or "reverse-mode".')
+    if outer_jacobian_strategy == "forward-mode":
+        if create_graph or strict:
+            raise NotImplementedError(
+                'graphgrad.functional.hessian: `outer_jacobian_strategy="forward-mode"` does not take '
+                '`create_graph=True` or `strict=True` (as in torch). Use the default "reverse-mode".')
+        return _tuple_postprocess(_hessian_forward(func, inputs), (is_inputs_tuple, is_inputs_tuple))
 
     def ensure_single_output_function(*inp: torch.Tensor) -> torch.Tensor:
         out = func(*inp)
@@ -388,6 +493,27 @@ def hessian(func: Callable[..., torch.Tensor], inputs: TensorOrTensors, create_g
     res = jacobian(jac_func, inputs, create_graph=create_graph, strict=strict, vectorize=vectorize,
                    strategy=outer_jacobian_strategy)
     return _tuple_postprocess(res, (is_inputs_tuple, is_inputs_tuple))
+
+
+def _hessian_forward(func: Callable, inputs: tuple) -> tuple:
+    """The Hessian forward over reverse: one ``hvp`` per input element (a column)."""
+    columns: list[list[list]] = [[[] for _ in inputs] for _ in inputs]  # [i][j] -> columns
+    for j, inp in enumerate(inputs):
+        for k in range(inp.nelement()):
+            with _Disable():
+                e = torch.zeros(inp.nelement(), dtype=inp.dtype, device=inp.device)
+                e[k] = 1
+            v = tuple(as_tensor(e.view_as(x)) if i == j else _zeros_like(x) for i, x in enumerate(inputs))
+            _, hv = _hvp_forward(func, tuple(inputs), v, False)
+            for i in range(len(inputs)):
+                columns[i][j].append(hv[i])
+    rows = []
+    with _Disable():
+        for i, a in enumerate(inputs):
+            rows.append(tuple(
+                (torch.stack(columns[i][j], dim=-1) if columns[i][j] else a.new_zeros(tuple(a.shape) + (0,)))
+                .reshape(a.size() + b.size()) for j, b in enumerate(inputs)))
+    return tuple(rows)
 
 
 def _scalar_func_setup(func: Callable[..., torch.Tensor], inputs: TensorOrTensors,
@@ -429,13 +555,50 @@ def vhp(func: Callable[..., torch.Tensor], inputs: TensorOrTensors, v: TensorOrT
     return _tuple_postprocess(outputs, is_outputs_tuple), _tuple_postprocess(result, is_inputs_tuple)
 
 
+def _hvp_forward(func: Callable, inputs: TensorOrTensors, v: TensorOrTensors | None,
+                 create_graph: bool) -> tuple:
+    """``hvp`` forward over reverse: the gradient computed on dual tensors, its tangent."""
+    with torch.enable_grad(), dual_level():
+        is_inputs_tuple, inputs = _as_tuple(inputs, "inputs", "hvp")
+        inputs = _grad_preprocess(inputs, create_graph=create_graph, need_graph=True)
+        if v is not None:
+            _, v = _as_tuple(v, "v", "hvp")
+            v = _grad_preprocess(v, create_graph=create_graph, need_graph=False)
+            _validate_v(v, inputs, is_inputs_tuple)
+        elif len(inputs) != 1 or inputs[0].nelement() != 1:
+            raise RuntimeError("The vector v can only be None if the input to the user-provided function "
+                               "is a single Tensor with a single element.")
+        else:
+            v = (_ones_like(inputs[0]),)
+        duals = tuple(make_dual(inp, vi) for inp, vi in zip(inputs, v))
+        outputs = func(*duals)
+        is_outputs_tuple, outputs = _as_tuple(outputs, "outputs of the user-provided function", "hvp")
+        if is_outputs_tuple or not isinstance(outputs[0], torch.Tensor):
+            raise RuntimeError("The function given to hvp should return a single Tensor")
+        if outputs[0].nelement() != 1:
+            raise RuntimeError("The Tensor returned by the function given to hvp should contain a "
+                               "single element")
+        grads = _gg_grad(outputs, duals, create_graph=create_graph, allow_unused=True)
+        tangents = [None if g is None else unpack_dual(g).tangent for g in grads]
+        result = tuple(_zeros_like(inp) if t is None else t for t, inp in zip(tangents, inputs))
+        outputs = tuple(unpack_dual(o).primal for o in outputs)
+    outputs = _grad_postprocess(outputs, create_graph)
+    result = _grad_postprocess(result, create_graph)
+    return _tuple_postprocess(outputs, is_outputs_tuple), _tuple_postprocess(result, is_inputs_tuple)
+
+
 def hvp(func: Callable[..., torch.Tensor], inputs: TensorOrTensors, v: TensorOrTensors | None = None,
-        create_graph: bool = False, strict: bool = False) -> tuple[torch.Tensor, TensorOrTensors]:
+        create_graph: bool = False, strict: bool = False,
+        strategy: str = "forward-mode") -> tuple[torch.Tensor, TensorOrTensors]:
     """``(func(inputs), H v)`` for a scalar ``func``, like ``torch.autograd.functional.hvp``.
 
-    Uses the double-vjp trick on the gradient, as torch does; equal to ``vhp`` for functions
-    that are twice continuously differentiable (and cheaper there: prefer ``vhp``).
+    Forward over reverse: the gradient computed on dual tensors, whose tangent is ``H v`` (one
+    reverse pass, about half the memory of reverse over reverse). ``strategy="reverse-mode"``
+    or ``strict=True``: torch's double-vjp trick on the gradient.
     """
+    _check_strategy(strategy)
+    if strategy == "forward-mode" and not strict:
+        return _hvp_forward(func, inputs, v, create_graph)
     with torch.enable_grad():
         is_inputs_tuple, inputs, v, is_outputs_tuple, outputs, jac = _scalar_func_setup(
             func, inputs, v, create_graph, strict, "hvp")

@@ -475,8 +475,17 @@ def _requires_grad(t) -> bool:
 
 
 def _pair(g, t, value, pairs_out, pairs_t):
-    if g is None or t is None or not _requires_grad(g):
+    if g is None or t is None:
         return
+    if not _requires_grad(g):
+        # linear in u, so a gradient that is not recorded as a function of u is zero; one that
+        # is not zero was computed where the engine cannot see (under no_grad, by a kernel
+        # with no rule): its transpose cannot be taken, and a zero tangent would be wrong
+        if g._is_zerotensor() or not bool(g.ne(0).any()):
+            return
+        raise NotImplementedError(
+            "its backward is not differentiable by graphgrad (a gradient it returns does not "
+            "depend on the incoming gradient as recorded)")
     if g.shape != t.shape:
         g = unbroadcast(g, t.shape)
     if g.is_complex() and not t.is_complex():
