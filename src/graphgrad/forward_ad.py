@@ -80,7 +80,8 @@ def _level_for(level: int | None):
 
 def make_dual(tensor: torch.Tensor, tangent: torch.Tensor, *, level: int | None = None) -> torch.Tensor:
     """A new tensor aliasing ``tensor`` that carries ``tangent`` (copied first when its layout
-    differs from ``tensor``'s). Differentiable: gradients reach ``tensor`` through it."""
+    differs from ``tensor``'s, converted to its dtype). Differentiable: gradients reach
+    ``tensor`` through it."""
     if _level_for(level) is None:
         raise RuntimeError("Trying to create a dual Tensor for forward AD but no level exists, "
                            "make sure to enter_dual_level() first (with gg.forward_ad.dual_level():).")
@@ -93,16 +94,18 @@ def make_dual(tensor: torch.Tensor, tangent: torch.Tensor, *, level: int | None 
         raise RuntimeError(
             f"make_dual: the tangent's shape {tuple(tangent.shape)} differs from the primal's "
             f"{tuple(tensor.shape)}; give a tangent of the primal's shape.")
-    if tangent.dtype != tensor.dtype or tangent.device != tensor.device:
+    if tangent.device != tensor.device:
         raise RuntimeError(
-            f"make_dual: the tangent ({tangent.dtype}, {tangent.device}) must have the primal's "
-            f"dtype and device ({tensor.dtype}, {tensor.device}); convert it with .to() first.")
+            f"make_dual: the tangent is on {tangent.device}, the primal on {tensor.device}; move "
+            "the tangent with .to(primal.device) first.")
     with suspended():
         if type(tensor) is not Tensor:
             tensor = as_tensor(tensor)
         dual = tensor.view_as(tensor)
         if type(tangent) is not Tensor:
             tangent = as_tensor(tangent)
+        if tangent.dtype != dual.dtype:  # (torch keeps it as given; the rules expect the primal's)
+            tangent = tangent.to(dual.dtype)
         if tangent.numel() > 1 and tangent.stride() != dual.stride():
             laid = torch.empty_strided(dual.size(), dual.stride(), dtype=dual.dtype, device=dual.device)
             tangent = as_tensor(laid).copy_(tangent)

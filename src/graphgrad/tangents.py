@@ -572,6 +572,7 @@ def _update_in_place(x, new) -> None:
     if new is None:
         new = torch.zeros_like(x)
     new = _fit(new, x)
+    _keep_with_result(x, new)
     t = tangent_of(x)
     if t is not None:
         if t.requires_grad and t.is_leaf:  # a tangent that is a leaf: replaced, not written

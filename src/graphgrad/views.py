@@ -189,6 +189,9 @@ def record_inplace(func, rule, args, kwargs, silent):
         copy = self.clone()
         if old is not None and _grad_enabled():
             copy = wrap_output(copy, old, getattr(self, "_gg_nr", 0))
+        pair = getattr(self, "_gg_tangent", None)
+        if pair is not None:  # under a dual level: the old value's tangent, for forward over reverse
+            copy = _with_tangent(copy, pair)
         values = (copy,) + tuple(values[1:])
     saved, versions = save_arguments(keep, values)
     out = kernel(func, args, kwargs, silent)
@@ -322,6 +325,15 @@ def _overlaps_itself(t) -> bool:
         for st, n in dims:
             offsets = offsets.unsqueeze(-1) + torch.arange(n) * st
         return offsets.unique().numel() < offsets.numel()
+
+
+def _with_tangent(copy, pair):
+    """``copy`` (the value an in-place op is about to change) with a copy of its tangent at the
+    dual level ``pair[0]`` (tangents.py: the op then changes the tangent in place)."""
+    if type(copy) is _PlainTensor:
+        copy.__class__ = _TENSOR_CLS
+    copy._gg_tangent = (pair[0], pair[1].clone())
+    return copy
 
 
 def _copy_slices(target, view_node, graph):
