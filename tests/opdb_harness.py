@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.utils import _pytree as pytree
 
@@ -356,3 +357,173 @@ def classify(op, only: int | None = None) -> dict:
                   if f not in RULES and decompose.source_of(f) is not None})
     return {"result": PASS if compared else "torch rejects every sample", "sample": first or 0,
             **({"via": via} if via else {})}
+
+
+
+# -- forward mode over the whole op_db (docs/ops.md's "Forward mode" section) ------------------
+#: the dtypes a forward entry may run in, in order: the first the OpInfo supports on CPU with
+#: samples (view_as_real and imag take complex inputs only)
+FORWARD_DTYPES = (torch.float64, torch.complex128)
+#: the parts of a forward entry: forward mode alone ("result", "sample") and, where torch's
+#: OpInfo says supports_fwgrad_bwgrad, forward over reverse ("fwbw", "fwbw_sample")
+FORWARD_PARTS = {"forward": ("result", "sample"), "fwbw": ("fwbw", "fwbw_sample")}
+_NO_TANGENT = re.compile(r"no tangent rule for (\S+?), which")
+_TANGENT_FORM = re.compile(r"and the (\w+) form failed")
+
+
+def forward_opinfos() -> list:
+    """Every OpInfo of op_db that supports forward-mode AD: the forward report's denominator."""
+    return [op for op in op_db if op.supports_forward_ad]
+
+
+def forward_samples(op, count: int = REPORT_SAMPLES) -> tuple:
+    """(the dtype of ``FORWARD_DTYPES`` an entry runs in, its first ``count`` samples), or
+    (None, why there are none)."""
+    for dtype in FORWARD_DTYPES:
+        if op.supports_dtype(dtype, "cpu"):
+            found = samples(op, count, dtype, capped=False)
+            if found:
+                return dtype, found
+    return None, "no float64 or complex128 samples"
+
+
+def forward_failure_reason(error: BaseException, stage: str) -> str:
+    """``failure_reason`` for the forward report, whose stages are "forward" (values),
+    "tangent" (the outputs' tangents), "gradient" (gradients taken under a dual level) and
+    "fwbw" (their tangents: forward over reverse)."""
+    text = str(error)
+    if isinstance(error, NotImplementedError) and "graphgrad" in text:
+        found = _NO_TANGENT.search(text)
+        if found:
+            form = _TANGENT_FORM.search(text)
+            return f"no tangent rule for {found.group(1)}" + (
+                f" ({form.group(1)} form fails)" if form else "")
+        return failure_reason(error, "forward")
+    if isinstance(error, AssertionError):
+        return {"forward": "values differ", "tangent": "tangents differ",
+                "gradient": "gradients differ", "fwbw": "tangents of gradients differ"}[stage]
+    return f"{stage} raises {type(error).__name__}"
+
+
+def _map_tensors(tree, fn) -> tuple:
+    """(``tree`` with ``fn`` of each tensor, {id of a tensor: its image}): the same tensor twice
+    maps to one image."""
+    memo = {}
+
+    def convert(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in memo:
+            memo[id(t)] = fn(t)
+        return memo[id(t)]
+
+    return pytree.tree_map(convert, tree), memo
+
+
+def _with_duals(tree, duals: dict):
+    return pytree.tree_map(lambda a: duals.get(id(a), a) if isinstance(a, torch.Tensor) else a, tree)
+
+
+def _unpacked(out, unpack) -> list:
+    """Each output leaf: a tensor as (primal, tangent), anything else as it is."""
+    return [tuple(unpack(o)) if isinstance(o, torch.Tensor) else o for o in pytree.tree_leaves(out)]
+
+
+def _unpacked_grads(grads, unpack) -> list:
+    return [None if g is None else tuple(unpack(g)) for g in grads]
+
+
+def forward_sample(op, sample, seed: int, over_reverse: bool) -> str | None:
+    """Forward mode on one sample: each input that requires grad made dual with a random
+    tangent (a generator seeded with ``seed``), outputs and their tangents against
+    torch.autograd.forward_ad. ``over_reverse``: the inputs also require grad, and the
+    gradients for a random cotangent (torch's with create_graph=True, graphgrad's from
+    ``gg.grad``) and their tangents are compared too. PASS, a failure reason, or None when
+    torch rejects the sample."""
+    gen = torch.Generator().manual_seed(seed)
+    tree = _clone_tree((sample.input, sample.args, sample.kwargs))
+    leaves = _grad_leaves(tree)
+    tangents = [torch.randn(t.shape, dtype=t.dtype, generator=gen) for t in leaves]
+    ttree, tmemo = _map_tensors(tree, lambda t: t if over_reverse else t.detach())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with fwAD.dual_level():
+                ins = [tmemo[id(t)] for t in leaves]
+                duals = {id(x): fwAD.make_dual(x, t) for x, t in zip(ins, tangents)}
+                out = _call(op, sample, _with_duals(ttree, duals))
+                expected = _unpacked(out, fwAD.unpack_dual)
+                differentiable = [k for k, o in enumerate(pytree.tree_leaves(out))
+                                  if isinstance(o, torch.Tensor) and o.requires_grad]
+                want = vs = None
+                if over_reverse and differentiable and ins:
+                    outs = [pytree.tree_leaves(out)[k] for k in differentiable]
+                    vs = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in outs]
+                    want = _unpacked_grads(torch.autograd.grad(
+                        outs, ins, vs, allow_unused=True, create_graph=True), fwAD.unpack_dual)
+    except Exception:  # noqa: BLE001 - torch rejects the sample: nothing to compare
+        return None
+    gtree, gmemo = _map_tensors(tree, lambda t: gg.as_tensor(
+        t.detach().clone(), requires_grad=over_reverse and t.requires_grad))
+    stage = "forward"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with gg.forward_ad.dual_level():
+                gins = [gmemo[id(t)] for t in leaves]
+                gduals = {id(x): gg.forward_ad.make_dual(x, t.clone()) for x, t in zip(gins, tangents)}
+                gout = _call(op, sample, _with_duals(gtree, gduals))
+                got = _unpacked(gout, gg.forward_ad.unpack_dual)
+                assert len(got) == len(expected), "different number of outputs"
+                for e, g in zip(expected, got):
+                    if isinstance(e, tuple):
+                        torch.testing.assert_close(plain(g[0]), plain(e[0]), **TOL)
+                    else:
+                        assert g == e
+                stage = "tangent"
+                for k, (e, g) in enumerate(zip(expected, got)):
+                    if isinstance(e, tuple):
+                        assert_grads_close([g[1]], [e[1]], f"tangent of output {k}", TOL)
+                if want is None:
+                    return PASS
+                stage = "gradient"
+                gouts = [pytree.tree_leaves(gout)[k] for k in differentiable]
+                assert all(isinstance(o, torch.Tensor) and o.requires_grad for o in gouts), \
+                    "graphgrad output does not require grad"
+                have = _unpacked_grads(gg.grad(gouts, gins, [gg.as_tensor(v.clone()) for v in vs],
+                                               allow_unused=True), gg.forward_ad.unpack_dual)
+                assert_grads_close([h and h[0] for h in have], [w and w[0] for w in want],
+                                   "gradient of input", TOL)
+                stage = "fwbw"
+                assert_grads_close([h and h[1] for h in have], [w and w[1] for w in want],
+                                   "tangent of the gradient of input", TOL)
+        return PASS
+    except Exception as e:  # noqa: BLE001 - every failure is a reason in the report
+        return forward_failure_reason(e, stage)
+
+
+def classify_forward(op, only: dict | None = None) -> dict:
+    """One OpInfo in the forward report: for each part of ``FORWARD_PARTS`` it has, PASS or the
+    first failing sample's reason and that sample's index (``"dtype"``: the samples' dtype when
+    not float64). ``only``: {part: sample index}, those parts on that one sample each (the
+    cheap staleness test)."""
+    parts = [p for p in FORWARD_PARTS if (p == "forward" or op.supports_fwgrad_bwgrad)
+             and (only is None or p in only)]
+    dtype, found = forward_samples(op, REPORT_SAMPLES if only is None else max(only.values()) + 1)
+    if dtype is None:
+        return {key: value for p in parts for key, value in zip(FORWARD_PARTS[p], (found, 0))}
+    entry = {} if dtype == torch.float64 else {"dtype": str(dtype).removeprefix("torch.")}
+    for p in parts:
+        result, at = "torch rejects every sample", None
+        for i, sample in enumerate(found):
+            if only is not None and i != only[p]:
+                continue
+            now = forward_sample(op, sample, i, p == "fwbw")
+            if now is None:
+                continue
+            if at is None or now != PASS:
+                result, at = now, i
+            if now != PASS:
+                break
+        entry.update(zip(FORWARD_PARTS[p], (result, at or 0)))
+    return entry

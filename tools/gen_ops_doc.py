@@ -12,6 +12,14 @@ on its first float64 samples (``opdb_harness.classify``) and stored, entry by en
 the functions reached through torch's decompositions (``graphgrad.decompose``).
 ``tests/ops/test_opdb_coverage.py`` reruns one sample per entry against that file.
 
+Forward mode is measured the same way: every OpInfo that supports forward-mode AD, on its
+first samples, tangents (and, where torch supports it, forward over reverse) against
+torch.autograd.forward_ad (``opdb_harness.classify_forward``), stored in
+``docs/opdb_forward.json``; docs/ops.md's "Forward mode" section shows the totals, the failures
+and how many rules take each tangent form. ``tests/ops/test_opdb_forward.py`` reruns one sample
+per entry. ``python tools/gen_ops_doc.py --forward-only`` measures forward mode alone (a
+minute) and rewrites docs/ops.md with the stored reverse-mode report.
+
 Beside it, the figures of torch.nn's own module database (``module_db``) as
 ``tests/api/test_module_db.py`` runs it: its ``FIGURES``, which a whole run of that file checks
 (``python tests/api/test_module_db.py`` measures them from torch's side).
@@ -31,11 +39,14 @@ from torch.utils import _pytree as pytree
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "ops.md"
 COVERAGE = ROOT / "docs" / "opdb_coverage.json"
+FORWARD = ROOT / "docs" / "opdb_forward.json"
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "ops"),  # the helpers, the op tests,
                 str(ROOT / "tests" / "api")]                         # the module_db test
 
 from graphgrad import decompose, dispatch  # noqa: E402
+from graphgrad import rules as _rules  # noqa: E402
 from graphgrad.rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, qualified_name  # noqa: E402
+from graphgrad.tangents import FORMS, form_of  # noqa: E402
 
 KIND = {DECOMPOSITION: "decomposition", NONDIFFERENTIABLE: "no gradient"}
 
@@ -130,12 +141,37 @@ def totals_line(report: dict) -> str:
     return f"**{n} autograd OpInfos, {p} pass = {100 * p / n:.1f} %.**"
 
 
-def render_coverage(report: dict) -> list[str]:
-    entries = report["entries"]
+#: OpInfos whose torch gradient is itself wrong (graphgrad's agrees with finite differences,
+#: ``gg.gradcheck``), and how that was found: the report lists them as failures all the same
+TORCH_WRONG = {
+    "as_strided_scatter": "torch's input gradient is the gradient at the places src overwrote "
+                          "and zero elsewhere, the reverse of what it should be (torch's own "
+                          "OpInfo marks TestBwdGradients.test_fn_grad an expected failure; "
+                          "torch.autograd.gradcheck fails); graphgrad's passes gg.gradcheck and "
+                          "gg.gradgradcheck, and its tangents match torch's",
+}
+
+
+def _by_reason(entries: dict, key: str = "result", skip=()) -> list[str]:
+    """Table rows ``| reason | OpInfos | which |`` for the entries whose ``key`` is no pass."""
     by_reason = defaultdict(list)
     for name, e in entries.items():
-        if e["result"] != "pass":
-            by_reason[e["result"]].append(name)
+        if key in e and e[key] != "pass" and name not in skip:
+            by_reason[e[key]].append(name)
+    return [f"| {reason} | {len(names)} | {', '.join(sorted(names))} |"
+            for reason, names in sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
+
+
+def _torch_wrong(entries: dict, key: str = "result") -> list[str]:
+    found = [(name, why) for name, why in sorted(TORCH_WRONG.items())
+             if name in entries and entries[name].get(key, "pass") != "pass"]
+    if not found:
+        return []
+    return ["", "Where torch's own gradient is wrong:", ""] + [f"- {name}: {why}." for name, why in found]
+
+
+def render_coverage(report: dict) -> list[str]:
+    entries = report["entries"]
     via = defaultdict(list)
     for name, e in entries.items():
         if e["result"] == "pass":
@@ -152,9 +188,8 @@ def render_coverage(report: dict) -> list[str]:
         "", totals_line(report), "",
         "### Failures by reason", "",
         "| reason | OpInfos | which |", "|---|---|---|",
+        *_by_reason(entries), *_torch_wrong(entries),
     ]
-    for reason, names in sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        lines.append(f"| {reason} | {len(names)} | {', '.join(sorted(names))} |")
     lines += [
         "", "### Reached via decomposition", "",
         "Functions with no rule of their own that passing OpInfos reached through the",
@@ -178,6 +213,91 @@ def render_coverage(report: dict) -> list[str]:
               "functions keep the no-rule error rather than a wrong gradient.", "",
               "| ATen op | why |", "|---|---|"]
     lines += [f"| `{op}` | {why} |" for op, why in sorted(denied.items())]
+    return lines
+
+
+# -- forward mode ---------------------------------------------------------------------------
+def measure_forward() -> dict:
+    """Run the whole op_db forward report: {"entries": OpInfo -> classify_forward()}."""
+    from opdb_harness import classify_forward, forward_opinfos, op_id
+
+    return {"samples_per_opinfo": _samples(),
+            "entries": {op_id(op): classify_forward(op) for op in forward_opinfos()}}
+
+
+def load_forward() -> dict:
+    return json.loads(FORWARD.read_text())
+
+
+def forward_totals(report: dict) -> tuple[int, int, int, int]:
+    """(OpInfos supporting forward AD, passing ones, of them supporting forward over reverse,
+    passing forward over reverse)."""
+    entries = report["entries"].values()
+    over = [e for e in entries if "fwbw" in e]
+    return (len(entries), sum(1 for e in entries if e["result"] == "pass"),
+            len(over), sum(1 for e in over if e["fwbw"] == "pass"))
+
+
+def forward_totals_line(report: dict) -> str:
+    n, p, m, q = forward_totals(report)
+    return (f"**Forward mode: {p} of {n} OpInfos marked supports_forward_ad pass = "
+            f"{100 * p / n:.1f} %; forward over reverse: {q} of {m} marked "
+            f"supports_fwgrad_bwgrad pass = {100 * q / m:.1f} %.**")
+
+
+def tangent_forms() -> dict:
+    """form -> how many registered differentiable rules (each Rule object once) take it."""
+    rules = {id(rule): rule for rule in RULES.values() if rule.kind == _rules.DIFFERENTIABLE}
+    counts = dict.fromkeys(FORMS, 0)
+    for rule in rules.values():
+        counts[form_of(rule)] += 1
+    return counts
+
+
+#: what each tangent form is (graphgrad/tangents.py)
+_FORM_MEANS = {
+    "explicit": "the rule's own `jvp=` (`@gg.derivative(..., jvp=...)`)",
+    "linear": "declared `linear=True`: the op applied to the tangents",
+    "view": "a view rule (`view=True`): the same op applied to the input's tangent",
+    "elementwise": "an elementwise rule: its backward applied to each input's tangent (real "
+                   "tensors; on complex tensors these take the transposed form)",
+    "transposed": "the transpose of the rule's own backward: one extra small backward pass per op",
+}
+
+
+def render_forward(report: dict) -> list[str]:
+    entries = report["entries"]
+    forward_failed = {name for name, e in entries.items() if e["result"] != "pass"}
+    both = sum(1 for name in forward_failed if entries[name].get("fwbw", "pass") != "pass")
+    dtypes = sorted(name for name, e in entries.items() if "dtype" in e)
+    forms = tangent_forms()
+    lines = [
+        "## Forward mode", "",
+        "Every OpInfo of op_db that supports forward-mode AD (`supports_forward_ad`), on its first",
+        f"{report['samples_per_opinfo']} float64 samples (complex128 for the OpInfos with none: "
+        f"{', '.join(dtypes) if dtypes else 'none'}):",
+        "each input that requires grad gets a random tangent; outputs and their tangents under",
+        "`gg.forward_ad` are compared with `torch.autograd.forward_ad` at rtol=atol=1e-7. Where",
+        "torch's OpInfo supports forward over reverse (`supports_fwgrad_bwgrad`), the dual inputs",
+        "also require grad: the gradients for a random cotangent (`gg.grad`, whose backward runs",
+        "the rules with tangents under a dual level; torch's with `create_graph=True`) and their",
+        "tangents are compared too. An entry passes when every sample torch accepts matches;",
+        "otherwise it is listed under the first failing sample's reason. Stored entry by entry in",
+        "`docs/opdb_forward.json`; `tests/ops/test_opdb_forward.py` reruns one sample per entry.",
+        "", forward_totals_line(report), "",
+        "### Forward mode failures by reason", "",
+        "| reason | OpInfos | which |", "|---|---|---|",
+        *_by_reason(entries),
+        "", "### Forward over reverse failures by reason", "",
+        f"Besides the {both} OpInfos above, which fail forward over reverse as well:", "",
+        "| reason | OpInfos | which |", "|---|---|---|",
+        *_by_reason(entries, "fwbw", skip=forward_failed), *_torch_wrong(entries, "fwbw"),
+        "", "### Tangent forms", "",
+        "How the registered derivative rules (each rule once, however many functions share it)",
+        "compute an output's tangent (`graphgrad.tangents.form_of`):", "",
+        "| form | rules | what it is |", "|---|---|---|",
+    ]
+    lines += [f"| {form} | {forms[form]} | {_FORM_MEANS[form]} |" for form in FORMS]
     return lines
 
 
@@ -234,9 +354,11 @@ def load_coverage() -> dict:
     return json.loads(COVERAGE.read_text())
 
 
-def render(report: dict | None = None) -> str:
+def render(report: dict | None = None, forward: dict | None = None) -> str:
     if report is None:
         report = load_coverage()
+    if forward is None:
+        forward = load_forward()
     samples_of, second, declined, no_second = collect()
     rows = []
     for func, rule in RULES.items():
@@ -286,20 +408,29 @@ def render(report: dict | None = None) -> str:
     else:
         lines.append("None.")
     lines += [""] + render_coverage(report)
+    lines += [""] + render_forward(forward)
     lines += [""] + render_module_db()
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    """``python tools/gen_ops_doc.py``: measure the op_db report and write both files;
-    ``--doc-only``: rewrite docs/ops.md from the stored report (no op_db run)."""
+    """``python tools/gen_ops_doc.py``: measure both op_db reports (reverse and forward mode)
+    and write the three files; ``--forward-only``: measure forward mode alone, with the stored
+    reverse-mode report; ``--doc-only``: rewrite docs/ops.md from the stored reports (no op_db
+    run)."""
     DOC.parent.mkdir(exist_ok=True)
-    if "--doc-only" in sys.argv[1:]:
+    options = sys.argv[1:]
+    if "--doc-only" in options or "--forward-only" in options:
         report = load_coverage()
     else:
         report = measure()
         COVERAGE.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
-    DOC.write_text(render(report))
+    if "--doc-only" in options:
+        forward = load_forward()
+    else:
+        forward = measure_forward()
+        FORWARD.write_text(json.dumps(forward, indent=1, sort_keys=True) + "\n")
+    DOC.write_text(render(report, forward))
     print(f"wrote {DOC.relative_to(ROOT)}")
 
 

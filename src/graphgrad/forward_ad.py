@@ -115,14 +115,17 @@ def make_dual(tensor: torch.Tensor, tangent: torch.Tensor, *, level: int | None 
 
 def unpack_dual(tensor: torch.Tensor, *, level: int | None = None) -> UnpackedDualTensor:
     """``(primal, tangent)`` of a dual tensor: the primal a view of it without the tangent, the
-    tangent as it is (None for a tensor without one)."""
+    tangent as it is (None for a tensor without one). A tangent that torch's own forward AD
+    computed (a plain torch dual tensor among an op's arguments) is torch's to give."""
     number = _torch_fwad._current_level if level is None else level
+    if number < 0:
+        return UnpackedDualTensor(tensor, None)
     current = tangents.active()
-    if number < 0 or current is None or current.number != number:
-        return UnpackedDualTensor(tensor, None)
-    tangent = tangent_of(tensor)
+    tangent = tangent_of(tensor) if current is not None and current.number == number else None
     if tangent is None:
-        return UnpackedDualTensor(tensor, None)
+        with torch._C.DisableTorchFunction():
+            primal, torch_tangent = torch._VF._unpack_dual(tensor, level=number)
+        return UnpackedDualTensor(tensor if torch_tangent is None else primal, torch_tangent)
     with suspended():
         primal = tensor.view_as(tensor)
     return UnpackedDualTensor(primal, tangent)

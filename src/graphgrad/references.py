@@ -44,7 +44,7 @@ _SavedAlias = _compat.native_meta.SavedAlias if _compat.native_meta is not None 
 __all__ = ["SavedResult", "saved_output", "untracked", "PackedTensor", "save_arguments",
            "check_saved_versions",
            "unpack_result", "unpack_saved", "saved_bytes", "describe", "push_saved_hooks",
-           "pop_saved_hooks", "current_saved_hooks", "PackedSaved", "CheckedPack",
+           "push_no_saved_hooks", "pop_saved_hooks", "current_saved_hooks", "PackedSaved", "CheckedPack",
            "check_packed", "nones", "modified_message", "detached_message", "storage_of", "storage_bytes",
            "saved_tensors", "node_saved_bytes"]
 
@@ -64,6 +64,14 @@ _active_lock = threading.Lock()
 
 def push_saved_hooks(pack, unpack) -> None:
     _hooks.stack = _hooks.stack + ((pack, unpack),)
+    with _active_lock:
+        _active[0] += 1
+
+
+def push_no_saved_hooks() -> None:
+    """Save tensors plainly, whatever hooks are pushed, until the matching ``pop_saved_hooks``
+    (tangents.py: a tangent's own computation is not the op's work that hooks account for)."""
+    _hooks.stack = _hooks.stack + (None,)
     with _active_lock:
         _active[0] += 1
 
@@ -109,7 +117,7 @@ def check_packed(name, values) -> None:
 class PackedTensor:
     """A saved tensor replaced by what a pack hook returned; ``node``/``nr`` reattach its grad_fn."""
 
-    __slots__ = ("packed", "unpack", "node", "nr")
+    __slots__ = ("packed", "unpack", "node", "nr", "tangent")
 
     def __init__(self, tensor, hooks, node, nr):
         pack, self.unpack = hooks
@@ -117,12 +125,16 @@ class PackedTensor:
             self.packed = pack(tensor)
         self.node = node
         self.nr = nr
+        # under a dual level: its tangent, given back on unpacking (as torch's SavedVariable)
+        self.tangent = getattr(tensor, "_gg_tangent", None)
 
     def value(self, create_graph):
         with _EnableTorchFunction():
             t = self.unpack(self.packed)
         if create_graph and self.node is not None:
-            return wrap_output(t.detach(), self.node, self.nr)
+            t = wrap_output(t.detach(), self.node, self.nr)
+        if self.tangent is not None:
+            t = _with_tangent[0](t, self.tangent)
         return t
 
 

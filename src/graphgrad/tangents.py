@@ -37,6 +37,9 @@ import torch
 from torch._C import TensorBase
 
 from . import dispatch, executor, references
+from ._compat import tensor_dtype as _dtype
+from ._compat import tensor_is_view as _is_view
+from ._compat import tensor_shape as _shape
 from .autograd import grad as grad_of
 from .binding import bind
 from .codes import PARAM_KEYWORD_ONLY, PARAM_POSITIONAL, PARAM_VAR_KEYWORD, PARAM_VAR_POSITIONAL
@@ -45,6 +48,7 @@ from .dispatch import call_primal
 from .executor import unbroadcast
 from .fastcalls import tensor_adopt
 from .node import _call_by_kinds
+from .references import current_saved_hooks, pop_saved_hooks, push_no_saved_hooks
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, Rule, qualified_name, writes_first_argument
 from .tensor import Tensor, as_tensor
 
@@ -56,19 +60,34 @@ FORMS = ("explicit", "linear", "view", "elementwise", "transposed")
 
 
 class Level:
-    """One dual level: torch's level number, the tensors given tangents at it (to drop them
-    when it ends), and for a level entered by torch's own ``dual_level`` a plain torch dual
-    tensor whose tangent torch deletes when that level ends (``alive``)."""
+    """One dual level: torch's level number, the tensors given tangents at it (``refs``, weak
+    references, to drop the tangents when it ends; ``tensors``, those alive), and for a level
+    entered by torch's own ``dual_level`` a plain torch dual tensor whose tangent torch deletes
+    when that level ends (``alive``)."""
 
-    __slots__ = ("number", "tensors", "anchor")
+    __slots__ = ("number", "refs", "anchor", "compact_at")
 
     def __init__(self, number: int, torch_entered: bool):
         self.number = number
-        self.tensors: weakref.WeakSet = weakref.WeakSet()
+        self.refs: list[weakref.ref] = []
+        self.compact_at = _COMPACT_MIN
         self.anchor = None
         if torch_entered:
             with torch._C.DisableTorchFunction():
                 self.anchor = torch._VF._make_dual(torch.zeros(()), torch.zeros(()), level=number)
+
+    def keep(self, t) -> None:
+        """Note that ``t`` was given a tangent at this level (Note [Tangent owners])."""
+        refs = self.refs
+        refs.append(_weakref(t))
+        if len(refs) >= self.compact_at:
+            self.refs = refs = [r for r in refs if r() is not None]
+            self.compact_at = max(_COMPACT_MIN, 2 * len(refs))
+
+    @property
+    def tensors(self) -> list:
+        """The tensors alive that were given a tangent at this level."""
+        return [t for t in (r() for r in self.refs) if t is not None]
 
     def alive(self) -> bool:
         if self.anchor is None:
@@ -77,6 +96,19 @@ class Level:
             return torch._VF._unpack_dual(self.anchor, level=self.number)[1] is not None
 
 
+# Note [Tangent owners]
+# A level keeps a weak reference to each tensor it gave a tangent, so that leaving it drops the
+# tangents of the tensors that outlive it (as torch deletes them). Plain references without
+# callbacks, in a list compacted whenever it doubles (amortized O(1) per tangent; at most twice
+# the tensors alive, plus _COMPACT_MIN): a WeakSet runs a Python callback at every tensor's death
+# and compares a tensor given a tangent twice with itself by ``==`` (elementwise: an error for
+# more than one element).
+_COMPACT_MIN = 1024
+_weakref = weakref.ref
+
+#: dtypes whose tensors carry tangents
+_DIFFERENTIABLE_DTYPES = frozenset(
+    d for d in vars(torch).values() if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex))
 _level: Level | None = None  # the active level (one at a time, as in torch)
 _local = threading.local()  # .off: forward mode suspended in this thread (a tangent is computing)
 
@@ -108,11 +140,11 @@ def close(level: Level) -> None:
         _level = None
         dispatch.set_forward(None)
         executor.set_forward_probe(None)
-    for t in list(level.tensors):
+    for t in level.tensors:
         pair = t.__dict__.get("_gg_tangent")
         if pair is not None and pair[0] is level:
             del t.__dict__["_gg_tangent"]
-    level.tensors = weakref.WeakSet()
+    level.refs = []
 
 
 def _backward_sees_tangents() -> bool:
@@ -152,7 +184,7 @@ def set_tangent(t: torch.Tensor, tangent: torch.Tensor | None) -> None:
         t.__dict__.pop("_gg_tangent", None)
         return
     t._gg_tangent = (level, tangent)
-    level.tensors.add(t)
+    level.keep(t)
 
 
 def _has_tangent(args, kwargs) -> bool:
@@ -214,7 +246,7 @@ def _floating_output(out, args, kwargs) -> bool:
 
 def _differentiable(func, rule: Rule, args: tuple, kwargs: dict):
     values = bind(func, rule, args, kwargs)
-    tangents = tuple(_tangents_of(v) for v in values)
+    tangents = _tangents_of(values)
     form = form_of(rule)
     inplace = rule.inplace_of is not None or (
         writes_first_argument(func) if rule.writes is None else rule.writes)
@@ -224,6 +256,9 @@ def _differentiable(func, rule: Rule, args: tuple, kwargs: dict):
             old = target.clone()
         values = (old,) + values[1:] if rule.kinds and values and values[0] is target else values
     out = call_primal(func, args, kwargs)
+    hooked = current_saved_hooks() is not None
+    if hooked:  # Note [Tangents and saved-tensor hooks]
+        push_no_saved_hooks()
     with suspended():
         try:
             tangent = _tangent(form, func, rule, args, kwargs, values, tangents, out, inplace)
@@ -231,27 +266,44 @@ def _differentiable(func, rule: Rule, args: tuple, kwargs: dict):
             if getattr(e, "no_tangent", False):
                 raise
             raise _wrapped(func, rule, form, e) from e
+        finally:
+            if hooked:
+                pop_saved_hooks()
+        # (a view's tangent is the same view of its input's: it shares that memory, as the view does)
+        sources = None if form == "view" else tangents
         if inplace:
-            _update_in_place(target, tangent if not isinstance(tangent, tuple) else tangent[0])
+            _update_in_place(target, tangent if not isinstance(tangent, tuple) else tangent[0], sources)
         else:
-            _attach(out, tangent, args)
+            _attach(out, tangent, args, sources)
     return out
 
 
+# Note [Tangents and saved-tensor hooks]
+# What a tangent's own computation saves (for reverse over forward) is saved plainly, not
+# through the saved-tensor hooks active around the op: those account for the op's work.
+# gg.checkpoint and gg.memory_budget count each call's saves and recompute the call alone
+# (its tangent comes again from the recomputed call under the dual level); with the tangent's
+# saves among them, the counts of the first run and of the recomputation would differ.
 def _wrapped(func, rule, form, e) -> NotImplementedError:
-    error = no_tangent_error(
-        qualified_name(func), f" (its rule {rule.name} has no jvp=, and the {form} form failed: {e})")
+    why = f"it has {'a' if form == 'explicit' else 'no'} jvp=, and the {form} form failed"
+    error = no_tangent_error(qualified_name(func), f" (its rule {rule.name}: {why}: {e})")
     error.no_tangent = True
     return error
 
 
-def _tangents_of(value):
-    if isinstance(value, TensorBase):
-        return tangent_of(value)
-    if type(value) is list or type(value) is tuple:
-        items = tuple(tangent_of(v) if isinstance(v, TensorBase) else None for v in value)
-        return items if any(t is not None for t in items) else None
-    return None
+def _tangents_of(values) -> tuple:
+    """The tangents of the bound arguments: per argument its tangent, for a list argument a
+    tuple of its items' (None where none has one), else None."""
+    level = _level
+    out = []
+    for value in values:
+        if type(value) is list or type(value) is tuple:
+            items = tuple(tangent_of(v) if isinstance(v, TensorBase) else None for v in value)
+            out.append(items if any(t is not None for t in items) else None)
+        else:  # (a non-tensor has no _gg_tangent)
+            pair = getattr(value, "_gg_tangent", None)
+            out.append(pair[1] if pair is not None and pair[0] is level else None)
+    return tuple(out)
 
 
 def form_of(rule: Rule) -> str:
@@ -282,6 +334,8 @@ def _tangent(form, func, rule, args, kwargs, values, tangents, out, inplace):
 
 def _call_jvp(rule, values, tangents, out):
     fn = rule.jvp
+    if rule.all_positional:  # (the bound values are the positional arguments as they are)
+        return fn(tangents, *values, result=out) if _wants_result(fn) else fn(tangents, *values)
     if _wants_result(fn):
         return fn(tangents, *_positional(rule, values), **_keywords(rule, values), result=out)
     return fn(tangents, *_positional(rule, values), **_keywords(rule, values))
@@ -361,10 +415,12 @@ def _apply_laid_out(func, args, kwargs, inplace, zeros_for_missing, laid_out):
 
 def _all_real(values, out) -> bool:
     for v in values:
-        if isinstance(v, TensorBase) and v.is_complex():
+        if isinstance(v, TensorBase) and _dtype(v).is_complex:
             return False
-    outs = out if isinstance(out, tuple) else (out,)
-    return not any(isinstance(o, TensorBase) and o.is_complex() for o in outs)
+    for o in (out if isinstance(out, tuple) else (out,)):
+        if isinstance(o, TensorBase) and _dtype(o).is_complex:
+            return False
+    return True
 
 
 def _call_rule(rule, grad, values, result, needs):
@@ -379,20 +435,25 @@ def _call_rule(rule, grad, values, result, needs):
     return gs
 
 
+_ONLY: dict = {}  # (n, i) -> needs_input_grad with only parameter i of n
+
+
 def _elementwise(rule, values, tangents, out):
     """Sum over inputs of the rule's backward applied to the input's tangent, broadcast to the
     output: a real elementwise op's Jacobian is diagonal, so its transpose is itself."""
     total = None
-    shape, dtype = out.shape, out.dtype
+    shape, dtype = _shape(out), _dtype(out)
     n = len(values)
     for i, t in enumerate(tangents):
         if t is None or not isinstance(t, TensorBase):
             continue
-        if t.dtype != dtype:
+        if _dtype(t) != dtype:
             t = t.to(dtype)
-        if t.shape != shape:
+        if _shape(t) != shape:
             t = t.expand(shape)
-        needs = tuple(j == i for j in range(n))
+        needs = _ONLY.get((n, i))
+        if needs is None:
+            needs = _ONLY[(n, i)] = tuple(j == i for j in range(n))
         g = _call_rule(rule, t, values, out, needs)
         g = g[i] if i < len(g) else None
         if g is None:
@@ -503,24 +564,25 @@ def _fit(t, o):
     """Tangent ``t`` for output ``o``: its shape and dtype."""
     if t is None:
         return None
-    if t.shape != o.shape:
-        t = t.expand(o.shape)
-    if t.dtype != o.dtype:
+    if _shape(t) != _shape(o):
+        t = t.expand(_shape(o))
+    if _dtype(t) != _dtype(o):
         t = t.real.to(o.dtype) if t.is_complex() and not o.is_complex() else t.to(o.dtype)
     return t
 
 
-def _attach(out, tangent, args) -> None:
-    """Give the op's output(s) their tangents; the node that saved its output for backward
-    keeps the tangent with it (for forward over reverse: ``with_tangent``)."""
+def _attach(out, tangent, args, sources=None) -> None:
+    """Give the op's output(s) their tangents (each its own memory, not that of one of the
+    input tangents ``sources``: ``_owned``); the node that saved its output for backward keeps
+    the tangent with it (for forward over reverse: ``with_tangent``)."""
     if isinstance(out, TensorBase):
         if isinstance(tangent, tuple):
             tangent = tangent[0]
-        if any(out is a for a in args) or not (out.is_floating_point() or out.is_complex()):
+        if _dtype(out) not in _DIFFERENTIABLE_DTYPES or _is_argument(out, args):
             return
         if tangent is None:
             tangent = torch.zeros_like(out)
-        tangent = _fit(tangent, out)
+        tangent = _owned(_fit(tangent, out), sources)
         set_tangent(out, tangent)
         _keep_with_result(out, tangent)
         return
@@ -529,14 +591,38 @@ def _attach(out, tangent, args) -> None:
         kept = []
         for j, o in enumerate(out):
             t = tangents[j] if j < len(tangents) else None
-            if isinstance(o, TensorBase) and t is not None and (o.is_floating_point() or o.is_complex()):
-                t = _fit(t, o)
+            if isinstance(o, TensorBase) and t is not None and _dtype(o) in _DIFFERENTIABLE_DTYPES:
+                t = _owned(_fit(t, o), sources)
                 set_tangent(o, t)
             else:
                 t = None
             kept.append(t)
         if out and isinstance(out[0], TensorBase):
             _keep_with_result(out[0], tuple(kept))
+
+
+# Note [A tangent of its own]
+# An op that makes no view gives its output a tangent with memory of its own: a rule may hand
+# back an input's tangent itself (``x + 1``: the tangent of x) or a view of it (broadcast by
+# ``_fit``), and an in-place op on the output would then write into the input's tangent (or
+# fail on a broadcast one). Such a tangent is copied, as torch computes a new one.
+def _owned(t, sources):
+    """``t``, or a copy of it where it is one of the tangents ``sources`` or a view."""
+    if sources is None or t is None:
+        return t
+    if _is_view(t):
+        return t.clone()
+    for s in sources:
+        if s is t or (type(s) is tuple and any(i is t for i in s)):
+            return t.clone()
+    return t
+
+
+def _is_argument(out, args) -> bool:
+    for a in args:
+        if out is a:
+            return True
+    return False
 
 
 def _keep_with_result(out, tangent) -> None:
@@ -566,9 +652,10 @@ def _tangent_alias(data, tangent):
     return data
 
 
-def _update_in_place(x, new) -> None:
+def _update_in_place(x, new, sources=None) -> None:
     """After an in-place op on ``x``: its tangent becomes ``new``, written into the tangent it
-    has (views of it share that), or into the matching part of its base's tangent."""
+    has (views of it share that), or into the matching part of its base's tangent (``new``
+    copied where it is one of the tangents ``sources``: Note [A tangent of its own])."""
     if new is None:
         new = torch.zeros_like(x)
     new = _fit(new, x)
@@ -576,7 +663,7 @@ def _update_in_place(x, new) -> None:
     t = tangent_of(x)
     if t is not None:
         if t.requires_grad and t.is_leaf:  # a tangent that is a leaf: replaced, not written
-            set_tangent(x, new)
+            set_tangent(x, _owned(new, sources))
         else:
             t.copy_(new)
         return
@@ -594,7 +681,7 @@ def _update_in_place(x, new) -> None:
             view.copy_(new)
             set_tangent(x, view)
             return
-    set_tangent(x, new)
+    set_tangent(x, _owned(new, sources))
 
 
 # -- custom Functions ----------------------------------------------------------------------

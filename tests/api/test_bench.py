@@ -13,7 +13,7 @@ import torch
 from graphgrad.apps.bench import format_table
 
 WORKLOADS = {"W1", "W2", "W3", "W4", "W5", "W6 W1", "W6 W4", "GC", "C-W1", "C-W2", "C-CNN",
-             "C-GPT tiny", "M-GPT small"}
+             "C-GPT tiny", "M-GPT small", "F-W2", "F-W5", "F-JAC", "F-W4"}
 CAPTURE = ["C-W1", "C-W2", "C-CNN", "C-GPT tiny"]  # --quick runs the tiny GPT, the full run the small one
 
 
@@ -98,6 +98,35 @@ def test_w4_peak_memory(quick):
     assert math.isfinite(row["gg_over_torch"])
 
 
+@pytest.mark.parametrize("workload, metric", [("F-W2", "jvp"), ("F-W5", "jvp"), ("F-JAC", "jacfwd")])
+def test_forward_mode_rows(quick, workload, metric):
+    """gg.func against torch.func in one run: times, the ratio within a round judged against its
+    target, and graphgrad's tangent (Jacobian) equal to torch's to float32 rounding."""
+    _, result = quick
+    (row,) = rows_of(result, workload)
+    assert row["metric"] == metric and row["unit"] == "ms" and row["kind"] == "time"
+    for engine in ("graphgrad", "torch"):
+        assert row[engine] > 0 and len(row[f"{engine}_samples"]) >= 3
+        assert row[engine] == pytest.approx(statistics.median(row[f"{engine}_samples"]))
+    assert row["gg_over_torch"] > 0 and math.isfinite(row["gg_over_torch"])
+    assert row["target"] == 1.5 and row["met"] == (row["gg_over_torch"] <= 1.5)
+    assert float(row["note"].split("tangent rel diff ")[1].split()[0]) < 1e-4, row["note"]
+
+
+def test_forward_mode_dual_chain_memory(quick):
+    """F-W4: the 20,000-op dual chain's peak RSS delta beside torch.func.jvp's and the plain
+    chain's (bound), each measured in a fresh process; met: within 1 MiB of the plain chain."""
+    _, result = quick
+    rows = {row["metric"]: row for row in rows_of(result, "F-W4")}
+    assert set(rows) == {"peak RSS delta", "jvp"}
+    mem, time_row = rows["peak RSS delta"], rows["jvp"]
+    assert mem["kind"] == "memory" and mem["unit"] == "MiB"
+    for engine in ("graphgrad", "torch", "bound"):
+        assert mem[engine] >= 0 and time_row[engine] > 0
+        assert mem["runs"]["plain" if engine == "bound" else engine]["ops"] == 20_000
+    assert mem["met"] == (mem["graphgrad"] <= mem["bound"] + 1.0)
+
+
 def test_w6_compiled_and_pure(quick):
     _, result = quick
     w6 = result["extra"]["W6"]
@@ -128,6 +157,7 @@ def test_table_and_meta(quick):
     key = " ".join(proc.stdout.split(" CPUs, torch threads ", 1)[1].split())  # after the table
     assert "target: the gg/torch ratio graphgrad aims for" in key and "met: whether" in key
     assert "C- rows (gg.capture): captured is the replayed step" in key
+    assert "F- rows (forward mode): graphgrad is gg.func, torch is torch.func" in key
 
 
 @pytest.mark.parametrize("args, message", [

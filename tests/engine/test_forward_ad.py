@@ -416,3 +416,36 @@ def test_gg_func_matches_torch_func():
 
 def pytree_leaves(tree):
     return torch.utils._pytree.tree_leaves(tree)
+
+
+def _deep(x, ws):
+    for w in ws:
+        x = torch.tanh(x @ w).exp().sin()
+    return x.sum()
+
+
+def test_forward_over_reverse_under_saved_tensor_hooks():
+    """Unpacked saved tensors get their tangents back (save_on_cpu, memory budgets that drop
+    and recompute them: the recomputation computes tangents too)."""
+    ws = [rnd(16, 16) * 0.3 for _ in range(4)]
+    x0, v = rnd(4, 16), rnd(4, 16)
+    want = gg.functional.hvp(lambda x: _deep(x, ws), x0, v)[1]
+    torch.testing.assert_close(want, _torch_hvp(lambda x: _deep(x, ws), x0, v), **TOL)
+
+    def hvp_under(context):
+        x = gg.as_tensor(x0.clone(), requires_grad=True)
+        with gg.forward_ad.dual_level():
+            xd = gg.forward_ad.make_dual(x, gg.as_tensor(v))
+            with context() as stats:
+                y = _deep(xd, ws)
+            (g,) = gg.grad(y, xd)
+            return gg.forward_ad.unpack_dual(g).tangent, stats
+
+    got, _ = hvp_under(gg.save_on_cpu)
+    torch.testing.assert_close(got, want, **TOL)
+    evicted = 0
+    for _ in range(3):  # the first run measures, the later ones follow a plan that drops values
+        got, budget = hvp_under(lambda: gg.memory_budget("40%"))
+        torch.testing.assert_close(got, want, **TOL)
+        evicted += budget.stats.evicted
+    assert evicted > 0

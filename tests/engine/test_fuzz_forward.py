@@ -130,8 +130,9 @@ def _run(program, side):
             trace.append((torch.Tensor(p.detach()).clone(),
                           None if t is None else torch.Tensor(t.detach()).clone()))
         # forward over reverse, then reverse over forward
-        scalar = sum(o.sin().sum() for o in pool[len(leaves):] if o.requires_grad) if program["requires_grad"] \
-            else None
+        scalar = None
+        if program["requires_grad"]:
+            scalar = sum(o.sin().sum() for o in pool[len(leaves):] if o.requires_grad)
         if scalar is not None and isinstance(scalar, torch.Tensor) and scalar.requires_grad:
             try:
                 grads = side.grad(scalar, leaves, allow_unused=True)

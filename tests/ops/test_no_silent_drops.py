@@ -31,7 +31,10 @@ COVERED = set()
 for path in ROOT.glob("test_ops_*.py"):
     COVERED |= set(getattr(importlib.import_module(path.stem), "REFERENCE", {}))
 
-OPS = [op for op in op_db if op.name not in COVERED and op.supports_autograd
+#: OpInfos whose torch gradient is itself wrong: checked against finite differences instead
+#: (test_ops_shape.py's test_as_strided_scatter_against_finite_differences)
+TORCH_WRONG = {"as_strided_scatter"}
+OPS = [op for op in op_db if op.name not in COVERED | TORCH_WRONG and op.supports_autograd
        and op.supports_dtype(torch.float64, "cpu")]
 
 
@@ -131,8 +134,7 @@ def test_the_suggested_spelling_is_public():
     x = gg.tensor([0.5], requires_grad=True)
     for call, spelling in [(lambda: torch.special.erfcx(x), "torch.special.erfcx"),
                            (lambda: torch.histc(x), "torch.histc"),
-                           (lambda: torch.as_strided_scatter(x, x[:1], (1,), (1,)),
-                            "torch.as_strided_scatter")]:
+                           (lambda: torch.normal(x, 1.0), "torch.normal")]:
         with pytest.raises(NotImplementedError) as info:
             call()
         assert f"@graphgrad.derivative({spelling})" in str(info.value)

@@ -31,10 +31,13 @@ REFERENCE = {
     "sinh": CPLX, "cosh": CPLX, "asin": CPLX, "acos": CPLX, "atan": CPLX, "asinh": CPLX,
     "acosh": CPLX, "atanh": CPLX, "exp2": CPLX, "expm1": CPLX, "log1p": CPLX, "log2": CPLX,
     "log10": CPLX, "addcmul": CPLX, "addcdiv": CPLX, "lerp": CPLX, "where": CPLX,
-    "sum": CPLX, "mean": CPLX, "prod": CPLX, "logsumexp": CPLX, "nn.functional.rms_norm": CPLX,
+    "sum": CPLX, "mean": CPLX, "prod": CPLX, "cumprod": CPLX, "logsumexp": CPLX, "sinc": CPLX,
+    "logcumsumexp": CPLX, "cov": {"dtypes": (C128,), "max_samples": 2},  # (then float32 aweights)
+    "nn.functional.rms_norm": CPLX, "linalg.vander": CPLX,
     "matmul": CPLX, "mm": CPLX, "bmm": CPLX, "mv": CPLX, "dot": CPLX, "vdot": CPLX,
     "einsum": CPLX, "addmm": CPLX, "addmv": CPLX, "addr": CPLX, "baddbmm": CPLX, "addbmm": CPLX,
     "outer": CPLX, "inner": CPLX, "linalg.vecdot": CPLX, "nn.functional.linear": CPLX,
+    "as_strided": {"dtypes": (C128,), "max_samples": 2},
     "reshape": CPLX, "transpose": CPLX, "cat": CPLX, "stack": CPLX, "flip": CPLX, "roll": CPLX,
 }
 

@@ -31,7 +31,7 @@ REFERENCE = {
     "sign": {}, "sgn": {}, "floor": {}, "ceil": {}, "round": {}, "trunc": {}, "frac": {},
     "__radd__": {}, "__rsub__": {}, "__rmul__": {}, "__rdiv__": {}, "__rpow__": {},
     "clone": {}, "contiguous": {}, "to": {}, "double": {}, "float": {},
-    "copysign": {}, "nextafter": {}, "frexp": {},
+    "copysign": {}, "nextafter": {}, "frexp": {}, "bernoulli": {},
 }
 
 unsupported = None
@@ -255,6 +255,8 @@ METHOD_CASES = [  # method spellings (the functions are checked on op_db samples
     case("copysign_method", lambda a, b: a.copysign(b), _r(3, 4), _r(3, 4)),
     case("nextafter_method", lambda a, b: a.nextafter(b), _r(3, 4), _r(3, 4), gradcheck=False),
     case("frexp_method", lambda a: a.frexp().mantissa, _r(3, 4), gradcheck=False),
+    # probabilities 0 and 1 draw the same on both sides: a zero gradient through the draw
+    case("bernoulli_method", lambda a: a * a.sigmoid().round().bernoulli(), _r(3, 4)),
 ]
 
 

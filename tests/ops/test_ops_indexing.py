@@ -36,6 +36,7 @@ REFERENCE = {
     "zero_": {},
     "scatter_reduce": {},
     "index_reduce": {},
+    "_unsafe_masked_index": {},  # through torch's decomposition to aten.index (its rule here)
 }
 
 unsupported = None
@@ -84,6 +85,10 @@ CASES = [
     case("get_ellipsis_step", lambda a: a[..., ::3], r(2, 2, 4)),
     case("get_0d", lambda a: a[()] * a[None] * a[...], r()),
     case("get_true", lambda a: a[True], r(3)),
+    # ATen's index (reached through torch's decompositions), both spellings: repeats add up
+    case("aten_index", lambda a: torch.ops.aten.index(a, [torch.tensor([1, 0, 1])]), r(3, 4)),
+    case("aten_index_tensor",
+         lambda a: torch.ops.aten.index.Tensor(a, [None, torch.tensor([[2, 0], [2, 3]])]), r(3, 4)),
     case("get_0d_int_tensor", lambda a, i: a[i], r(3, 4), torch.tensor(2)),
     case("get_neg_repeated_tensor", lambda a, i: a[i], r(3, 4), idx(-1, 0, -1, -1)),
     case("get_broadcast_tensors", lambda a, i, j: a[i, j], r(3, 4), idx([0], [2], [2]), idx([1, 1])),

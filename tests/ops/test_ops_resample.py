@@ -31,6 +31,7 @@ REFERENCE = {
     "nn.functional.grid_sample": {},
     "grid_sampler_2d": {},
     "grid_sampler_3d": {"max_samples": 2},  # the rest are up to 20x21x22x23x24: minutes
+    "_upsample_bilinear2d_aa": {},  # the ATen op itself, both overloads
 }
 
 unsupported = None

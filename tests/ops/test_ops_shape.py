@@ -233,6 +233,26 @@ def test_view_as_other_float_dtype_raises():
         gg.grad(x.view(torch.float16).float().sum(), x)
 
 
+def test_as_strided_scatter_against_finite_differences():
+    """Not against torch.autograd: torch's own input gradient is wrong (the gradient at the
+    places src overwrote, zero elsewhere; its OpInfo marks test_fn_grad an expected failure).
+    graphgrad's: ``grad`` with those places zeroed, and ``grad`` read there for src; its
+    tangent is the op applied to the tangents, as torch's."""
+    for shape, src, size, stride, offset in [((3, 3), (2, 2), (2, 2), (1, 2), 1),
+                                             ((1,), (), (), (), 0), ((16,), (2, 1, 1, 2), (2, 1, 1, 2),
+                                                                    (1, 2, 4, 8), 0)]:
+        x, s = gg.as_tensor(r(*shape), requires_grad=True), gg.as_tensor(r(*src), requires_grad=True)
+
+        def f(x, s, size=size, stride=stride, offset=offset):
+            return torch.as_strided_scatter(x, s, size, stride, offset) + x.as_strided_scatter(
+                s * 2, size, stride, offset)
+
+        assert gg.gradcheck(f, (x, s)) and gg.gradgradcheck(f, (x, s))
+    with pytest.raises(NotImplementedError, match="non-contiguous"):
+        x = gg.as_tensor(r(3, 3), requires_grad=True)
+        gg.grad(torch.as_strided_scatter(x.t(), gg.as_tensor(r(2)), (2,), (1,), 0).sum(), x)
+
+
 def test_gradcheck_empty_output():
     """gg.gradcheck on an op with an empty output or an empty input (torch's gradcheck allows both)."""
     assert gg.gradcheck(lambda a: a.repeat(0, 2), [gg.as_tensor(r(2, 3), requires_grad=True)])

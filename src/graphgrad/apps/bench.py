@@ -36,6 +36,12 @@ Workloads (the figures and how to read them: ``docs/performance.md``):
   graphgrad step (the budgets' targets: 1.05, 1.12, 1.25), the allocator peak of one step, and
   for the budgets the most bytes held for backward against the limit and whether the gradients
   equal the unconstrained step's exactly (``apps/bench_memory.py``).
+* F-W2, F-W5, F-JAC, F-W4 (CPU): forward mode — ``gg.func.jvp`` through the W2 MLP (tangents for
+  its parameters) and through W5's encoder layer (for its input and parameters), and
+  ``gg.func.jacfwd`` of a 64 -> 64 function, each against ``torch.func`` on plain tensors (the
+  ratio: median within a round; target 1.5); F-W4, W4's 20,000-op chain as a dual chain (forward
+  only): its peak RSS delta beside torch.func.jvp's and the plain graphgrad chain's, each in a
+  fresh process (``apps/bench_forward.py``).
 """
 
 from __future__ import annotations
@@ -61,8 +67,20 @@ import graphgrad as gg
 
 from .bench_capture import capture_rows
 from .bench_distributed import run_distributed_bench, run_sharded_bench
+from .bench_forward import forward_rows
 from .bench_memory import memory_rows
-from .workloads import Phases, chain, chain_bound, clock, mlp, mlp_bound_grads, sync
+from .workloads import (
+    Phases,
+    chain,
+    chain_bound,
+    clock,
+    hwm_kb,
+    mlp,
+    mlp_bound_grads,
+    reset_hwm,
+    statm_rss_kb,
+    sync,
+)
 
 W1_OPS = 200
 W4_OPS = 20_000
@@ -259,31 +277,6 @@ def _ratios(row: dict[str, Any]) -> None:
         row["met"] = None
 
 
-def _statm_rss_kb() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
-
-
-def _hwm_kb() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 # ----------------------------------------------------------------------------------- subprocesses
 
 def _worker(argv: list[str]) -> int:
@@ -308,12 +301,12 @@ def _w4_memory(engine: str, ops: int, device: torch.device) -> dict[str, Any]:
     small[engine]()  # warm-up on a tiny graph: a full-size one would pre-grow the heap
     variants, _ = _chain_variants((4,), ops, device, (engine,))
     gc.collect()
-    base = _statm_rss_kb()
-    maxrss_before = _hwm_kb()
-    exact = _reset_hwm()
+    base = statm_rss_kb()
+    maxrss_before = hwm_kb()
+    exact = reset_hwm()
     phases = variants[engine]()
-    after = _statm_rss_kb()
-    peak = _hwm_kb() if exact else None
+    after = statm_rss_kb()
+    peak = hwm_kb() if exact else None
     if peak is None:
         peak = after
     return {"engine": engine, "ops": ops, "rss_base_kb": base, "rss_peak_kb": peak,
@@ -530,6 +523,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
         done("capture")
         rows.extend(memory_rows(repeats, quick, log=log))
         done("memory budget")
+        rows.extend(forward_rows(repeats, quick, log=log))
+        done("forward mode")
 
     # data-parallel: 2 processes on CPU (gloo), step time with and without overlap (full run only)
     if not quick and device.type == "cpu":
@@ -609,7 +604,10 @@ W6 rows: the graphgrad column is the compiled engine, then the pure-Python time 
 M- rows (gg.memory_budget): graphgrad is the row's variant (the metric names it: graphgrad
 unconstrained, a budget, torch or torch's checkpointing), bound the unconstrained graphgrad step's
 figure and gg/bound their ratio (for step times the median over rounds of the ratio within a
-round), which target and met judge."""
+round), which target and met judge.
+F- rows (forward mode): graphgrad is gg.func, torch is torch.func on plain tensors, gg/torch (time)
+the median over rounds of the ratio within a round; F-W4's bound is the plain graphgrad chain
+without forward mode, and its target says the dual chain holds at most 1 MiB more."""
 
 
 def format_table(result: dict[str, Any]) -> str:

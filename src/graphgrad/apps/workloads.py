@@ -1,11 +1,13 @@
-"""The benchmark workloads shared by ``bench`` and ``bench_capture``: the op chain (W1, W4), the
-MLP (W2, W3) and their hand-written bounds (plain tensors, backward coded by hand with the same
-kernels: what no autograd engine can beat).
+"""The benchmark workloads shared by ``bench``, ``bench_capture`` and ``bench_forward``: the op chain
+(W1, W4), the MLP (W2, W3) and their hand-written bounds (plain tensors, backward coded by hand with
+the same kernels: what no autograd engine can beat), and the resident-set readings of the memory
+rows.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import torch
@@ -13,7 +15,8 @@ import torch.nn.functional as F
 
 import graphgrad as gg
 
-__all__ = ["Phases", "sync", "clock", "chain", "chain_bound", "mlp", "mlp_bound_grads"]
+__all__ = ["Phases", "sync", "clock", "chain", "chain_bound", "mlp", "mlp_bound_grads", "statm_rss_kb",
+           "hwm_kb", "reset_hwm"]
 
 Phases = dict[str, float]
 
@@ -26,6 +29,34 @@ def sync(device: torch.device) -> None:
 def clock(device: torch.device) -> float:
     sync(device)
     return time.perf_counter()
+
+
+def statm_rss_kb() -> int:
+    """This process's resident set size now (KiB)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+
+
+def hwm_kb() -> int | None:
+    """Its peak resident set size since start or the last ``reset_hwm`` (KiB; None unreadable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reset_hwm() -> bool:
+    """Reset the peak (``hwm_kb``) to the current size; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def chain(y: torch.Tensor, n: int, c: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

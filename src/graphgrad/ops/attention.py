@@ -82,7 +82,42 @@ def _attention(query, key, value, attn_mask=None, is_causal=False, scale=None, e
                                           scale=scale, enable_gqa=enable_gqa)
 
 
-@derivative(_attention, name="ScaledDotProductAttentionBackward", view=False)
+def _attention_tangent(tangents, query, key, value, attn_mask, is_causal, scale, enable_gqa, out):
+    """The output's tangent from those of q, k, v and a floating mask (``tangents``, in that
+    order): with S = q kᵀ s + mask and P = softmax(S), tS = (tq kᵀ + q tkᵀ) s + tmask,
+    tP = P ⊙ (tS - rowsum(P ⊙ tS)), and t_out = tP v + P tv, where
+    (P ⊙ tS - rowsum(P ⊙ tS) P) v = (P ⊙ tS) v - rowsum(P ⊙ tS) out. P is recomputed (L x S)."""
+    tq, tk, tv, tmask = tangents
+    s = _scale(query, scale)
+    key_x, _ = _expand_heads(query, key, enable_gqa)
+    value_x, _ = _expand_heads(query, value, enable_gqa)
+    probs = _probabilities(query, key_x, attn_mask, is_causal, s)
+    ts = None
+    if tq is not None:
+        ts = (tq * s) @ key_x.transpose(-2, -1)
+    if tk is not None:
+        part = (query * s) @ _expand_heads(query, tk, enable_gqa)[0].transpose(-2, -1)
+        ts = part if ts is None else ts + part
+    if tmask is not None:
+        ts = tmask if ts is None else ts + tmask
+    result = None
+    if ts is not None:
+        weighted = probs * ts
+        result = weighted @ value_x - weighted.sum(-1, keepdim=True) * out
+    if tv is not None:
+        part = probs @ _expand_heads(query, tv, enable_gqa)[0]
+        result = part if result is None else result + part
+    return result
+
+
+def _attention_jvp(tangents, query, key, value, attn_mask=None, is_causal=False, scale=None,
+                   enable_gqa=False, *, result):
+    tmask = tangents[3] if attn_mask is not None and attn_mask.is_floating_point() else None
+    return _attention_tangent(tangents[:3] + (tmask,), query, key, value, attn_mask, is_causal,
+                              scale, enable_gqa, result)
+
+
+@derivative(_attention, name="ScaledDotProductAttentionBackward", view=False, jvp=_attention_jvp)
 def attention(grad, query, key, value, attn_mask=None, is_causal=False, scale=None,
               enable_gqa=False, *, result, needs_input_grad):
     """Recomputes the probabilities P: dV = Pᵀg, dS = P ⊙ (g Vᵀ - rowsum(g ⊙ out)), dQ = dS K s,
@@ -133,8 +168,18 @@ def _additive_mask(attn_mask, dtype):
                                                    device=attn_mask.device))
 
 
+def _flash_jvp(tangents, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+               scale=None, result):
+    """The attention's tangent (``_attention_tangent``; the kernel takes no dropout on CPU); the
+    logsumexp carries none (as no gradient). torch has no forward formula for this kernel."""
+    gqa = query.dim() >= 3 and key.shape[-3] != query.shape[-3]
+    tmask = tangents[5] if attn_mask is not None and attn_mask.is_floating_point() else None
+    return _attention_tangent(tangents[:3] + (tmask,), query, key, value, attn_mask, is_causal,
+                              scale, gqa, result[0]), None
+
+
 @derivative(torch._scaled_dot_product_flash_attention_for_cpu, multi_output=True,
-            differentiable_outputs=1, view=False)
+            differentiable_outputs=1, view=False, jvp=_flash_jvp)
 def scaled_dot_product_flash_attention_for_cpu(grads, query, key, value, dropout_p=0.0,
                                                is_causal=False, *, attn_mask=None, scale=None,
                                                result, needs_input_grad):

@@ -137,9 +137,57 @@ def _same_padding(weight_shape, dilation, nd):
     return left, (extra if any(extra) else None)
 
 
+# Tangent rules (forward mode, tangents.py): a convolution is linear in its input and in its
+# weight (and adds its bias), so its tangent is two convolutions, the bias's tangent added by
+# one of them; written with torch ops, so differentiable again (reverse over forward).
+def _bias_shape(tb, weight):
+    """A bias (tangent) shaped to broadcast over the output's channel dimension."""
+    return tb.reshape((-1,) + (1,) * (weight.ndim - 2))
+
+
+def _conv_jvp(tangents, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    conv = _CONV[weight.ndim - 2]
+    ti, tw, tb = tangents[0], tangents[1], tangents[2]
+    out = None
+    if tw is not None:
+        out = conv(input, tw, tb, stride, padding, dilation, groups)
+        tb = None
+    if ti is not None:
+        part = conv(ti, weight, tb, stride, padding, dilation, groups)
+        out = part if out is None else out + part
+    return _bias_shape(tb, weight) if out is None else out
+
+
+def _conv_transpose_jvp(tangents, input, weight, bias=None, stride=1, padding=0, output_padding=0,
+                        groups=1, dilation=1):
+    conv = _CONV_TRANSPOSE[weight.ndim - 2]
+    ti, tw, tb = tangents[0], tangents[1], tangents[2]
+    out = None
+    if tw is not None:
+        out = conv(input, tw, tb, stride, padding, output_padding, groups, dilation)
+        tb = None
+    if ti is not None:
+        part = conv(ti, weight, tb, stride, padding, output_padding, groups, dilation)
+        out = part if out is None else out + part
+    return _bias_shape(tb, weight) if out is None else out
+
+
+def _bilinear_jvp(tangents, input1, input2, weight, bias=None):
+    """Linear in each of input1, input2 and weight: one bilinear per tangent."""
+    t1, t2, tw, tb = tangents[0], tangents[1], tangents[2], tangents[3]
+    out = None
+    for t, args in ((t1, (t1, input2, weight)), (t2, (input1, t2, weight)),
+                    (tw, (input1, input2, tw))):
+        if t is not None:
+            part = torch.bilinear(*args, tb)
+            tb = None
+            out = part if out is None else out + part
+    return tb if out is None else out
+
+
 @derivative(torch.conv1d, torch.conv2d, torch.conv3d,
             saved_for={"input": "weight", "weight": "input"}, view=False,
-            shaped=("input", "weight", "bias"))
+            shaped=("input", "weight", "bias"), jvp=_conv_jvp)
 def conv(grad, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
          needs_input_grad):
     nd = weight.ndim - 2
@@ -170,7 +218,8 @@ def conv(grad, input, weight, bias=None, stride=1, padding=0, dilation=1, groups
 
 
 @derivative(torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d,
-            name="ConvTransposeBackward", saved_for={"input": "weight", "weight": "input"}, view=False)
+            name="ConvTransposeBackward", saved_for={"input": "weight", "weight": "input"}, view=False,
+            jvp=_conv_transpose_jvp)
 def conv_transpose(grad, input, weight, bias=None, stride=1, padding=0, output_padding=0,
                    groups=1, dilation=1, *, needs_input_grad):
     nd = weight.ndim - 2
@@ -185,7 +234,8 @@ def conv_transpose(grad, input, weight, bias=None, stride=1, padding=0, output_p
 
 @derivative(torch.bilinear, saved_for={"input1": ("input2", "weight"),
                                        "input2": ("input1", "weight"),
-                                       "weight": ("input1", "input2")}, view=False)
+                                       "weight": ("input1", "input2")}, view=False,
+            jvp=_bilinear_jvp)
 def bilinear(grad, input1, input2, weight, bias=None, *, needs_input_grad):
     """``y[..., o] = x1[..., i] W[o, i, j] x2[..., j] + b[o]``, with matmuls over flat batches."""
     n_out, n1, n2 = weight.shape

@@ -43,13 +43,52 @@ def _is_tensor(x) -> bool:
 
 
 # -- arithmetic --------------------------------------------------------------------------
-@derivative(torch.add, T.add, inplace=(T.add_,), elementwise=True)
+# Tangent rules of add, sub, mul and div (forward mode): the derived elementwise form calls the
+# backward rule once per input with a tangent; these take one expression (complex tensors too).
+def _add_jvp(tangents, input, other, *, alpha=1):
+    ta, tb = tangents[0], tangents[1]
+    if tb is None:
+        return ta
+    if alpha != 1:
+        tb = tb * alpha
+    return tb if ta is None else ta + tb
+
+
+def _sub_jvp(tangents, input, other, *, alpha=1):
+    ta, tb = tangents[0], tangents[1]
+    if tb is None:
+        return ta
+    if alpha != 1:
+        tb = tb * alpha
+    return -tb if ta is None else ta - tb
+
+
+def _mul_jvp(tangents, input, other):
+    ta, tb = tangents[0], tangents[1]
+    if tb is None:
+        return ta * other
+    if ta is None:
+        return input * tb
+    return ta * other + input * tb
+
+
+def _div_jvp(tangents, input, other, *, rounding_mode=None, result):
+    """``(ta - result tb) / other``, torch's formula; zero with a rounding mode."""
+    if rounding_mode is not None:
+        return torch.zeros_like(result)
+    ta, tb = tangents[0], tangents[1]
+    if tb is None:
+        return ta / other
+    return (-(result * tb) if ta is None else ta - result * tb) / other
+
+
+@derivative(torch.add, T.add, inplace=(T.add_,), elementwise=True, jvp=_add_jvp)
 def add(grad, input, other, *, alpha=1):
     return grad, grad if alpha == 1 else grad * _cj(alpha)
 
 
 @derivative(torch.sub, T.sub, torch.subtract, T.subtract,
-            inplace=(T.sub_, T.subtract_), elementwise=True)
+            inplace=(T.sub_, T.subtract_), elementwise=True, jvp=_sub_jvp)
 def sub(grad, input, other, *, alpha=1):
     return grad, -grad if alpha == 1 else grad * -_cj(alpha)
 
@@ -62,7 +101,7 @@ def rsub(grad, input, other, *, alpha=1):
 
 @derivative(torch.mul, T.mul, torch.multiply, T.multiply,
             inplace=(T.mul_, T.multiply_),
-            saved_for={"input": "other", "other": "input"}, elementwise=True)
+            saved_for={"input": "other", "other": "input"}, elementwise=True, jvp=_mul_jvp)
 def mul(grad, input, other, *, needs_input_grad):
     return (grad * _cj(other) if needs_input_grad[0] else None,
             grad * _cj(input) if needs_input_grad[1] else None)
@@ -70,7 +109,7 @@ def mul(grad, input, other, *, needs_input_grad):
 
 @derivative(torch.div, T.div, torch.divide, T.divide, torch.true_divide,
             T.true_divide, inplace=(T.div_, T.divide_, T.true_divide_),
-            saved_for={"input": "other"}, elementwise=True)
+            saved_for={"input": "other"}, elementwise=True, jvp=_div_jvp)
 def div(grad, input, other, *, rounding_mode=None, needs_input_grad):
     if rounding_mode is not None:  # floor/trunc division is piecewise constant: zeros for both,
         zeros = torch.zeros_like(grad)  # as torch's (a divisor's .grad is zero, not None)
@@ -370,7 +409,19 @@ def atan(grad, input):
     return grad / _cj(input * input + 1)
 
 
-@derivative(torch.atan2, T.atan2, torch.arctan2, T.arctan2, inplace=(T.atan2_, T.arctan2_), elementwise=True)
+def _atan2_jvp(tangents, input, other):
+    """torch's forward formula: at (0, 0) it is nan (its backward gives 0 there)."""
+    t_in, t_other = tangents[:2]
+    out = 0
+    if t_in is not None:
+        out = t_in * other
+    if t_other is not None:
+        out = out - t_other * input
+    return out / (input * input + other * other)
+
+
+@derivative(torch.atan2, T.atan2, torch.arctan2, T.arctan2, inplace=(T.atan2_, T.arctan2_), elementwise=True,
+            jvp=_atan2_jvp)
 def atan2(grad, input, other, *, needs_input_grad):
     recip = (input * input + other * other).reciprocal()
     recip = recip.masked_fill(recip.isinf(), 0.0)  # at (0, 0) torch's gradient is 0, not nan
@@ -612,6 +663,13 @@ for _name, _funcs, _inplace in (
         ("Ceil", (torch.ceil, T.ceil), (torch.ceil_, T.ceil_)),
         ("Trunc", (torch.trunc, T.trunc, torch.fix, T.fix), (torch.trunc_, T.trunc_, torch.fix_, T.fix_))):
     derivative(*_funcs, inplace=_inplace, name=_name + "Backward", elementwise=True)(_zero_gradient)
+
+
+@derivative(torch.bernoulli, T.bernoulli, elementwise=True)
+def bernoulli(grad, input: Meta, p=None, *, generator=None):
+    """A draw with probabilities ``input`` (or ``p``): zero gradient, as torch's, whose output
+    requires grad all the same. The draw is torch's own kernel's, so it follows the seed."""
+    return torch.zeros_like(grad)
 
 
 @derivative(torch.round, T.round, _special.special_round, inplace=(torch.round_, T.round_), elementwise=True)

@@ -34,13 +34,13 @@ def _wrap(dim: int, ndim: int) -> int:
 
 
 # -- the primitives ----------------------------------------------------------------------------
-@derivative(torch._fft_c2c, _aten._fft_c2c.default, view=False)
+@derivative(torch._fft_c2c, _aten._fft_c2c.default, view=False, linear=True)
 def fft_c2c(grad, input, dim, normalization, forward):
     """Complex to complex: linear, its adjoint is the transform the other way, scaled alike."""
     return torch._fft_c2c(grad, dim, normalization, not forward)
 
 
-@derivative(torch._fft_r2c, _aten._fft_r2c.default, view=False)
+@derivative(torch._fft_r2c, _aten._fft_r2c.default, view=False, linear=True)
 def fft_r2c(grad, input: Meta, dim, normalization, onesided):
     """Real to complex: the one-sided output is the first half of the full transform, so the
     gradient is zero-padded to full length, transformed back, and its real part taken
@@ -55,7 +55,7 @@ def fft_r2c(grad, input: Meta, dim, normalization, onesided):
     return torch.real(torch._fft_c2c(grad, dim, normalization, False))
 
 
-@derivative(torch._fft_c2r, _aten._fft_c2r.default, view=False)
+@derivative(torch._fft_c2r, _aten._fft_c2r.default, view=False, linear=True)
 def fft_c2r(grad, input, dim, normalization, last_dim_size):
     """One-sided complex to real: the input stands for itself and its conjugate mirror, so the
     gradient is the one-sided forward transform with the mirrored bins doubled (torch's

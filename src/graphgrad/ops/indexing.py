@@ -99,6 +99,14 @@ def getitem(grad, input: Meta, index):
     return zeros
 
 
+@derivative(torch.ops.aten.index, torch.ops.aten.index.Tensor, view=False, linear=True)
+def aten_index(grad, input: Meta, indices):
+    """``input[indices]`` in ATen's spelling (reached through torch's decompositions, as
+    ``_unsafe_masked_index``'s): a list with an index tensor or None (a full slice) per leading
+    dimension; the adjoint of that Python index (repeated picks add up)."""
+    return _getitem_backward(grad, input, tuple(_FULL if i is None else i for i in indices))
+
+
 # Tangent rules of the fills: a Python-number fill value is a constant (its tangent is zero), so
 # these ops are affine, not linear, and the op applied to the tangents would add the constant.
 def _value_tangent(t, value):
@@ -390,7 +398,7 @@ def index_reduce(grad, input, dim, index, source, reduce, *, include_self=True, 
     return grad_input, None, None, grad_source
 
 
-@derivative(torch.put, T.put, view=False)
+@derivative(torch.put, T.put, view=False, linear=True)
 def put(grad, input: Meta, index, source: Meta, accumulate=False, *, needs_input_grad):
     """torch's formula: the places written lose the input's gradient unless ``accumulate``;
     the source gets the gradient at its places (flattened indices)."""

@@ -38,6 +38,52 @@ def _cj(x):
     return x.conjugate() if isinstance(x, complex) else x
 
 
+# -- tangent rules (forward mode, tangents.py) ---------------------------------------------
+# A product is linear in each factor, so its tangent is the sum over factors of the product with
+# that factor replaced by its tangent (holomorphic: no conjugates, unlike the gradients; vdot
+# conjugates its first factor in the product itself). Written with torch ops on the
+# primals, so a tangent is differentiable again (reverse over forward).
+def _sum(terms):
+    """The sum of the terms that are not None (None when all are)."""
+    total = None
+    for t in terms:
+        if t is not None:
+            total = t if total is None else total + t
+    return total
+
+
+def _product_jvp(op):
+    """The tangent rule of a product ``op(a, b)``: ``op(ta, b) + op(a, tb)``."""
+    def jvp(tangents, input, other):
+        ta, tb = tangents[0], tangents[1]
+        return _sum((None if ta is None else op(ta, other), None if tb is None else op(input, tb)))
+    jvp.__name__ = f"{getattr(op, '__name__', 'product')}_jvp"
+    return jvp
+
+
+def _add_product_jvp(add):
+    """The tangent rule of ``add(input, a, b, beta=, alpha=)`` (``beta * input + alpha * a @ b``,
+    addmm and its kin): ``add`` itself sums the terms, the first onto ``beta`` times the
+    input's tangent, or onto nothing (``beta=0`` over the primal input) where it has none."""
+    def jvp(tangents, input, a, b, *, beta=1, alpha=1):
+        ti, ta, tb = tangents[0], tangents[1], tangents[2]
+        out = None
+        for x, y in ((ta, b), (a, tb)):
+            if x is None or y is None:
+                continue
+            if out is not None:
+                out = add(out, x, y, alpha=alpha)
+            elif ti is not None:
+                out = add(ti, x, y, beta=beta, alpha=alpha)
+            else:
+                out = add(input, x, y, beta=0, alpha=alpha)
+        if out is None:  # only the input has a tangent
+            out = ti if beta == 1 else ti * beta
+        return out
+    jvp.__name__ = f"{add.__name__}_jvp"
+    return jvp
+
+
 # -- products ------------------------------------------------------------------------------
 _unsafe_view = torch.ops.aten._unsafe_view.default._op
 
@@ -93,7 +139,8 @@ def _rmatmul_kernel(input, other):
 
 
 @derivative(torch.matmul, T.matmul, torch.linalg.matmul,
-            saved_for={"input": "other", "other": "input"}, view=False, kernel=_matmul_kernel)
+            saved_for={"input": "other", "other": "input"}, view=False, kernel=_matmul_kernel,
+            jvp=_product_jvp(torch.matmul))
 def matmul(grad, input, other, *, needs_input_grad):
     a, b = _cj(input), _cj(other)
     if a.dim() == 1 and b.dim() == 1:
@@ -127,39 +174,44 @@ def matmul(grad, input, other, *, needs_input_grad):
 
 
 @derivative(T.__rmatmul__, saved_for={"input": "other", "other": "input"}, view=False,
-            kernel=_rmatmul_kernel)
+            kernel=_rmatmul_kernel, jvp=_product_jvp(lambda a, b: torch.matmul(b, a)))
 def rmatmul(grad, input, other, *, needs_input_grad):
     """``other @ input``."""
     g_other, g_input = matmul(grad, other, input, needs_input_grad=needs_input_grad[::-1])
     return g_input, g_other
 
 
-@derivative(torch.mm, T.mm, torch.bmm, T.bmm, saved_for={"input": "mat2", "mat2": "input"}, view=False)
+@derivative(torch.mm, T.mm, torch.bmm, T.bmm, saved_for={"input": "mat2", "mat2": "input"}, view=False,
+            jvp=_product_jvp(torch.matmul))
 def mm(grad, input, mat2, *, needs_input_grad):
     return (grad @ _cj(mat2).mT if needs_input_grad[0] else None,
             _cj(input).mT @ grad if needs_input_grad[1] else None)
 
 
-@derivative(torch.mv, T.mv, saved_for={"input": "vec", "vec": "input"}, view=False)
+@derivative(torch.mv, T.mv, saved_for={"input": "vec", "vec": "input"}, view=False,
+            jvp=_product_jvp(torch.mv))
 def mv(grad, input, vec, *, needs_input_grad):
     return (grad.outer(_cj(vec)) if needs_input_grad[0] else None,
             _cj(input).mT.mv(grad) if needs_input_grad[1] else None)
 
 
-@derivative(torch.dot, T.dot, saved_for={"input": "tensor", "tensor": "input"}, view=False)
+@derivative(torch.dot, T.dot, saved_for={"input": "tensor", "tensor": "input"}, view=False,
+            jvp=_product_jvp(torch.dot))
 def dot(grad, input, tensor, *, needs_input_grad):
     return (grad * _cj(tensor) if needs_input_grad[0] else None,
             grad * _cj(input) if needs_input_grad[1] else None)
 
 
-@derivative(torch.vdot, T.vdot, saved_for={"input": "other", "other": "input"}, view=False)
+@derivative(torch.vdot, T.vdot, saved_for={"input": "other", "other": "input"}, view=False,
+            jvp=_product_jvp(torch.vdot))
 def vdot(grad, input, other, *, needs_input_grad):
     """``sum(conj(input) * other)``: antilinear in ``input`` (torch: ``grad.conj() * other``)."""
     return (_cj(grad) * other if needs_input_grad[0] else None,
             grad * input if needs_input_grad[1] else None)
 
 
-@derivative(torch.outer, T.outer, torch.ger, T.ger, saved_for={"input": "vec2", "vec2": "input"}, view=False)
+@derivative(torch.outer, T.outer, torch.ger, T.ger, saved_for={"input": "vec2", "vec2": "input"}, view=False,
+            jvp=_product_jvp(torch.outer))
 def outer(grad, input, vec2, *, needs_input_grad):
     return (grad.mv(_cj(vec2)) if needs_input_grad[0] else None,
             grad.mT.mv(_cj(input)) if needs_input_grad[1] else None)
@@ -182,7 +234,8 @@ def inner(input, other):
     return out.reshape(input.shape[:-1] + other.shape[:-1])
 
 
-@derivative(torch.addmm, T.addmm, inplace=(T.addmm_,), saved_for={"mat1": "mat2", "mat2": "mat1"}, view=False)
+@derivative(torch.addmm, T.addmm, inplace=(T.addmm_,), saved_for={"mat1": "mat2", "mat2": "mat1"}, view=False,
+            jvp=_add_product_jvp(torch.addmm))
 def addmm(grad, input, mat1, mat2, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * mat1 @ mat2``."""
     return (_scaled(grad, beta),
@@ -190,7 +243,8 @@ def addmm(grad, input, mat1, mat2, *, beta=1, alpha=1, needs_input_grad):
             _scaled(_cj(mat1).mT.mm(grad), alpha) if needs_input_grad[2] else None)
 
 
-@derivative(torch.addmv, T.addmv, inplace=(T.addmv_,), saved_for={"mat": "vec", "vec": "mat"}, view=False)
+@derivative(torch.addmv, T.addmv, inplace=(T.addmv_,), saved_for={"mat": "vec", "vec": "mat"}, view=False,
+            jvp=_add_product_jvp(torch.addmv))
 def addmv(grad, input, mat, vec, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * mat @ vec``."""
     return (_scaled(grad, beta),
@@ -198,7 +252,8 @@ def addmv(grad, input, mat, vec, *, beta=1, alpha=1, needs_input_grad):
             _scaled(_cj(mat).mT.mv(grad), alpha) if needs_input_grad[2] else None)
 
 
-@derivative(torch.addr, T.addr, inplace=(T.addr_,), saved_for={"vec1": "vec2", "vec2": "vec1"}, view=False)
+@derivative(torch.addr, T.addr, inplace=(T.addr_,), saved_for={"vec1": "vec2", "vec2": "vec1"}, view=False,
+            jvp=_add_product_jvp(torch.addr))
 def addr(grad, input, vec1, vec2, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * outer(vec1, vec2)``."""
     return (_scaled(grad, beta),
@@ -207,7 +262,8 @@ def addr(grad, input, vec1, vec2, *, beta=1, alpha=1, needs_input_grad):
 
 
 @derivative(torch.baddbmm, T.baddbmm, inplace=(T.baddbmm_,),
-            saved_for={"batch1": "batch2", "batch2": "batch1"}, view=False)
+            saved_for={"batch1": "batch2", "batch2": "batch1"}, view=False,
+            jvp=_add_product_jvp(torch.baddbmm))
 def baddbmm(grad, input, batch1, batch2, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * batch1 @ batch2`` (batched)."""
     return (_scaled(grad, beta),
@@ -216,7 +272,8 @@ def baddbmm(grad, input, batch1, batch2, *, beta=1, alpha=1, needs_input_grad):
 
 
 @derivative(torch.addbmm, T.addbmm, inplace=(T.addbmm_,),
-            saved_for={"batch1": "batch2", "batch2": "batch1"}, view=False)
+            saved_for={"batch1": "batch2", "batch2": "batch1"}, view=False,
+            jvp=_add_product_jvp(torch.addbmm))
 def addbmm(grad, input, batch1, batch2, *, beta=1, alpha=1, needs_input_grad):
     """``beta * input + alpha * sum_b batch1[b] @ batch2[b]``."""
     g = None
@@ -240,8 +297,21 @@ def _linear_kernel(input, weight, bias=None):
     return F.linear(input, weight, bias)
 
 
+def _linear_jvp(tangents, input, weight, bias=None):
+    """``linear(ti, W) + linear(x, tW, tb)``: the bias's tangent rides on one of the products."""
+    ti, tw, tb = tangents[0], tangents[1], tangents[2]
+    out = None
+    if tw is not None:
+        out = F.linear(input, tw, tb)
+        tb = None
+    if ti is not None:
+        part = F.linear(ti, weight, tb)
+        out = part if out is None else out + part
+    return tb if out is None else out
+
+
 @derivative(F.linear, saved_for={"input": "weight", "weight": "input"}, view=False,
-            kernel=_linear_kernel, kernel_ndim=3, shaped=("input", "weight"))
+            kernel=_linear_kernel, kernel_ndim=3, shaped=("input", "weight"), jvp=_linear_jvp)
 def linear(grad, input, weight, bias=None, *, needs_input_grad):
     """``input @ weight.T + bias``; the bias gradient is the engine's unbroadcast of ``grad``."""
     grad_input = grad_weight = None

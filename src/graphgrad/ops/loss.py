@@ -137,7 +137,34 @@ def _mean_scaled(g, input, reduction):
     return g / input.numel() if reduction == _MEAN else g
 
 
-@derivative(F.mse_loss, view=False)
+def _mse_loss_jvp(tangents, input, target, size_average=None, reduce=None, reduction="mean",
+                  weight=None, *, result):
+    """``reduce(2 (x - y)(tx - ty))``; with a weight, ``w`` times that plus ``tw (x - y)²``, and
+    "mean" over ``sum(w)``: its tangent (``(t_sum - loss * sum(tw)) / sum(w)``)."""
+    reduction = _reduction(size_average, reduce, reduction)
+    tx, ty, tw = tangents[0], tangents[1], tangents[5]
+    diff = input - target
+    if tx is None:
+        td = None if ty is None else -ty
+    else:
+        td = tx if ty is None else tx - ty
+    elements = None if td is None else 2 * diff * td
+    if weight is None:
+        return _reduce(elements, reduction)
+    if elements is not None:
+        elements = elements * weight
+    if tw is not None:
+        part = diff * diff * tw
+        elements = part if elements is None else elements + part
+    if reduction != "mean":
+        return _reduce(elements, reduction)
+    total = elements.sum()
+    if tw is not None:
+        total = total - result * tw.sum()
+    return total / weight.sum()
+
+
+@derivative(F.mse_loss, view=False, jvp=_mse_loss_jvp)
 def mse_loss(grad, input, target, size_average=None, reduce=None, reduction="mean", weight=None,
              *, needs_input_grad):
     reduction = _reduction(size_average, reduce, reduction)
@@ -323,12 +350,41 @@ def _nll_loss_rule(backward_kernel):
     return nll_loss_forward
 
 
+def _nll_loss_jvp_rule(forward_kernel):
+    def nll_loss_forward_jvp(tangents, input, target, weight, reduction, ignore_index, *, result):
+        """Linear in the input: the loss of its tangent. In the weight, for "none" and "sum" the
+        loss with the weight's tangent; for "mean", loss = S / W (S the weighted sum, W the
+        total weight), so (dS - loss dW) / W, the kernel giving dS and dW for "sum"."""
+        ti, tw = tangents[0], tangents[2]
+        out = None
+        if ti is not None:
+            out = forward_kernel(ti, target, weight, reduction, ignore_index)[0]
+        if tw is not None:
+            if reduction == _MEAN:
+                d_sum, d_total = forward_kernel(input, target, tw, _REDUCTIONS.index("sum"),
+                                                ignore_index)
+                total = result[1]
+                if torch.is_grad_enabled() and (weight.requires_grad or tw.requires_grad):
+                    # (the kernel's total weights are constants to reverse mode)
+                    kept = target != ignore_index
+                    safe = target.masked_fill(~kept, 0)
+                    total, d_total = (weight[safe] * kept).sum(), (tw[safe] * kept).sum()
+                part = (d_sum - result[0] * d_total) / total
+            else:
+                part = forward_kernel(input, target, tw, reduction, ignore_index)[0]
+            out = part if out is None else out + part
+        return out, None
+
+    return nll_loss_forward_jvp
+
+
 # of the outputs (loss, total weight) the backward reads the total weight: saved_outputs=(1,)
 for _forward, _backward, _name in [
         (_aten.nll_loss_forward.default, _aten.nll_loss_backward.default, "NllLossBackward"),
         (_aten.nll_loss2d_forward.default, _aten.nll_loss2d_backward.default, "NllLoss2dBackward")]:
     derivative(_forward, name=_name, multi_output=True, saved_outputs=(1,),
-               differentiable_outputs=1, view=False, shaped=("input",))(
+               differentiable_outputs=1, view=False, shaped=("input",),
+               jvp=_nll_loss_jvp_rule(_forward))(
         _nll_loss_rule(bound_function(_backward)))
 
 

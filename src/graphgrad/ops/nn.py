@@ -179,7 +179,14 @@ for _f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
     decomposition(_f, view=False)(torch_body(_f))
 
 
-@derivative(torch.native_dropout, name="NativeDropoutBackward", multi_output=True, view=False)
+def _native_dropout_jvp(tangents, input, p, train, *, result):
+    """The same mask and scale on the tangent (no new random draw)."""
+    scale = 1.0 if train is False else (0.0 if p == 1 else 1.0 / (1.0 - p))
+    return tangents[0] * result[1] * scale, None
+
+
+@derivative(torch.native_dropout, name="NativeDropoutBackward", multi_output=True, view=False,
+            jvp=_native_dropout_jvp)
 def native_dropout(grad, input, p, train, *, result):
     """``(output, mask)``: the kept elements, scaled by ``1 / (1 - p)`` when training."""
     if grad[0] is None:
@@ -203,7 +210,7 @@ def embedding_function(input, weight, padding_idx=None, max_norm=None, norm_type
                            sparse)
 
 
-@derivative(torch.embedding, view=False)
+@derivative(torch.embedding, view=False, linear=True)  # (in the weight, its only floating tensor)
 def embedding(grad, weight: Meta, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """torch's ``embedding_dense_backward``: rows of ``grad`` added into the rows they were read
     from (``padding_idx`` gets none; divided by each index's count with ``scale_grad_by_freq``)."""
@@ -211,7 +218,7 @@ def embedding(grad, weight: Meta, indices, padding_idx=-1, scale_grad_by_freq=Fa
                                                            padding_idx, scale_grad_by_freq)
 
 
-@derivative(torch.ops.aten.embedding_dense_backward.default, view=False)
+@derivative(torch.ops.aten.embedding_dense_backward.default, view=False, linear=True)
 def embedding_dense_backward(grad, grad_output, indices, num_weights, padding_idx,
                              scale_grad_by_freq):
     """Linear in ``grad_output``: its adjoint reads ``grad``'s rows at the indices, zero at

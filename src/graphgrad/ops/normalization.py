@@ -209,9 +209,36 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_
                         weight, bias, eps)[0]
 
 
+def _native_layer_norm_jvp(tangents, input, normalized_shape, weight, bias, eps, *, result):
+    """With x̂ = (x - mean) rstd over the normalized dimensions: x̂'s tangent is
+    rstd (tx - mean(tx) - x̂ mean(x̂ tx)), the output's x̂'s times the weight plus x̂ times the
+    weight's tangent plus the bias's. The statistics carry no tangent (as no gradient); where the
+    tangent is differentiated again in the input (reverse over forward) they are recomputed with
+    recorded ops, as the kernel's are constants to reverse mode."""
+    tx, tw, tb = tangents[0], tangents[2], tangents[3]
+    dims = tuple(range(input.dim() - len(normalized_shape), input.dim()))
+    if torch.is_grad_enabled() and input.requires_grad:  # (the kernel's statistics carry no gradient)
+        mean = input.mean(dims, keepdim=True)
+        rstd = (input.var(dims, unbiased=False, keepdim=True) + eps).rsqrt()
+    else:
+        mean, rstd = result[1].to(input.dtype), result[2].to(input.dtype)  # (float32 for half inputs)
+    xhat = (input - mean) * rstd
+    out = None
+    if tx is not None:
+        centered = tx - tx.mean(dims, keepdim=True)
+        out = (centered - xhat * (xhat * tx).mean(dims, keepdim=True)) * rstd
+        if weight is not None:
+            out = out * weight
+    if tw is not None:
+        out = xhat * tw if out is None else out + xhat * tw
+    if tb is not None:
+        out = tb if out is None else out + tb
+    return out, None, None
+
+
 @derivative(torch.native_layer_norm, name="NativeLayerNormBackward", multi_output=True,
             saved_outputs=(1, 2), differentiable_outputs=1, view=False,
-            shaped=("input", "weight", "bias"))
+            shaped=("input", "weight", "bias"), jvp=_native_layer_norm_jvp)
 def native_layer_norm(grads, input, normalized_shape, weight, bias, eps, *, result,
                       needs_input_grad):
     """torch's fused kernel on the saved mean and inverse standard deviation."""

@@ -43,7 +43,7 @@ def linear_adjoint(grad, forward, adjoint):
     return adjoint(grad)
 
 
-@derivative(linear_adjoint, name="LinearAdjointBackward", view=False)
+@derivative(linear_adjoint, name="LinearAdjointBackward", view=False, linear=True)
 def linear_adjoint_backward(grad, input: Meta, forward, adjoint):
     return forward(grad)
 
@@ -66,8 +66,21 @@ def _single(value) -> int:
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
+def _values_at_indices_jvp(nd):
+    """The tangent of max pooling's values: the input's tangent read where each maximum was
+    (torch's); the indices have none."""
+
+    def jvp(tangents, input, *options, result):
+        if tangents[0] is None:
+            return None
+        return gather_at(tangents[0], result[1], nd), None
+
+    return jvp
+
+
 # of the outputs (values, indices) these backwards read the indices: saved_outputs=(1,)
-@derivative(_nn.max_pool2d_with_indices, multi_output=True, saved_outputs=(1,), view=False)
+@derivative(_nn.max_pool2d_with_indices, multi_output=True, saved_outputs=(1,), view=False,
+            jvp=_values_at_indices_jvp(2))
 def max_pool2d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
                             ceil_mode=False, *, result):
     """torch's ``max_pool2d_with_indices_backward``: each gradient to where its maximum was
@@ -76,14 +89,16 @@ def max_pool2d_with_indices(grads, input, kernel_size, stride=(), padding=0, dil
         grads[0], input, kernel_size, stride, padding, dilation, ceil_mode, result[1])
 
 
-@derivative(_nn.max_pool3d_with_indices, multi_output=True, saved_outputs=(1,), view=False)
+@derivative(_nn.max_pool3d_with_indices, multi_output=True, saved_outputs=(1,), view=False,
+            jvp=_values_at_indices_jvp(3))
 def max_pool3d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
                             ceil_mode=False, *, result):
     return _max_pool3d_with_indices_backward_kernel(
         grads[0], input, kernel_size, stride, padding, dilation, ceil_mode, result[1])
 
 
-@derivative(torch.max_pool1d_with_indices, multi_output=True, saved_outputs=(1,), view=False)
+@derivative(torch.max_pool1d_with_indices, multi_output=True, saved_outputs=(1,), view=False,
+            jvp=_values_at_indices_jvp(1))
 def max_pool1d_with_indices(grads, input, kernel_size, stride=(), padding=0, dilation=1,
                             ceil_mode=False, *, result):
     """torch pools in 1-d with its 2-d kernel on a height of 1, and so does the backward."""
@@ -95,17 +110,20 @@ def max_pool1d_with_indices(grads, input, kernel_size, stride=(), padding=0, dil
         [1, _single(dilation)], ceil_mode, result[1].unsqueeze(-2)).squeeze(-2)
 
 
-@derivative(_nn.adaptive_max_pool2d, multi_output=True, saved_outputs=(1,), view=False)
+@derivative(_nn.adaptive_max_pool2d, multi_output=True, saved_outputs=(1,), view=False,
+            jvp=_values_at_indices_jvp(2))
 def adaptive_max_pool2d(grads, input, output_size, *, result):
     return _adaptive_max_pool2d_backward_kernel(grads[0], input, result[1])
 
 
-@derivative(_nn.adaptive_max_pool3d, multi_output=True, saved_outputs=(1,), view=False)
+@derivative(_nn.adaptive_max_pool3d, multi_output=True, saved_outputs=(1,), view=False,
+            jvp=_values_at_indices_jvp(3))
 def adaptive_max_pool3d(grads, input, output_size, *, result):
     return _adaptive_max_pool3d_backward_kernel(grads[0], input, result[1])
 
 
-@derivative(torch.adaptive_max_pool1d, multi_output=True, saved_outputs=(1,), view=False)
+@derivative(torch.adaptive_max_pool1d, multi_output=True, saved_outputs=(1,), view=False,
+            jvp=_values_at_indices_jvp(1))
 def adaptive_max_pool1d(grads, input, output_size, *, result):
     """Through the 2-d kernel on a height of 1, as torch's forward."""
     return _adaptive_max_pool2d_backward_kernel(
@@ -179,7 +197,9 @@ def _max_unpool_rule(nd):
 
 
 for _nd, _f in [(1, F.max_unpool1d), (2, F.max_unpool2d), (3, F.max_unpool3d)]:
-    derivative(_f, name=f"MaxUnpool{_nd}dBackward", view=False)(_max_unpool_rule(_nd))
+    # linear in input (indices fixed): its tangent is the tangent unpooled, as torch's, which
+    # keeps one of the values written to a repeated index (the transposed backward would sum them)
+    derivative(_f, name=f"MaxUnpool{_nd}dBackward", view=False, linear=True)(_max_unpool_rule(_nd))
 
 
 # -- average pooling: linear, its gradient is torch's adjoint kernel ----------------------
@@ -213,21 +233,21 @@ def _avg_pool_grad(grad, input_shape, nd, forward_fn, *options):
     return linear_adjoint(grad, forward, _avg_pool_adjoint(tuple(input_shape), nd, *options))
 
 
-@derivative(torch.avg_pool1d, name="AvgPool1dBackward", view=False)
+@derivative(torch.avg_pool1d, name="AvgPool1dBackward", view=False, linear=True)
 def avg_pool1d(grad, input: Meta, kernel_size, stride=None, padding=0, ceil_mode=False,
                count_include_pad=True):
     return _avg_pool_grad(grad, input.shape, 1, torch.avg_pool1d, kernel_size, stride, padding,
                           ceil_mode, count_include_pad)
 
 
-@derivative(_nn.avg_pool2d, name="AvgPool2dBackward", view=False)
+@derivative(_nn.avg_pool2d, name="AvgPool2dBackward", view=False, linear=True)
 def avg_pool2d(grad, input: Meta, kernel_size, stride=None, padding=0, ceil_mode=False,
                count_include_pad=True, divisor_override=None):
     return _avg_pool_grad(grad, input.shape, 2, _nn.avg_pool2d, kernel_size, stride, padding,
                           ceil_mode, count_include_pad, divisor_override)
 
 
-@derivative(_nn.avg_pool3d, name="AvgPool3dBackward", view=False)
+@derivative(_nn.avg_pool3d, name="AvgPool3dBackward", view=False, linear=True)
 def avg_pool3d(grad, input: Meta, kernel_size, stride=None, padding=0, ceil_mode=False,
                count_include_pad=True, divisor_override=None):
     return _avg_pool_grad(grad, input.shape, 3, _nn.avg_pool3d, kernel_size, stride, padding,
@@ -280,17 +300,19 @@ def adaptive_avg_pool_grad(grad, input_shape, nd):
     return linear_adjoint(grad, forward, _adaptive_avg_pool_adjoint(tuple(input_shape), nd))
 
 
-@derivative(torch.adaptive_avg_pool1d, name="AdaptiveAvgPool1dBackward", view=False)
+@derivative(torch.adaptive_avg_pool1d, name="AdaptiveAvgPool1dBackward", view=False, linear=True)
 def adaptive_avg_pool1d(grad, input: Meta, output_size):
     return adaptive_avg_pool_grad(grad, input.shape, 1)
 
 
-@derivative(F.adaptive_avg_pool2d, _nn.adaptive_avg_pool2d, name="AdaptiveAvgPool2dBackward", view=False)
+@derivative(F.adaptive_avg_pool2d, _nn.adaptive_avg_pool2d, name="AdaptiveAvgPool2dBackward", view=False,
+            linear=True)
 def adaptive_avg_pool2d(grad, input: Meta, output_size):
     return adaptive_avg_pool_grad(grad, input.shape, 2)
 
 
-@derivative(F.adaptive_avg_pool3d, _nn.adaptive_avg_pool3d, name="AdaptiveAvgPool3dBackward", view=False)
+@derivative(F.adaptive_avg_pool3d, _nn.adaptive_avg_pool3d, name="AdaptiveAvgPool3dBackward", view=False,
+            linear=True)
 def adaptive_avg_pool3d(grad, input: Meta, output_size):
     return adaptive_avg_pool_grad(grad, input.shape, 3)
 
@@ -326,6 +348,7 @@ for _nd, _f, _f_pair, _kernel, _backward in [
         return fractional_max_pool
 
     derivative(_kernel, name=f"FractionalMaxPool{_nd}dBackward", multi_output=True,
-               saved_outputs=(1,), differentiable_outputs=1, view=False)(_fractional_rule(_backward))
+               saved_outputs=(1,), differentiable_outputs=1, view=False,
+               jvp=_values_at_indices_jvp(_nd))(_fractional_rule(_backward))
     derivative(_backward, name=f"FractionalMaxPool{_nd}dBackwardBackward", view=False)(
         _max_pool_backward_rule(_nd, 2))

@@ -54,18 +54,18 @@ def _count(shape, dims) -> int:
     return n
 
 
-@derivative(torch.sum, T.sum, view=False)
+@derivative(torch.sum, T.sum, view=False, linear=True)
 def sum(grad, input: Meta, dim=None, keepdim=False, *, dtype=None):
     return expand_reduced(grad, input, dim, keepdim)
 
 
-@derivative(torch.mean, T.mean, view=False)
+@derivative(torch.mean, T.mean, view=False, linear=True)
 def mean(grad, input: Meta, dim=None, keepdim=False, *, dtype=None):
     count = _count(input.shape, reduced_dims(dim, input.ndim))
     return expand_reduced(grad, input, dim, keepdim) / max(count, 1)
 
 
-@derivative(T.sum_to_size, view=False)
+@derivative(T.sum_to_size, view=False, linear=True)
 def sum_to_size(grad, input: Meta, *size):
     return grad.expand(input.shape)
 
@@ -329,7 +329,7 @@ def logsumexp(grad, input, dim, keepdim=False, *, result):
     return grad * (weights.conj() if weights.is_complex() else weights)  # torch's convention
 
 
-@derivative(torch.cumsum, T.cumsum, inplace=(T.cumsum_,), view=False)
+@derivative(torch.cumsum, T.cumsum, inplace=(T.cumsum_,), view=False, linear=True)
 def cumsum(grad, input: Meta, dim, *, dtype=None):
     """The reversed cumulative sum of the gradient."""
     if grad.dim() == 0 or grad.shape[dim] <= 1:
@@ -337,8 +337,17 @@ def cumsum(grad, input: Meta, dim, *, dtype=None):
     return grad.flip(dim).cumsum(dim).flip(dim)
 
 
+def _softmax_jvp(tangents, input, dim, dtype=None, *, result):
+    """softmax's Jacobian diag(y) - y yᵀ is symmetric: the tangent is its backward kernel applied
+    to the input's tangent (one fused kernel, differentiable again by its rule below)."""
+    t = tangents[0]
+    if t.dtype != result.dtype:
+        t = t.to(result.dtype)
+    return torch._softmax_backward_data(t, result, dim, result.dtype)
+
+
 @derivative(torch.softmax, T.softmax, torch._softmax, torch.special.softmax, view=False,
-            shaped=("input",))
+            shaped=("input",), jvp=_softmax_jvp)
 def softmax(grad, input, dim, dtype=None, *, result):
     """torch's fused kernel (one rounding in low precision, as torch's own backward rounds);
     recorded under ``create_graph`` like any op, with its own rule below."""
@@ -356,8 +365,16 @@ def softmax_backward_data(grad, grad_output, output, dim, input_dtype):
     return torch._softmax_backward_data(grad, output, dim, output.dtype), g_output
 
 
+def _log_softmax_jvp(tangents, input, dim, dtype=None, *, result):
+    """``t - sum(softmax * t)`` over ``dim``."""
+    t = tangents[0]
+    if t.dtype != result.dtype:
+        t = t.to(result.dtype)
+    return t - (result.exp() * t).sum(dim, keepdim=True)
+
+
 @derivative(torch.log_softmax, T.log_softmax, torch._log_softmax, torch.special.log_softmax, view=False,
-            shaped=("input",))
+            shaped=("input",), jvp=_log_softmax_jvp)
 def log_softmax(grad, input, dim, dtype=None, *, result):
     """torch's fused kernel, as for softmax."""
     if grad.dtype != result.dtype:
@@ -421,11 +438,14 @@ def cumprod(grad, input, dim, *, dtype=None, result):
     """torch's ``cumprod_backward``: without zeros ``reversed_cumsum(grad * result) / input``;
     with zeros, an O(n) pass for a first derivative, and under create_graph each element's
     gradient from the products that omit it, formed explicitly (O(n^2), as torch does) so
-    that they differentiate again."""
+    that they differentiate again. For complex inputs the same with ``input`` and ``result``
+    conjugated (torch's convention: the gradient is ``grad`` times the conjugate derivative)."""
     grad = grad.to(input.dtype)
     if input.dim() == 0 or input.shape[dim] <= 1:
         return grad
     is_zero = input == 0
+    if input.is_complex():
+        input, result = input.conj(), result.conj()
     if not is_zero.any():
         return _reversed_cumsum(grad * result, dim) / input
     if not torch.is_grad_enabled():
@@ -440,17 +460,35 @@ def cumprod(grad, input, dim, *, dtype=None, result):
     return torch.cat(slices, -1).movedim(-1, dim)
 
 
-@derivative(torch.logcumsumexp, T.logcumsumexp, view=False)
+def _logcumsumexp_jvp(tangents, input, dim):
+    """torch's ``logcumsumexp_jvp``: the tangent's running sum weighted by ``exp(input)`` over
+    the running sum of the weights, both shifted by the maximum so nothing overflows, and
+    torch's 1e-13 added to the denominator (so a weight far below the maximum, whose running
+    sum is small, gets torch's tangent, not the exact one)."""
+    t = tangents[0]
+    if input.numel() == 0:
+        return t
+    if input.is_complex():
+        weights = input.exp()
+    else:
+        weights = (input - input.amax(dim, keepdim=True)).exp()
+    return (weights * t).cumsum(dim) / (weights.cumsum(dim) + 1e-13)
+
+
+@derivative(torch.logcumsumexp, T.logcumsumexp, view=False, jvp=_logcumsumexp_jvp)
 def logcumsumexp(grad, input, dim, *, result):
     """torch's formula: the positive and negative parts of ``grad`` summed in log space, so
     nothing overflows."""
     if grad.dim() == 0 or grad.numel() == 0:
         return grad
-    lowest = torch.finfo(grad.dtype).min
-    log_abs = grad.abs().log()
 
     def reversed_lcse(t):
         return t.flip(dim).logcumsumexp(dim).flip(dim)
+
+    if grad.is_complex():  # no signs to split: torch's complex branch
+        return (reversed_lcse(grad.conj().log() - result) + input).exp().conj()
+    lowest = torch.finfo(grad.dtype).min
+    log_abs = grad.abs().log()
 
     pos = (reversed_lcse(torch.where(grad > 0, log_abs, lowest) - result) + input).exp()
     neg = (reversed_lcse(torch.where(grad < 0, log_abs, lowest) - result) + input).exp()
@@ -640,7 +678,8 @@ def cov(input, *, correction=1, fweights=None, aweights=None):
     elif w is not None:
         norm = w_sum
     else:
-        norm = torch.tensor(observations - correction, dtype=avg.dtype, device=avg.device)
+        norm = torch.tensor(observations - correction, device=avg.device,  # real for complex input
+                            dtype=avg.real.dtype if avg.is_complex() else avg.dtype)
     if bool(norm <= 0):
         norm = torch.zeros_like(norm)
     x = x - avg.unsqueeze(1)

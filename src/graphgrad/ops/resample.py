@@ -41,7 +41,17 @@ def _source_index(mode, size, left, right, device):
     raise NotImplementedError(f"F.pad(mode={mode!r}) has no graphgrad rule")
 
 
-@derivative(F.pad, torch._C._nn.pad, view=False)
+# Padding with a constant is affine, not linear (the op applied to the tangent would pad it with
+# the constant): the tangent is padded with zeros.
+def _pad_jvp(tangents, input, pad, mode="constant", value=None):
+    return F.pad(tangents[0], pad, mode, 0.0 if mode == "constant" else None)
+
+
+def _constant_pad_nd_jvp(tangents, input, pad, value=0):
+    return torch.constant_pad_nd(tangents[0], pad, 0)
+
+
+@derivative(F.pad, torch._C._nn.pad, view=False, jvp=_pad_jvp)
 def pad(grad, input: Meta, pad, mode="constant", value=None):
     if mode == "constant":
         return F.pad(grad, [-p for p in pad])
@@ -55,7 +65,7 @@ def pad(grad, input: Meta, pad, mode="constant", value=None):
     return grad
 
 
-@derivative(torch.constant_pad_nd, name="ConstantPadNdBackward", view=False)
+@derivative(torch.constant_pad_nd, name="ConstantPadNdBackward", view=False, jvp=_constant_pad_nd_jvp)
 def constant_pad_nd(grad, input: Meta, pad, value=0):
     return torch.constant_pad_nd(grad, [-p for p in pad])
 
@@ -96,7 +106,7 @@ def _upsample_adjoint(mode, input_shape, align_corners, scales, antialias):
     return adjoint
 
 
-@derivative(F.interpolate, view=False)
+@derivative(F.interpolate, view=False, linear=True)
 def interpolate(grad, input: Meta, size=None, scale_factor=None, mode="nearest",
                 align_corners=None, recompute_scale_factor=None, antialias=False):
     nd = input.ndim - 2
@@ -115,30 +125,53 @@ def interpolate(grad, input: Meta, size=None, scale_factor=None, mode="nearest",
                                                            scales, antialias))
 
 
+@derivative(_aten._upsample_bilinear2d_aa, name="UpsampleBilinear2dAaBackward", view=False,
+            linear=True)
+def upsample_bilinear2d_aa(grad, input: Meta, output_size=None, align_corners=False,
+                           scales_h=None, scales_w=None, scale_factors=None):
+    """The ATen op itself, in both overloads: ``(input, output_size, align_corners, scales_h,
+    scales_w)`` and ``.vec``'s ``(input, output_size, align_corners, scale_factors)`` (a list
+    where the first takes ``scales_h``). Linear in the input: torch's backward kernel, with the
+    scales the forward mapped coordinates with."""
+    if isinstance(scales_h, (list, tuple)):
+        scale_factors = scales_h
+    scales = [scales_h, scales_w] if scale_factors is None else [float(s) for s in scale_factors]
+    size = list(grad.shape[2:])
+
+    def forward(x):
+        return _aten._upsample_bilinear2d_aa.default(x, size, bool(align_corners), *scales)
+
+    def adjoint(g):
+        return _aten._upsample_bilinear2d_aa_backward.default(g, size, list(input.shape),
+                                                              bool(align_corners), *scales)
+
+    return linear_adjoint(grad, forward, adjoint)
+
+
 # -- pixel shuffle, unfold / fold: pairs of adjoint rearrangements -------------------------
-@derivative(torch.pixel_shuffle, name="PixelShuffleBackward", view=False)
+@derivative(torch.pixel_shuffle, name="PixelShuffleBackward", view=False, linear=True)
 def pixel_shuffle(grad, input, upscale_factor):
     return torch.pixel_unshuffle(grad, upscale_factor)
 
 
-@derivative(torch.pixel_unshuffle, name="PixelUnshuffleBackward", view=False)
+@derivative(torch.pixel_unshuffle, name="PixelUnshuffleBackward", view=False, linear=True)
 def pixel_unshuffle(grad, input, downscale_factor):
     return torch.pixel_shuffle(grad, downscale_factor)
 
 
 @derivative(torch.channel_shuffle, torch.native_channel_shuffle, name="ChannelShuffleBackward",
-            view=False)
+            view=False, linear=True)
 def channel_shuffle(grad, input: Meta, groups):
     """A permutation of the channels: its inverse is the shuffle by ``channels // groups``."""
     return torch.channel_shuffle(grad, grad.shape[1] // groups)
 
 
-@derivative(F.unfold, view=False)
+@derivative(F.unfold, view=False, linear=True)
 def unfold(grad, input: Meta, kernel_size, dilation=1, padding=0, stride=1):
     return F.fold(grad, tuple(input.shape[-2:]), kernel_size, dilation, padding, stride)
 
 
-@derivative(F.fold, view=False)
+@derivative(F.fold, view=False, linear=True)
 def fold(grad, input, output_size, kernel_size, dilation=1, padding=0, stride=1):
     return F.unfold(grad, kernel_size, dilation, padding, stride)
 
@@ -148,7 +181,8 @@ decomposition(F.affine_grid, view=False)(torch_body(F.affine_grid))
 decomposition(F.grid_sample, view=False)(torch_body(F.grid_sample))
 
 
-@derivative(torch.affine_grid_generator, name="AffineGridGeneratorBackward", view=False)
+@derivative(torch.affine_grid_generator, name="AffineGridGeneratorBackward", view=False,
+            linear=True)
 def affine_grid_generator(grad, theta: Meta, size, align_corners):
     """Linear in ``theta``: torch's adjoint kernel, whose own gradient is the grid again."""
 

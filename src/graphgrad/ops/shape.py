@@ -446,14 +446,14 @@ nondifferentiable(
 )
 
 
-@derivative(torch.diag_embed, T.diag_embed, view=False)
+@derivative(torch.diag_embed, T.diag_embed, view=False, linear=True)
 def diag_embed(grad, input, offset=0, dim1=-2, dim2=-1):
     """The new diagonal's gradient is the gradient's diagonal (moved to the last dim, as the
     input's was)."""
     return grad.diagonal(offset, dim1, dim2)
 
 
-@derivative(torch.diag, T.diag, view=False)
+@derivative(torch.diag, T.diag, view=False, linear=True)
 def diag(grad, input: Meta, diagonal=0):
     """A vector becomes a matrix's diagonal (its gradient is that diagonal), a matrix gives its
     diagonal (the gradient is put back on it)."""
@@ -462,7 +462,7 @@ def diag(grad, input: Meta, diagonal=0):
     return torch.diagonal_scatter(grad.new_zeros(input.shape), grad, diagonal)
 
 
-@derivative(torch.diagflat, T.diagflat, view=False)
+@derivative(torch.diagflat, T.diagflat, view=False, linear=True)
 def diagflat(grad, input: Meta, offset=0):
     """The flattened input on a diagonal: the gradient's diagonal, in the input's shape."""
     return grad.diagonal(offset).reshape(input.shape)
@@ -506,11 +506,26 @@ def as_strided(grad, input, size, stride, storage_offset=None):
     length = int(max(out_pos.max() if out_pos.numel() else 0,
                      in_pos.max() if in_pos.numel() else 0)) + 1
     storage = grad.new_zeros(length).index_add(0, out_pos, grad.reshape(-1))
-    shared = torch.zeros(length, dtype=grad.dtype, device=grad.device).index_add(
-        0, in_pos, torch.ones(in_pos.shape, dtype=grad.dtype, device=grad.device))
+    counts = grad.real.dtype if grad.is_complex() else grad.dtype
+    shared = torch.zeros(length, dtype=counts, device=grad.device).index_add(
+        0, in_pos, torch.ones(in_pos.shape, dtype=counts, device=grad.device))
     if bool((shared > 1).any()):
         storage = storage / shared.clamp(min=1)
     return storage.take(in_pos).reshape(input.shape)
+
+
+@derivative(torch.as_strided_scatter, T.as_strided_scatter, view=False, linear=True)
+def as_strided_scatter(grad, input, src: Meta, size, stride, storage_offset=None):
+    """torch's ``as_strided_scatter_backward``: the input's gradient is ``grad`` with the
+    written places zeroed, src's is ``grad`` read at them (as torch, on a contiguous copy of
+    ``grad`` laid out as the output is: a contiguous input's clone)."""
+    if not input.is_contiguous():  # torch refuses these when the input requires grad
+        raise NotImplementedError("as_strided_scatter of a non-contiguous input has no "
+                                  "derivative (torch supports only contiguous inputs)")
+    if not grad.is_contiguous() or grad.storage_offset() != 0:
+        grad = grad.clone(memory_format=torch.contiguous_format)
+    return (torch.as_strided_scatter(grad, grad.new_zeros(src.shape), size, stride, storage_offset),
+            grad.as_strided(size, stride, storage_offset))
 
 
 @decomposition(torch.as_strided_copy, view=False)

@@ -137,10 +137,12 @@ def xlog1py(grad, input, other, *, needs_input_grad):
 
 @derivative(torch.sinc, T.sinc, _special.special_sinc, inplace=(T.sinc_,), elementwise=True)
 def sinc(grad, input):
-    """``(pi x cos(pi x) - sin(pi x)) / (pi x^2)``, 0 at 0 (torch's sinc_backward)."""
+    """``(pi x cos(pi x) - sin(pi x)) / (pi x^2)``, 0 at 0 (torch's sinc_backward); its
+    conjugate for complex inputs."""
     x_pi = input * math.pi
     x2_pi = input * input * math.pi
-    out = grad * (x_pi * x_pi.cos() - x_pi.sin()) / x2_pi
+    slope = (x_pi * x_pi.cos() - x_pi.sin()) / x2_pi
+    out = grad * (slope.conj() if slope.is_complex() else slope)
     return torch.where(x2_pi == 0, 0.0, out)
 
 
