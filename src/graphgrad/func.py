@@ -76,11 +76,15 @@ def jvp(func: Callable, primals: tuple, tangents: tuple, *, strict: bool = False
         out = func(*duals)
         aux = None
         if has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise RuntimeError("jvp(..., has_aux=True): the function must return (output, aux).")
-            out, aux = out
+            out, aux = _split_aux(out)
         value, tangent = _outputs_and_tangents(out)
     return (value, tangent, aux) if has_aux else (value, tangent)
+
+
+def _split_aux(out: Any) -> tuple:
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise RuntimeError("has_aux=True: the function must return (output, aux).")
+    return out
 
 
 def _argnums(argnums: int | tuple[int, ...], n: int) -> tuple[tuple[int, ...], bool]:
@@ -112,23 +116,25 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
         out_spec = None
         columns: list[list[list[torch.Tensor]]] = []  # [argument][column] -> flat output tangents
         value = aux = None
-        for a in nums:
-            x = args[a]
-            cols = []
-            for e in _basis(x):
-                primals = tuple(args)
-                tangents = tuple(e if i == a else torch.zeros_like(p) for i, p in enumerate(primals))
-                res = jvp(func, primals, tangents, has_aux=has_aux)
-                value, tangent = res[0], res[1]
-                if has_aux:
-                    aux = res[2]
-                leaves, out_spec = pytree.tree_flatten(tangent)
-                cols.append(leaves)
-            columns.append(cols)
+        primals = [_as_graphgrad(p) if isinstance(p, torch.Tensor) else p for p in args]
+        with dual_level():  # one level for every column: only the differentiated argument is dual
+            for a in nums:
+                x = primals[a]
+                cols = []
+                for e in _basis(x):
+                    call = list(primals)
+                    call[a] = make_dual(x, as_tensor(e))
+                    out = func(*call)
+                    if has_aux:
+                        out, aux = _split_aux(out)
+                    value, tangent = _outputs_and_tangents(out)
+                    leaves, out_spec = pytree.tree_flatten(tangent)
+                    cols.append(leaves)
+                columns.append(cols)
         if out_spec is None:  # an argument with no elements
             value = func(*args)
             if has_aux:
-                value, aux = value
+                value, aux = _split_aux(value)
             leaves, out_spec = pytree.tree_flatten(value)
         out_leaves = pytree.tree_leaves(value)
         per_output = []
