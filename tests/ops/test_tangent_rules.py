@@ -377,6 +377,166 @@ def test_reverse_over_forward(case):
     _reverse_over_forward(f, primals, tans, math=case == "attention")
 
 
+# -- linear algebra, glu, convolution_backward: torch's formulas, tangents as given -------------
+def _spd(n, seed=0):
+    m = rnd(n, n, seed=seed)
+    return m @ m.mT + n * torch.eye(n, dtype=torch.float64)
+
+
+def _fwbw(f, primals, tans, cot_seed=30):
+    """Forward over reverse: the tangents of the gradients of ``f``'s outputs (random
+    cotangents), graphgrad's against torch's."""
+    with fwAD.dual_level():
+        ins = [p.clone().requires_grad_() if t is None else fwAD.make_dual(p.clone().requires_grad_(), t)
+               for p, t in zip(primals, tans)]
+        outs = f(*ins)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        vs = [rnd(*o.shape, seed=cot_seed + k).to(o.dtype) for k, o in enumerate(outs)]
+        want = [fwAD.unpack_dual(g).tangent for g in
+                torch.autograd.grad(outs, ins, vs, create_graph=True)]
+    with gg.forward_ad.dual_level():
+        ins = [gg.as_tensor(p.clone(), requires_grad=True) for p in primals]
+        ins = [p if t is None else gg.forward_ad.make_dual(p, gg.as_tensor(t.clone()))
+               for p, t in zip(ins, tans)]
+        outs = f(*ins)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        got = [plain(gg.forward_ad.unpack_dual(g).tangent) for g in
+               gg.grad(list(outs), ins, [gg.as_tensor(v) for v in vs])]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+@pytest.mark.parametrize("upper", [False, True])
+@pytest.mark.parametrize("op", ["cholesky", "cholesky_ex"])
+def test_cholesky(op, upper):
+    """The tangent as given, not symmetric (torch's cholesky_jvp); upper too."""
+    fn = getattr(torch.linalg, op)
+    explicit(fn)
+
+    def g(a):
+        return fn(a, upper=upper)[0] if op == "cholesky_ex" else fn(a, upper=upper)
+    check(g, [_spd(4)], (True,))
+    check(g, [_spd(3).expand(2, 3, 3).clone()], (True,))
+
+
+def test_eigh_and_eigvalsh():
+    explicit(torch.linalg.eigh)
+    check(torch.linalg.eigh, [_spd(4)], (True,))  # rnd's tangent is not symmetric
+    check(lambda a: torch.linalg.eigh(a, "U"), [_spd(3)], (True,))
+    check(torch.linalg.eigvalsh, [_spd(4)], (True,))
+
+
+@pytest.mark.parametrize("left", [True, False])
+def test_solve(left):
+    explicit(torch.linalg.solve)
+    a = rnd(4, 4) + 4 * torch.eye(4, dtype=torch.float64)
+    for which in subsets(2):
+        check(lambda a, b: torch.linalg.solve(a, b, left=left), [a, rnd(4, 3) if left else rnd(3, 4)], which)
+    check(torch.linalg.solve, [a, rnd(4)], (True, True))
+    check(torch.linalg.solve, [a.to(torch.complex128), rnd(4, 2).to(torch.complex128) * 1j], (True, True))
+
+
+def test_forward_over_reverse_eig():
+    """eig's backward solves with the complex eigenvectors: linalg.solve's tangent rule."""
+    _fwbw(lambda a: torch.linalg.eigvals(a).abs(), [rnd(3, 3)], [rnd(3, 3, seed=5)])
+
+
+def test_eig_and_eigvals():
+    explicit(torch.linalg.eig, torch.linalg.eigvals)
+    for a in (rnd(4, 4), rnd(4, 4).to(torch.complex128) + 1j * rnd(4, 4, seed=3)):
+        check(torch.linalg.eig, [a], (True,))
+        check(torch.linalg.eigvals, [a], (True,))
+
+
+@pytest.mark.parametrize("upper", [True, False])
+@pytest.mark.parametrize("unitriangular", [False, True])
+@pytest.mark.parametrize("which", subsets(2))
+def test_triangular_solve(upper, unitriangular, which):
+    explicit(torch.triangular_solve)
+    a = rnd(4, 4) + 4 * torch.eye(4, dtype=torch.float64)
+    check(lambda b, a: torch.triangular_solve(b, a, upper, False, unitriangular)[0], [rnd(4, 2), a], which)
+
+
+@pytest.mark.parametrize("upper", [True, False])
+def test_triangular_solve_transposed(upper):
+    """With ``transpose``, torch's own tangent multiplies by dA, not dA^T: finite differences
+    (a triangular tangent, the triangle the op reads) are the reference."""
+    def f(b, a):
+        a = a.triu() if upper else a.tril()
+        return torch.triangular_solve(b, a, upper, True)[0]
+    check(f, [rnd(4, 2), rnd(4, 4) + 4 * torch.eye(4, dtype=torch.float64)], (True, True), ref=fd_tangent,
+          tol=FD_TOL)
+
+
+def test_forward_over_reverse_triangular_solve():
+    """The gradient of B solves with op(A)^T: its tangent in A is the transposed case, where
+    torch's own is off; finite differences of torch's gradient (a triangular tangent)."""
+    a = rnd(3, 3) + 3 * torch.eye(3, dtype=torch.float64)
+    b, v, ta = rnd(3, 2), rnd(3, 2, seed=30), rnd(3, 3, seed=6).triu()
+
+    def grads(b, a):
+        b, a = b.clone().requires_grad_(), a.clone().requires_grad_()
+        return torch.autograd.grad(torch.triangular_solve(b, a)[0], (b, a), v)
+    want = fd_tangent(grads, [b, a], [None, ta])
+    with gg.forward_ad.dual_level():
+        ins = [gg.as_tensor(b.clone(), requires_grad=True),
+               gg.forward_ad.make_dual(gg.as_tensor(a.clone(), requires_grad=True), gg.as_tensor(ta))]
+        got = [plain(gg.forward_ad.unpack_dual(g).tangent) for g in
+               gg.grad(torch.triangular_solve(*ins)[0], ins, gg.as_tensor(v))]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.triu() if g.shape == a.shape else g, w, **FD_TOL)
+
+
+def test_glu():
+    explicit(torch._C._nn.glu)
+    assert not RULES[torch._C._nn.glu].elementwise  # the output is half the input
+    check(lambda x: F.glu(x, 1), [rnd(3, 6, 2)], (True,))
+    check(F.glu, [rnd(4)], (True,))
+
+
+def test_forward_over_reverse_linalg_and_glu():
+    _fwbw(torch.linalg.cholesky, [_spd(3)], [rnd(3, 3, seed=5)])
+    _fwbw(torch.linalg.eigh, [_spd(3)], [rnd(3, 3, seed=5)])
+    _fwbw(lambda b, a: torch.triangular_solve(b, a, False)[0],
+          [rnd(3, 2), rnd(3, 3) + 3 * torch.eye(3, dtype=torch.float64)], [rnd(3, 2, seed=5), None])
+    _fwbw(lambda x: F.glu(x, 0), [rnd(4, 3)], [rnd(4, 3, seed=5)])
+
+
+@pytest.mark.parametrize("conv, shapes, kw", [
+    (F.conv1d, ((2, 3, 9), (4, 3, 3), (4,)), dict(stride=2, padding=1)),
+    (F.conv2d, ((2, 2, 6, 5), (4, 1, 3, 2), (4,)), dict(padding=(1, 0), dilation=(2, 1), groups=2)),
+    (F.conv_transpose2d, ((1, 4, 4, 3), (4, 1, 3, 2), (2,)), dict(padding=1, groups=2, dilation=2)),
+])
+def test_forward_over_reverse_conv(conv, shapes, kw):
+    """The backward pass runs torch's convolution_backward kernel: its tangent rule."""
+    explicit(torch.ops.aten.convolution_backward)
+    primals = [rnd(*s, seed=k) for k, s in enumerate(shapes)]
+    _fwbw(lambda x, w, b: conv(x, w, b, **kw), primals, [rnd(*s, seed=20 + k) for k, s in enumerate(shapes)])
+
+
+def test_convolution_backward_tangent_and_gradient():
+    """convolution_backward's own rule: its tangent for each output_mask against torch's, and
+    its backward (double backward) against torch's."""
+    go, x, w = rnd(2, 4, 3, 3), rnd(2, 2, 5, 5, seed=1), rnd(4, 1, 3, 3, seed=2)
+
+    def f(mask):
+        def g(go, x, w):
+            out = _aten.convolution_backward(go, x, w, [4], [1, 1], [0, 0], [1, 1], False, [0, 0], 2, mask)
+            return tuple(o for o in out if o is not None)
+        return g
+    for mask in ([True, True, True], [True, False, False], [False, True, True]):
+        check(f(mask), [go, x, w], (True, True, True))
+        check(f(mask), [go, x, w], (True, False, True))
+    g = f([True, True, True])
+    ours = [gg.as_tensor(t.clone(), requires_grad=True) for t in (go, x, w)]
+    vs = [rnd(*t.shape, seed=40 + k) for k, t in enumerate(g(go, x, w))]
+    got = gg.grad(list(g(*ours)), ours, [gg.as_tensor(v) for v in vs])
+    theirs = [t.clone().requires_grad_() for t in (go, x, w)]
+    want = torch.autograd.grad(g(*theirs), theirs, vs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(plain(a), b, **TOL)
+
+
 # -- tangents.py: what tangents are recorded, owned and kept -------------------------------------
 def test_tangents_are_recorded_where_a_primal_requires_grad():
     """Reverse over forward needs the tangent's computation recorded, under grad mode only."""

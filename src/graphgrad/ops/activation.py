@@ -374,7 +374,15 @@ def prelu(grad, input, weight, *, needs_input_grad):
 
 
 # -- gated ---------------------------------------------------------------------------------------
-@derivative(_nn.glu, elementwise=True)
+def _glu_jvp(tangents, input, dim=-1, *, result):
+    """torch's ``glu_jvp``: ``ta s + out (1 - s) tb``, ``ta, tb`` the tangent's halves."""
+    ta, tb = tangents[0].chunk(2, dim)
+    s = torch.sigmoid(input.chunk(2, dim)[1])
+    return ta * s + result * (1 - s) * tb
+
+
+# not elementwise: the output is half the input along ``dim``, not the inputs broadcast
+@derivative(_nn.glu, view=False, jvp=_glu_jvp)
 def glu(grad, input, dim=-1):
     """``a * sigmoid(b)`` for the two halves ``a, b`` of ``input`` along ``dim``."""
     a, b = input.chunk(2, dim)

@@ -122,6 +122,60 @@ def _one_call(grad, input, weight, spec, needs_input_grad):
         spec.dilation, spec.transposed, spec.output_padding, spec.groups, mask)
 
 
+# torch's ``convolution_backward`` kernel, which ``_one_call`` runs in a backward pass: under a
+# dual level (forward over reverse) it is reached with tangents, so it has a rule. It is
+# bilinear: grad_input in (grad_output, weight), grad_weight in (grad_output, input), and
+# grad_bias linear in grad_output.
+def _convolution_backward_jvp(tangents, grad_output, input, weight, bias_sizes, stride, padding,
+                              dilation, transposed, output_padding, groups, output_mask):
+    """torch's formula: ``convolution_backward`` of the tangent of grad_output with the primal
+    input and weight, plus that of grad_output with the tangents of the weight (for
+    grad_input) and of the input (for grad_weight); the bias gradient's from the first only."""
+    t_go, t_in, t_w = tangents[0], tangents[1], tangents[2]
+    mask = [bool(m) for m in output_mask]
+    args = (stride, padding, dilation, transposed, output_padding, groups)
+    out = [None, None, None]
+    if t_go is not None:
+        out = list(torch.ops.aten.convolution_backward(t_go, input, weight, bias_sizes, *args,
+                                                       mask))
+    if mask[0] and t_w is not None:
+        part = torch.ops.aten.convolution_backward(grad_output, input, t_w, None, *args,
+                                                   [True, False, False])[0]
+        out[0] = part if out[0] is None else out[0] + part
+    if mask[1] and t_in is not None:
+        part = torch.ops.aten.convolution_backward(grad_output, t_in, weight, None, *args,
+                                                   [False, True, False])[1]
+        out[1] = part if out[1] is None else out[1] + part
+    return tuple(o if m else None for o, m in zip(out, mask))
+
+
+@derivative(torch.ops.aten.convolution_backward, torch.ops.aten.convolution_backward.default,
+            name="ConvolutionBackwardBackward", multi_output=True, view=False,
+            jvp=_convolution_backward_jvp)
+def convolution_backward(grads, grad_output, input, weight, bias_sizes, stride, padding, dilation,
+                         transposed, output_padding, groups, output_mask, *, needs_input_grad):
+    """torch's ``_convolution_double_backward``: each output is bilinear, so each derivative is
+    the convolution (or one of its adjoints) with an incoming gradient in place of a factor."""
+    g_in, g_w, g_b = grads
+    spec = ConvSpec(weight.dim() - 2, transposed, stride, padding, dilation, output_padding, groups)
+    g_grad_output = g_input = g_weight = None
+    if needs_input_grad[0]:
+        parts = []
+        if g_in is not None:
+            parts.append(spec.forward(g_in, weight))
+        if g_w is not None:
+            parts.append(spec.forward(input, g_w))
+        if g_b is not None:
+            parts.append(_bias_shape(g_b, weight).expand(grad_output.shape))
+        for part in parts:
+            g_grad_output = part if g_grad_output is None else g_grad_output + part
+    if needs_input_grad[1] and g_w is not None:
+        g_input = spec.input_grad(grad_output, g_w, input.shape)
+    if needs_input_grad[2] and g_in is not None:
+        g_weight = spec.weight_grad(grad_output, g_in, weight.shape)
+    return g_grad_output, g_input, g_weight
+
+
 def _bias_grad(grad, nd):
     channel = grad.dim() - nd - 1
     return grad.sum([d for d in range(grad.dim()) if d != channel])

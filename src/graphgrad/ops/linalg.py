@@ -616,7 +616,22 @@ def _solve_grads(grad, A, B, X, left, need_A):
     return gA, gB.squeeze(-1) if vector else gB
 
 
-@derivative(linalg.solve, view=False)
+def _solve_jvp(tangents, A, B, *, left=True, out=None, result):
+    """torch's ``linalg_solve_jvp``: ``dX = A^-1 (dB - dA X)`` (``(dB - X dA) A^-1`` on the
+    right); holomorphic, so complex matrices too (the eig backward solves with them)."""
+    dA, dB = tangents[0], tangents[1]
+    rhs = dB
+    if dA is not None:
+        vector = B.dim() == 1 or (B.dim() == A.dim() - 1 and B.shape == A.shape[:-1])
+        if vector:
+            contrib = (dA @ result.unsqueeze(-1)).squeeze(-1)
+        else:
+            contrib = dA @ result if left else result @ dA
+        rhs = -contrib if rhs is None else rhs - contrib
+    return linalg.solve(A, rhs, left=left)
+
+
+@derivative(linalg.solve, view=False, jvp=_solve_jvp)
 def solve(grad, A, B: Meta, *, left=True, out=None, result, needs_input_grad):
     return _solve_grads(grad, A, B, result, left, needs_input_grad[0])
 
@@ -645,7 +660,22 @@ def solve_triangular(grad, input, B: Meta, *, upper, left=True, unitriangular=Fa
     return gA, gB
 
 
-@derivative(torch.triangular_solve, T.triangular_solve, multi_output=True, view=False)
+def _triangular_solve_jvp(tangents, input, A, upper=True, transpose=False, unitriangular=False, *,
+                          out=None, result):
+    """torch's ``triangular_solve_jvp``, the tangents as given (not triangularized, as torch):
+    ``dX = op(A)^-1 (dB - op(dA) X)``, and the copy of A carries A's tangent. (With
+    ``transpose``, torch multiplies by ``dA`` instead of ``dA^T``, which finite differences
+    contradict: graphgrad takes ``op(dA)``.)"""
+    dB, dA = tangents[0], tangents[1]
+    rhs = dB
+    if dA is not None:
+        contrib = (dA.mT if transpose else dA) @ result[0]
+        rhs = -contrib if rhs is None else rhs - contrib
+    return torch.triangular_solve(rhs, A, upper, transpose, unitriangular)[0], dA
+
+
+@derivative(torch.triangular_solve, T.triangular_solve, multi_output=True, view=False,
+            jvp=_triangular_solve_jvp)
 def triangular_solve(grads, input, A, upper=True, transpose=False, unitriangular=False, *,
                      out=None, result, needs_input_grad):
     """``(solution, cloned_coefficient)`` of ``op(A) X = input``, ``op`` a transpose or not;
@@ -771,18 +801,44 @@ def _cholesky_grad(gL, L, upper):
     return linalg.solve_triangular(L, gA, upper=False, left=False)
 
 
-@derivative(linalg.cholesky, view=False)
+def _cholesky_tangent(dA, L, upper):
+    """torch's ``cholesky_jvp``: ``dL = L phi(L^-1 dA L^-H)``, ``phi`` the lower triangle with
+    the diagonal halved. The tangent is taken as given, as torch does (not symmetrized: the
+    backward's transpose would be), and with ``upper`` not transposed either (torch's)."""
+    if upper:
+        L = L.mH
+    dL = linalg.solve_triangular(L, dA, upper=False, left=True)
+    dL = linalg.solve_triangular(L.mH, dL, upper=True, left=False)
+    dL = dL.tril() - torch.diag_embed(0.5 * dL.diagonal(0, -2, -1))
+    dL = L @ dL
+    return dL.mH if upper else dL
+
+
+def _cholesky_jvp(tangents, input, *, upper=False, out=None, result):
+    return _cholesky_tangent(tangents[0], result, upper)
+
+
+def _cholesky_legacy_jvp(tangents, input, upper=False, *, out=None, result):
+    return _cholesky_tangent(tangents[0], result, upper)
+
+
+def _cholesky_ex_jvp(tangents, input, *, upper=False, check_errors=False, out=None, result):
+    return _cholesky_tangent(tangents[0], result[0], upper), None
+
+
+@derivative(linalg.cholesky, view=False, jvp=_cholesky_jvp)
 def cholesky(grad, input: Meta, *, upper=False, out=None, result):
     return _cholesky_grad(grad, result, upper)
 
 
-@derivative(torch.cholesky, T.cholesky, name="CholeskyBackward", view=False)
+@derivative(torch.cholesky, T.cholesky, name="CholeskyBackward", view=False, jvp=_cholesky_legacy_jvp)
 def cholesky_legacy(grad, input: Meta, upper=False, *, out=None, result):
     """``torch.cholesky(A, upper)``: ``upper`` is positional here."""
     return _cholesky_grad(grad, result, upper)
 
 
-@derivative(linalg.cholesky_ex, multi_output=True, differentiable_outputs=1, view=False)
+@derivative(linalg.cholesky_ex, multi_output=True, differentiable_outputs=1, view=False,
+            jvp=_cholesky_ex_jvp)
 def cholesky_ex(grads, input: Meta, *, upper=False, check_errors=False, out=None, result):
     """``(L, info)``."""
     if grads[0] is None:
@@ -811,7 +867,33 @@ def cholesky_inverse(grad, input, upper=False, *, out=None, result):
     return -(input @ common) if upper else -(common @ input)
 
 
-@derivative(linalg.eigh, multi_output=True, view=False)
+def _eig_tangents(dA, L, V, hermitian: bool, vectors: bool = True):
+    """torch's ``linalg_eig_jvp``, the tangent as given (not symmetrized, as torch): with
+    ``dP = V^-1 dA V`` (``V^H dA V`` for Hermitian A), ``dL = diag(dP)`` and
+    ``dV = V (dP / E)`` off the diagonal, ``E[i, j] = L[j] - L[i]``; a general V keeps unit
+    columns: ``dV - V Re(diag(V^H dV))``. ``vectors=False``: ``dL`` alone."""
+    if hermitian:
+        dP = V.mH @ (dA @ V)
+    else:
+        dP = linalg.solve(V, dA.to(V.dtype) @ V)
+    dL = dP.diagonal(0, -2, -1)
+    if hermitian and dL.is_complex():
+        dL = dL.real
+    if not vectors:
+        return dL
+    off = 1 - torch.eye(L.shape[-1], dtype=L.real.dtype if L.is_complex() else L.dtype,
+                        device=L.device)
+    dV = V @ (dP / (L.unsqueeze(-2) - L.unsqueeze(-1) + (1 - off)) * off)
+    if not hermitian:
+        dV = dV - V * (V.mH @ dV).diagonal(0, -2, -1).real.unsqueeze(-2)
+    return dL, dV
+
+
+def _eigh_jvp(tangents, input, UPLO="L", *, out=None, result):
+    return _eig_tangents(tangents[0], result[0], result[1], True)
+
+
+@derivative(linalg.eigh, multi_output=True, view=False, jvp=_eigh_jvp)
 def eigh(grads, input: Meta, UPLO="L", *, out=None, result):
     """torch's ``linalg_eig_backward`` for Hermitian matrices: ``V (skew(V^H gV) / E +
     diag(gL)) V^H`` with ``E[i, j] = L[j] - L[i]`` (distinct eigenvalues)."""
@@ -1379,7 +1461,16 @@ def _eig_backward(gL, gV, L, V, real_input: bool):
     return gA.real if real_input else gA
 
 
-@derivative(torch.linalg.eig, multi_output=True, view=False)
+def _eig_jvp(tangents, A, *, out=None, result):
+    return _eig_tangents(tangents[0], result[0], result[1], False)
+
+
+def _eigvals_jvp(tangents, A, *, out=None, result):
+    """The eigenvectors recomputed, as the backward does."""
+    return _eig_tangents(tangents[0], result, torch.linalg.eig(A)[1], False, vectors=False)
+
+
+@derivative(torch.linalg.eig, multi_output=True, view=False, jvp=_eig_jvp)
 def eig(grads, A: Meta, *, out=None, result):
     """``(L, V)``."""
     if grads[0] is None and grads[1] is None:
@@ -1387,7 +1478,7 @@ def eig(grads, A: Meta, *, out=None, result):
     return _eig_backward(grads[0], grads[1], result[0], result[1], not A.dtype.is_complex)
 
 
-@derivative(torch.linalg.eigvals, view=False)
+@derivative(torch.linalg.eigvals, view=False, jvp=_eigvals_jvp)
 def eigvals(grad, A, *, out=None):
     """The eigenvectors are recomputed (recorded, so the gradient is differentiable again)."""
     L, V = torch.linalg.eig(A)

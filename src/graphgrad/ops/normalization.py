@@ -106,6 +106,35 @@ def native_batch_norm(grads, input, weight, bias, running_mean, running_var, tra
         _mask(needs_input_grad, 0, 1, 2))
 
 
+_LEGIT_NAMES = ("running_mean", "running_var", "training", "momentum", "eps")
+
+
+@decomposition(torch._native_batch_norm_legit, view=False, family="normalization")
+def _native_batch_norm_legit(input, weight, bias, *args, **kwargs):
+    """``native_batch_norm`` under another name (what torch's decompositions and export call);
+    its ``no_stats`` overload, ``(input, weight, bias, training, momentum, eps)``, has no
+    running buffers."""
+    no_stats = len(args) + len(kwargs) == 3 and "running_mean" not in kwargs
+    names = _LEGIT_NAMES[2:] if no_stats else _LEGIT_NAMES
+    values = dict(zip(names, args), **kwargs)
+    running_mean, running_var = values.get("running_mean"), values.get("running_var")
+    _check_buffers("_native_batch_norm_legit", running_mean, running_var)
+    return autocast_off(input.device.type, redispatch, torch.native_batch_norm, input, weight, bias,
+                        running_mean, running_var, values["training"], values["momentum"],
+                        values["eps"])
+
+
+@decomposition(_aten._batch_norm_with_update, _aten._batch_norm_with_update.default, view=False,
+               family="normalization")
+def _batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    """Training-mode ``native_batch_norm`` (updating the running buffers), and the empty
+    reserve tensor torch's CPU kernel returns as a fourth output."""
+    _check_buffers("_batch_norm_with_update", running_mean, running_var)
+    out, mean, invstd = autocast_off(input.device.type, redispatch, torch.native_batch_norm, input,
+                                     weight, bias, running_mean, running_var, True, momentum, eps)
+    return out, mean, invstd, torch.empty(0, dtype=torch.uint8, device=input.device)
+
+
 def _sum_but_channels(t, keepdim=True):
     return t.sum([0] + list(range(2, t.dim())), keepdim=keepdim)
 
