@@ -134,6 +134,20 @@ def _validate_v(v: tuple, other: tuple, is_other_tuple: bool) -> None:
                                f"{el_v.size()}.")
 
 
+def _inputs_v(v: TensorOrTensors | None, inputs: tuple, is_inputs_tuple: bool, create_graph: bool,
+              name: str) -> tuple | None:
+    """``v`` as a tuple shaped like ``inputs`` (None stays None, allowed only for a single
+    one-element input), as jvp, hvp and vhp take it."""
+    if v is not None:
+        _, v = _as_tuple(v, "v", name)
+        v = _grad_preprocess(v, create_graph=create_graph, need_graph=False)
+        _validate_v(v, inputs, is_inputs_tuple)
+    elif len(inputs) != 1 or inputs[0].nelement() != 1:
+        raise RuntimeError("The vector v can only be None if the input to the user-provided function "
+                           "is a single Tensor with a single element.")
+    return v
+
+
 def _check_requires_grad(inputs: tuple, input_type: str, strict: bool) -> None:
     if not strict:
         return
@@ -287,14 +301,8 @@ def _jvp_forward(func: Callable, inputs: TensorOrTensors, v: TensorOrTensors | N
     is_inputs_tuple, inputs = _as_tuple(inputs, "inputs", "jvp")
     with torch.set_grad_enabled(True if create_graph else torch.is_grad_enabled()):
         inputs = _grad_preprocess(inputs, create_graph=create_graph, need_graph=False)
-        if v is not None:
-            _, v = _as_tuple(v, "v", "jvp")
-            v = _grad_preprocess(v, create_graph=create_graph, need_graph=False)
-            _validate_v(v, inputs, is_inputs_tuple)
-        elif len(inputs) != 1 or inputs[0].nelement() != 1:
-            raise RuntimeError("The vector v can only be None if the input to the user-provided "
-                               "function is a single Tensor with a single element.")
-        else:
+        v = _inputs_v(v, inputs, is_inputs_tuple, create_graph, "jvp")
+        if v is None:  # (a single one-element input)
             v = (_ones_like(inputs[0]),)
         with dual_level():
             duals = tuple(make_dual(inp, vi) for inp, vi in zip(inputs, v))
@@ -327,13 +335,7 @@ def jvp(func: Callable[..., TensorOrTensors], inputs: TensorOrTensors, v: Tensor
     with torch.enable_grad():
         is_inputs_tuple, inputs = _as_tuple(inputs, "inputs", "jvp")
         inputs = _grad_preprocess(inputs, create_graph=create_graph, need_graph=True)
-        if v is not None:
-            _, v = _as_tuple(v, "v", "jvp")
-            v = _grad_preprocess(v, create_graph=create_graph, need_graph=False)
-            _validate_v(v, inputs, is_inputs_tuple)
-        elif len(inputs) != 1 or inputs[0].nelement() != 1:
-            raise RuntimeError("The vector v can only be None if the input to the user-provided "
-                               "function is a single Tensor with a single element.")
+        v = _inputs_v(v, inputs, is_inputs_tuple, create_graph, "jvp")
         outputs = func(*inputs)
         is_outputs_tuple, outputs = _as_tuple(outputs, "outputs of the user-provided function", "jvp")
         _check_requires_grad(outputs, "outputs", strict=strict)
@@ -521,13 +523,7 @@ def _scalar_func_setup(func: Callable[..., torch.Tensor], inputs: TensorOrTensor
     """Shared start of vhp / hvp: preprocessed inputs and v, the output, its gradient."""
     is_inputs_tuple, inputs = _as_tuple(inputs, "inputs", name)
     inputs = _grad_preprocess(inputs, create_graph=create_graph, need_graph=True)
-    if v is not None:
-        _, v = _as_tuple(v, "v", name)
-        v = _grad_preprocess(v, create_graph=create_graph, need_graph=False)
-        _validate_v(v, inputs, is_inputs_tuple)
-    elif len(inputs) != 1 or inputs[0].nelement() != 1:
-        raise RuntimeError("The vector v can only be None if the input to the user-provided function "
-                           "is a single Tensor with a single element.")
+    v = _inputs_v(v, inputs, is_inputs_tuple, create_graph, name)
     outputs = func(*inputs)
     is_outputs_tuple, outputs = _as_tuple(outputs, "outputs of the user-provided function", name)
     _check_requires_grad(outputs, "outputs", strict=strict)
@@ -561,14 +557,8 @@ def _hvp_forward(func: Callable, inputs: TensorOrTensors, v: TensorOrTensors | N
     with torch.enable_grad(), dual_level():
         is_inputs_tuple, inputs = _as_tuple(inputs, "inputs", "hvp")
         inputs = _grad_preprocess(inputs, create_graph=create_graph, need_graph=True)
-        if v is not None:
-            _, v = _as_tuple(v, "v", "hvp")
-            v = _grad_preprocess(v, create_graph=create_graph, need_graph=False)
-            _validate_v(v, inputs, is_inputs_tuple)
-        elif len(inputs) != 1 or inputs[0].nelement() != 1:
-            raise RuntimeError("The vector v can only be None if the input to the user-provided function "
-                               "is a single Tensor with a single element.")
-        else:
+        v = _inputs_v(v, inputs, is_inputs_tuple, create_graph, "hvp")
+        if v is None:  # (a single one-element input)
             v = (_ones_like(inputs[0]),)
         duals = tuple(make_dual(inp, vi) for inp, vi in zip(inputs, v))
         outputs = func(*duals)

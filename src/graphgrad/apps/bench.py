@@ -53,7 +53,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -78,6 +77,7 @@ from .workloads import (
     mlp,
     mlp_bound_grads,
     reset_hwm,
+    run_worker,
     statm_rss_kb,
     sync,
 )
@@ -328,17 +328,7 @@ def _spawn(task: dict[str, Any], pure: bool | None, timeout: float) -> dict[str,
         env["GRAPHGRAD_PURE_PYTHON"] = "1"
     elif pure is False:
         env.pop("GRAPHGRAD_PURE_PYTHON", None)
-    code = "import sys; from graphgrad.apps.bench import _worker; sys.exit(_worker(sys.argv[1:]))"
-    try:
-        proc = subprocess.run([sys.executable, "-c", code, json.dumps(task)], capture_output=True,
-                              text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("BENCH-JSON "):
-            return json.loads(line[len("BENCH-JSON "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": f"exit code {proc.returncode}: " + " | ".join(tail)}
+    return run_worker("graphgrad.apps.bench", task, env, timeout)
 
 
 # ------------------------------------------------------------------------------------------- main

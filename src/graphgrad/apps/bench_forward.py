@@ -35,8 +35,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import graphgrad as gg
 
-from .workloads import chain, hwm_kb, mlp, reset_hwm, statm_rss_kb
+from .workloads import chain, hwm_kb, mlp, reset_hwm, run_worker, statm_rss_kb
 
 __all__ = ["TARGETS", "FW4_OPS", "FW4_SLACK_MIB", "forward_rows", "measure"]
 
@@ -209,18 +207,8 @@ def _worker(argv: list[str]) -> int:
 
 
 def _spawn(variant: str, ops: int, timeout: float = 600) -> dict[str, Any]:
-    code = ("import sys; from graphgrad.apps.bench_forward import _worker; "
-            "sys.exit(_worker(sys.argv[1:]))")
-    try:
-        proc = subprocess.run([sys.executable, "-c", code, json.dumps({"variant": variant, "ops": ops})],
-                              capture_output=True, text=True, env=dict(os.environ), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("BENCH-JSON "):
-            return json.loads(line[len("BENCH-JSON "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": f"exit code {proc.returncode}: " + " | ".join(tail)}
+    return run_worker("graphgrad.apps.bench_forward", {"variant": variant, "ops": ops}, dict(os.environ),
+                      timeout)
 
 
 # ------------------------------------------------------------------------------------ rows

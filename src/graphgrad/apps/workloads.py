@@ -7,8 +7,12 @@ rows.
 from __future__ import annotations
 
 import copy
+import json
 import os
+import subprocess
+import sys
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +20,26 @@ import torch.nn.functional as F
 import graphgrad as gg
 
 __all__ = ["Phases", "sync", "clock", "chain", "chain_bound", "mlp", "mlp_bound_grads", "statm_rss_kb",
+           "run_worker",
            "hwm_kb", "reset_hwm"]
 
 Phases = dict[str, float]
+
+
+def run_worker(module: str, task: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """``module._worker([json task])`` in a fresh Python process: the ``BENCH-JSON`` line it
+    prints, decoded, or ``{"error": ...}`` (a time-out, or its exit code and last lines)."""
+    code = f"import sys; from {module} import _worker; sys.exit(_worker(sys.argv[1:]))"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(task)], capture_output=True,
+                              text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("BENCH-JSON "):
+            return json.loads(line[len("BENCH-JSON "):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"error": f"exit code {proc.returncode}: " + " | ".join(tail)}
 
 
 def sync(device: torch.device) -> None:
