@@ -449,3 +449,18 @@ def test_forward_over_reverse_under_saved_tensor_hooks():
         torch.testing.assert_close(got, want, **TOL)
         evicted += budget.stats.evicted
     assert evicted > 0
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN])
+def test_recurrent_layers_against_torch(cls):
+    """Recurrent layers take their rules' transposed form: checked against torch whole."""
+    torch.manual_seed(0)
+    module = cls(5, 7, num_layers=2, batch_first=True).double()
+    x0, t0 = rnd(3, 4, 5), rnd(3, 4, 5)
+    with fwAD.dual_level():
+        want = fwAD.unpack_dual(module(fwAD.make_dual(x0, t0))[0]).tangent
+    adopted = gg.nn.adopt(module)
+    with gg.forward_ad.dual_level():
+        dual = gg.forward_ad.make_dual(gg.as_tensor(x0), gg.as_tensor(t0))
+        got = gg.forward_ad.unpack_dual(adopted(dual)[0]).tangent
+    torch.testing.assert_close(torch.Tensor(got), want, **TOL)
