@@ -514,14 +514,16 @@ def test_forward_over_reverse_conv(conv, shapes, kw):
     _fwbw(lambda x, w, b: conv(x, w, b, **kw), primals, [rnd(*s, seed=20 + k) for k, s in enumerate(shapes)])
 
 
-def test_convolution_backward_tangent_and_gradient():
-    """convolution_backward's own rule: its tangent for each output_mask against torch's, and
-    its backward (double backward) against torch's."""
+@pytest.mark.parametrize("op", [_aten.convolution_backward, _aten.convolution_backward.default])
+def test_convolution_backward_tangent_and_gradient(op):
+    """convolution_backward's own rule (the overload packet and its default overload): its
+    tangent for each output_mask against torch's, and its backward (double backward) against
+    torch's."""
     go, x, w = rnd(2, 4, 3, 3), rnd(2, 2, 5, 5, seed=1), rnd(4, 1, 3, 3, seed=2)
 
     def f(mask):
         def g(go, x, w):
-            out = _aten.convolution_backward(go, x, w, [4], [1, 1], [0, 0], [1, 1], False, [0, 0], 2, mask)
+            out = op(go, x, w, [4], [1, 1], [0, 0], [1, 1], False, [0, 0], 2, mask)
             return tuple(o for o in out if o is not None)
         return g
     for mask in ([True, True, True], [True, False, False], [False, True, True]):
@@ -535,6 +537,28 @@ def test_convolution_backward_tangent_and_gradient():
     want = torch.autograd.grad(g(*theirs), theirs, vs)
     for a, b in zip(got, want):
         torch.testing.assert_close(plain(a), b, **TOL)
+
+
+@pytest.mark.parametrize("op", [_aten._batch_norm_with_update, _aten._batch_norm_with_update.default])
+def test_batch_norm_with_update_overloads(op):
+    """A decomposition onto native_batch_norm: output, running buffers, gradients and tangent
+    as torch's."""
+    x, w, b = rnd(4, 3, 5), rnd(3, seed=1), rnd(3, seed=2)
+    v = rnd(4, 3, 5, seed=3)
+
+    def run(make, grad):
+        ins = [make(t) for t in (x, w, b)]
+        stats = [torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)]
+        out = op(*ins, *stats, 0.1, 1e-5)[0]
+        return out, stats, grad(out, ins, v)
+
+    got = run(lambda t: gg.as_tensor(t.clone(), requires_grad=True),
+              lambda out, ins, v: gg.grad(out, ins, gg.as_tensor(v)))
+    want = run(lambda t: t.clone().requires_grad_(), lambda out, ins, v: torch.autograd.grad(out, ins, v))
+    for a, b in zip([got[0], *got[1], *got[2]], [want[0], *want[1], *want[2]]):
+        torch.testing.assert_close(plain(a), plain(b), **TOL)
+    check(lambda x, w, b: op(x, w, b, torch.zeros(3, dtype=torch.float64),
+                             torch.ones(3, dtype=torch.float64), 0.1, 1e-5)[0], [x, w, b], (True, True, True))
 
 
 # -- tangents.py: what tangents are recorded, owned and kept -------------------------------------
