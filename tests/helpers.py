@@ -5,7 +5,10 @@ the path). Files whose tolerance differs (tighter, or a different ``atol``) keep
 in the file beside a comment.
 """
 
+import os
+
 import torch
+from hypothesis import HealthCheck, settings
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphgrad as gg
@@ -44,3 +47,17 @@ class DispatchLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def fuzz_settings(config, ci: int, slow: int, fresh_divisor: int = 1):
+    """How many examples a fuzzer runs, and its hypothesis settings: ``ci`` derandomized ones
+    (the same every run), ``slow`` with ``--run-slow``, or ``GRAPHGRAD_FUZZ_EXAMPLES=N`` fresh
+    random ones (``N // fresh_divisor``, at least 5, for a fuzzer whose examples are costlier)."""
+    env = os.environ.get("GRAPHGRAD_FUZZ_EXAMPLES")
+    if env:
+        n, derandomize = max(5, int(env) // fresh_divisor), False
+    else:
+        n, derandomize = (slow if config.getoption("--run-slow") else ci), True
+    return n, settings(max_examples=n, deadline=None, derandomize=derandomize, database=None,
+                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+                       print_blob=True)

@@ -527,3 +527,59 @@ def classify_forward(op, only: dict | None = None) -> dict:
                 break
         entry.update(zip(FORWARD_PARTS[p], (result, at or 0)))
     return entry
+
+
+#: how many tangents a batched sample pushes through at once
+BATCH = 3
+
+
+def batched_forward_sample(op, sample, seed: int) -> str | None:
+    """Batched tangents (what ``gg.func.jacfwd`` and ``hessian`` run): ``BATCH`` random tangents
+    per dual input stacked and pushed through graphgrad's tangent rules in one pass under
+    ``torch.vmap``; each slice of the batched tangents against torch's forward AD with that
+    tangent alone (no vmap). PASS, a failure reason, or None when torch rejects the sample."""
+    gen = torch.Generator().manual_seed(seed)
+    tree = _clone_tree((sample.input, sample.args, sample.kwargs))
+    leaves = _grad_leaves(tree)
+    if not leaves:
+        return None
+    stacks = [torch.randn((BATCH,) + tuple(t.shape), dtype=t.dtype, generator=gen) for t in leaves]
+    ttree, tmemo = _map_tensors(tree, lambda t: t.detach())
+    want = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for b in range(BATCH):
+                with fwAD.dual_level():
+                    duals = {id(tmemo[id(x)]): fwAD.make_dual(tmemo[id(x)], s[b])
+                             for x, s in zip(leaves, stacks)}
+                    out = _call(op, sample, _with_duals(ttree, duals))
+                    want.append([None if not isinstance(o, torch.Tensor) else fwAD.unpack_dual(o).tangent
+                                 for o in pytree.tree_leaves(out)])
+    except Exception:  # noqa: BLE001 - torch rejects the sample: nothing to compare
+        return None
+    gtree, gmemo = _map_tensors(tree, lambda t: gg.as_tensor(t.detach().clone()))
+    gins = [gmemo[id(t)] for t in leaves]
+
+    def push(*tangents):
+        with gg.forward_ad.dual_level():
+            duals = {id(x): gg.forward_ad.make_dual(x, gg.as_tensor(t)) for x, t in zip(gins, tangents)}
+            out = _call(op, sample, _with_duals(gtree, duals))
+            return [torch.zeros(()) if not isinstance(o, torch.Tensor)
+                    else torch.zeros_like(o) if gg.forward_ad.unpack_dual(o).tangent is None
+                    else gg.forward_ad.unpack_dual(o).tangent for o in pytree.tree_leaves(out)]
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = torch.vmap(push, randomness="same")(*stacks)
+    except Exception as e:  # noqa: BLE001 - every failure is a reason
+        return f"batched raises {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    try:
+        for b in range(BATCH):
+            for k, w in enumerate(want[b]):
+                if w is not None:
+                    assert_grads_close([got[k][b]], [w], f"batched tangent {b} of output {k}", TOL)
+    except AssertionError:
+        return "batched tangents differ"
+    return PASS

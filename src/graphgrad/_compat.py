@@ -330,3 +330,24 @@ def set_torch_function_apply(fn) -> None:
     """Make ``fn(cls, *args, **kwargs)`` the ``apply`` of every ``torch.autograd.Function``:
     graphgrad routes calls on its tensors through its own Function machinery (function.py)."""
     torch.autograd.Function.apply = classmethod(fn)
+
+
+def batch_level(t: torch.Tensor) -> int:  # (checked on torch 2.13)
+    """The vmap level ``t`` is batched at, or -1 where it is not a batched tensor."""
+    if not torch._C._functorch.is_batchedtensor(t):
+        return -1
+    return torch._C._functorch.maybe_get_level(t)
+
+
+def batched_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # (checked on torch 2.13)
+    """``t`` (not batched at ``like``'s vmap level) repeated over ``like``'s batch, as a tensor
+    batched at that level, with memory of its own."""
+    level = torch._C._functorch.maybe_get_level(like)
+    size = torch._C._functorch.get_unwrapped(like).shape[torch._C._functorch.maybe_get_bdim(like)]
+    full = t.unsqueeze(0).expand((size,) + tuple(t.shape)).clone()
+    return torch._C._functorch._add_batch_dim(full, 0, level)
+
+
+def functorch_active() -> bool:  # (checked on torch 2.13)
+    """Is a torch.func transform (torch.vmap among them) running?"""
+    return torch._C._are_functorch_transforms_active()

@@ -23,6 +23,7 @@ import torch
 import torch.autograd.forward_ad as _torch_fwad
 
 from . import tangents
+from ._compat import batch_level
 from .dispatch import route
 from .tangents import set_tangent, suspended, tangent_of
 from .tensor import Tensor, as_tensor
@@ -106,7 +107,9 @@ def make_dual(tensor: torch.Tensor, tangent: torch.Tensor, *, level: int | None 
             tangent = as_tensor(tangent)
         if tangent.dtype != dual.dtype:  # (torch keeps it as given; the rules expect the primal's)
             tangent = tangent.to(dual.dtype)
-        if tangent.numel() > 1 and tangent.stride() != dual.stride():
+        if tangent.numel() > 1 and tangent.stride() != dual.stride() and batch_level(tangent) < 0:
+            # (a batched tangent, under torch.vmap, keeps its layout: vmap cannot write it into
+            # a tensor that is not batched; a view's tangent falls back to the laid-out path)
             laid = torch.empty_strided(dual.size(), dual.stride(), dtype=dual.dtype, device=dual.device)
             tangent = as_tensor(laid).copy_(tangent)
     set_tangent(dual, tangent)

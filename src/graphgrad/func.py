@@ -4,11 +4,11 @@ forward mode (forward_ad.py, tangents.py).
 ::
 
     out, jvp_out = gg.func.jvp(f, (x,), (v,))      # one forward pass, no tape
-    J = gg.func.jacfwd(f)(x)                       # one forward pass per input element
+    J = gg.func.jacfwd(f)(x)                       # one batched forward pass
     H = gg.func.hessian(f)(x)                      # forward over reverse
 
-There is no ``vmap`` here: ``jacfwd`` and ``hessian`` take one pass per element of the
-differentiated input (torch.func batches those passes in one). Inputs may be plain torch
+``jacfwd`` and ``hessian`` push all basis vectors through the function in one pass, their
+tangents batched by ``torch.vmap`` (Note [Batched tangents]). Inputs may be plain torch
 tensors or graphgrad tensors; results are graphgrad tensors.
 """
 
@@ -97,61 +97,102 @@ def _argnums(argnums: int | tuple[int, ...], n: int) -> tuple[tuple[int, ...], b
     return tuple(a % n for a in nums), single
 
 
-def _basis(x: torch.Tensor):
-    """The standard basis of ``x``'s space, one tensor of its shape at a time."""
-    flat = torch.zeros(x.numel(), dtype=x.dtype, device=x.device)
-    for k in range(x.numel()):
-        flat.zero_()
-        flat[k] = 1
-        yield flat.clone().reshape(x.shape)
+def _check_real(where: str, tensors: Any) -> None:
+    for t in pytree.tree_leaves(tensors):
+        if isinstance(t, torch.Tensor) and t.is_complex():
+            raise RuntimeError(f"{where}: complex tensors are not supported (as in torch.func): "
+                               "differentiate the real and imaginary parts as separate real "
+                               "tensors (torch.view_as_real).")
 
 
-def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable:
+def _standard_basis(xs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The standard basis of the space of ``xs`` together, one tensor per x of shape
+    ``(n,) + x.shape`` (``n``: their total number of elements): row k is the k-th basis vector."""
+    numels = [x.numel() for x in xs]
+    eye = torch.eye(sum(numels), dtype=torch.float64, device=xs[0].device)
+    return tuple(chunk.to(x.dtype).reshape((sum(numels),) + tuple(x.shape))
+                 for chunk, x in zip(eye.split(numels, dim=1), xs))
+
+
+def _columns_to_jacobian(batched: torch.Tensor, out_shape: tuple, xs: list[torch.Tensor]) -> list:
+    """The tangents of one output for every basis vector (``(n,) + out_shape``), as one
+    Jacobian block ``out_shape + x.shape`` per input x."""
+    numels = [x.numel() for x in xs]
+    parts = torch.Tensor(batched).movedim(0, -1).split(numels, dim=-1)
+    return [as_tensor(part.reshape(tuple(out_shape) + tuple(x.shape))) for part, x in zip(parts, xs)]
+
+
+# Note [Batched tangents]
+# jacfwd and hessian push every basis vector through the function in one pass: the tangents
+# are batched by torch.vmap (each a functorch BatchedTensor inside a graphgrad tensor), the
+# primals are not. graphgrad's tangent rules are ordinary torch code, so each runs once on the
+# whole batch through torch's batching rules, and the primal computation, its reverse-mode
+# record included, runs once. A tangent graphgrad makes itself (zeros for an output with none)
+# is batched too when in-place writes may need it (tangents.zeros_for).
+def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
+           randomness: str = "error") -> Callable:
     """The Jacobian of ``func`` with respect to the arguments ``argnums``, by forward mode, like
     ``torch.func.jacfwd``: for one output and one argument, a tensor of shape
-    ``output.shape + input.shape``; for several, nested tuples (outputs, then arguments)."""
+    ``output.shape + input.shape``; for several, nested tuples (outputs, then arguments).
+
+    All basis vectors go through ``func`` in one batched pass (Note [Batched tangents]);
+    ``randomness`` is ``torch.vmap``'s: "error" (random ops raise), "same" or "different".
+    """
 
     def jac(*args: Any) -> Any:
         nums, single = _argnums(argnums, len(args))
-        out_spec = None
-        columns: list[list[list[torch.Tensor]]] = []  # [argument][column] -> flat output tangents
-        value = aux = None
+        _check_real("jacfwd", args)
         primals = [_as_graphgrad(p) if isinstance(p, torch.Tensor) else p for p in args]
-        with dual_level():  # one level for every column: only the differentiated argument is dual
-            for a in nums:
-                x = primals[a]
-                cols = []
-                for e in _basis(x):
-                    call = list(primals)
+        xs = []
+        for a in nums:
+            if not isinstance(primals[a], torch.Tensor):
+                raise RuntimeError(f"jacfwd: argument {a} is a {type(primals[a]).__name__}; the "
+                                   "arguments in argnums must be tensors.")
+            xs.append(primals[a])
+        if sum(x.numel() for x in xs) == 0:
+            return _empty_jacobian(func, args, xs, single, has_aux)
+
+        def push(*basis: torch.Tensor) -> Any:
+            with dual_level():
+                call = list(primals)
+                for a, x, e in zip(nums, xs, basis):
                     call[a] = make_dual(x, as_tensor(e))
-                    out = func(*call)
-                    if has_aux:
-                        out, aux = _split_aux(out)
-                    value, tangent = _outputs_and_tangents(out)
-                    leaves, out_spec = pytree.tree_flatten(tangent)
-                    cols.append(leaves)
-                columns.append(cols)
-        if out_spec is None:  # an argument with no elements
-            value = func(*args)
-            if has_aux:
-                value, aux = _split_aux(value)
-            leaves, out_spec = pytree.tree_flatten(value)
-        out_leaves = pytree.tree_leaves(value)
+                out = func(*call)
+                aux = None
+                if has_aux:
+                    out, aux = _split_aux(out)
+                _check_real("jacfwd", out)
+                value, tangent = _outputs_and_tangents(out)
+            return (value, tangent, aux) if has_aux else (value, tangent)
+
+        results = torch.vmap(push, randomness=randomness)(*_standard_basis(xs))
+        value, tangent = results[0], results[1]
+        aux = pytree.tree_map(lambda t: t[0] if isinstance(t, torch.Tensor) else t, results[2]) \
+            if has_aux else None
+        leaves, spec = pytree.tree_flatten(tangent)
+        values = pytree.tree_leaves(value)
         per_output = []
-        for j, o in enumerate(out_leaves):
-            per_arg = []
-            for a, cols in zip(nums, columns):
-                x = args[a]
-                if cols:
-                    stacked = torch.stack([c[j] for c in cols], dim=-1)
-                else:
-                    stacked = o.new_zeros(tuple(o.shape) + (0,))
-                per_arg.append(stacked.reshape(tuple(o.shape) + tuple(x.shape)))
-            per_output.append(per_arg[0] if single else tuple(per_arg))
-        result = pytree.tree_unflatten(per_output, out_spec)
+        for o, batched in zip(values, leaves):
+            blocks = _columns_to_jacobian(batched, tuple(o.shape)[1:], xs)
+            per_output.append(blocks[0] if single else tuple(blocks))
+        result = pytree.tree_unflatten(per_output, spec)
         return (result, aux) if has_aux else result
 
     return jac
+
+
+def _empty_jacobian(func: Callable, args: tuple, xs: list, single: bool, has_aux: bool) -> Any:
+    value = func(*args)
+    aux = None
+    if has_aux:
+        value, aux = _split_aux(value)
+    leaves, spec = pytree.tree_flatten(value)
+    per_output = []
+    for o in leaves:
+        blocks = [as_tensor(o.new_zeros(tuple(o.shape) + tuple(x.shape))) for x in xs]
+        per_output.append(blocks[0] if single else tuple(blocks))
+    result = pytree.tree_unflatten(per_output, spec)
+    return (result, aux) if has_aux else result
 
 
 def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
@@ -161,6 +202,7 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
 
     def hess(*args: Any) -> Any:
         nums, single = _argnums(argnums, len(args))
+        args = tuple(_as_graphgrad(a) if isinstance(a, torch.Tensor) else a for a in args)
         if single:
             return _block(func, args, nums[0], nums[0])
         blocks = []
@@ -176,10 +218,14 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
 
 def _block(func: Callable, args: tuple, a: int, b: int) -> torch.Tensor:
     """d^2 f / (d args[a] d args[b]) of a scalar ``func``: the reverse-mode gradient in ``a``,
-    its tangent along each basis vector of ``b`` (one pass each)."""
+    its tangents along every basis vector of ``b`` in one batched pass (Note [Batched
+    tangents])."""
     xa, xb = args[a], args[b]
-    cols = []
-    for e in _basis(xb):
+    _check_real("hessian", (xa, xb))
+    if xa.numel() == 0 or xb.numel() == 0:
+        return as_tensor(xa.new_zeros(tuple(xa.shape) + tuple(xb.shape)))
+
+    def column(e: torch.Tensor) -> torch.Tensor:
         with dual_level():
             pa = as_tensor(xa.detach().clone(), requires_grad=True)
             call = list(args)
@@ -193,7 +239,7 @@ def _block(func: Callable, args: tuple, a: int, b: int) -> torch.Tensor:
                 raise RuntimeError("hessian: the function must return a single-element tensor.")
             (g,) = _grad(y, call[a], allow_unused=True)
             t = None if g is None else unpack_dual(g).tangent
-            cols.append(torch.zeros_like(xa) if t is None else t.detach())
-    if not cols:
-        return xa.new_zeros(tuple(xa.shape) + tuple(xb.shape))
-    return torch.stack([c.reshape(-1) for c in cols], dim=-1).reshape(tuple(xa.shape) + tuple(xb.shape))
+            return torch.zeros_like(xa) if t is None else t.detach()
+
+    (basis,) = _standard_basis([xb])
+    return _columns_to_jacobian(torch.vmap(column)(basis), tuple(xa.shape), [xb])[0]

@@ -308,10 +308,17 @@ _torch_apply = _compat.torch_function_apply()
 
 def _apply_torch_function(cls, *args: Any, **kwargs: Any) -> Any:
     """``torch.autograd.Function.apply``: graphgrad records the call when a graphgrad tensor
-    that requires grad is among the arguments (torch's engine cannot see it); otherwise torch."""
-    if _records_on_graphgrad(args, kwargs) or tangents.any_tangent(args, kwargs):
+    that requires grad is among the arguments (torch's engine cannot see it), or carries a
+    tangent, or any graphgrad tensor is an argument under torch.vmap (gg.func.jacfwd and hessian:
+    torch's own apply refuses a Function without setup_context there); otherwise torch."""
+    if _records_on_graphgrad(args, kwargs) or tangents.any_tangent(args, kwargs) or (
+            _compat.functorch_active() and _any_graphgrad(args, kwargs)):
         return Function.apply.__func__(cls, *args, **kwargs)
     return _torch_apply(cls, *args, **kwargs)
+
+
+def _any_graphgrad(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(a, Tensor) for a in (*args, *kwargs.values()))
 
 
 _compat.set_torch_function_apply(_apply_torch_function)

@@ -37,6 +37,7 @@ import torch
 from torch._C import TensorBase
 
 from . import dispatch, executor, references
+from ._compat import batch_level, batched_like
 from ._compat import tensor_dtype as _dtype
 from ._compat import tensor_is_view as _is_view
 from ._compat import tensor_shape as _shape
@@ -178,11 +179,15 @@ def tangent_of(t: Any) -> torch.Tensor | None:
 
 
 def set_tangent(t: torch.Tensor, tangent: torch.Tensor | None) -> None:
-    """Give ``t`` a tangent at the active level (None: take it away)."""
+    """Give ``t`` a tangent at the active level (None: take it away). A plain torch tensor
+    (a buffer a dual is written into) becomes a graphgrad tensor, so that the ops that read it
+    next reach graphgrad and carry its tangent on (torch's would drop it)."""
     level = _level
     if tangent is None:
         t.__dict__.pop("_gg_tangent", None)
         return
+    if type(t) is torch.Tensor:
+        tensor_adopt(t, Tensor, None)
     t._gg_tangent = (level, tangent)
     level.keep(t)
 
@@ -261,7 +266,7 @@ def _differentiable(func, rule: Rule, args: tuple, kwargs: dict):
         push_no_saved_hooks()
     with suspended():
         try:
-            tangent = _tangent(form, func, rule, args, kwargs, values, tangents, out, inplace)
+            tangent = _tangent_in_batch(form, func, rule, args, kwargs, values, tangents, out, inplace)
         except NotImplementedError as e:
             if getattr(e, "no_tangent", False):
                 raise
@@ -332,6 +337,45 @@ def _tangent(form, func, rule, args, kwargs, values, tangents, out, inplace):
     return transposed(rule, values, tangents, out)
 
 
+def _tangent_in_batch(form, func, rule, args, kwargs, values, tangents, out, inplace):
+    """``_tangent``; where it fails under torch.vmap writing batched tangents into zeros a rule
+    made (not batched), again with batched zeros for the tangents missing (Note [Batched
+    tangents in place])."""
+    try:
+        return _tangent(form, func, rule, args, kwargs, values, tangents, out, inplace)
+    except RuntimeError as e:
+        like = _first_batched(tangents)
+        if like is None or not str(e).startswith("vmap:"):
+            raise
+    _local.batch_like = like
+    try:
+        tangents = tuple(_batched_zeros_if_missing(v, t, like) for v, t in zip(values, tangents))
+        return _tangent(form, func, rule, args, kwargs, values, tangents, out, inplace)
+    finally:
+        _local.batch_like = None
+
+
+def _first_batched(tangents):
+    for t in tangents:
+        for item in (t if type(t) is tuple else (t,)):
+            if item is not None and batch_level(item) > -1:
+                return item
+    return None
+
+
+def _batched_zeros_if_missing(value, t, like):
+    if t is None and isinstance(value, TensorBase) and (value.is_floating_point() or value.is_complex()):
+        return batched_like(torch.zeros_like(value), like)
+    return t
+
+
+def _zeros_for(value):
+    """The zero tangent of ``value``: batched where a rule is being retried in a batch."""
+    like = getattr(_local, "batch_like", None)
+    zeros = torch.zeros_like(value)
+    return zeros if like is None else batched_like(zeros, like)
+
+
 def _call_jvp(rule, values, tangents, out):
     fn = rule.jvp
     if rule.all_positional:  # (the bound values are the positional arguments as they are)
@@ -382,10 +426,13 @@ def _swap(value, zeros_for_missing, laid_out=False):
             return value
         t = tangent_of(value)
         if t is None and zeros_for_missing:
-            t = torch.zeros_like(value)
+            t = _zeros_for(value)
         elif laid_out and t is not None and t.stride() != value.stride():
-            t = torch.empty_strided(value.size(), value.stride(), dtype=t.dtype,
-                                    device=t.device).copy_(t)
+            if batch_level(t) > -1:  # (vmap cannot copy it into memory that is not batched)
+                t = t.contiguous()
+            else:
+                t = torch.empty_strided(value.size(), value.stride(), dtype=t.dtype,
+                                        device=t.device).copy_(t)
         return t
     if type(value) is list or type(value) is tuple:
         return type(value)(_swap(v, zeros_for_missing, laid_out) for v in value)
@@ -661,6 +708,8 @@ def _update_in_place(x, new, sources=None) -> None:
     new = _fit(new, x)
     _keep_with_result(x, new)
     t = tangent_of(x)
+    if t is not None and batch_level(new) > batch_level(t):  # Note [Batched tangents in place]
+        t = _batched_tangent(x, t, new)
     if t is not None:
         if t.requires_grad and t.is_leaf:  # a tangent that is a leaf: replaced, not written
             set_tangent(x, _owned(new, sources))
@@ -673,15 +722,41 @@ def _update_in_place(x, new, sources=None) -> None:
         if bt is None:
             bt = torch.zeros_like(base)
             if bt.stride() == base.stride():
+                if batch_level(new) > -1:
+                    bt = batched_like(bt, new)
                 set_tangent(base, bt)
             else:
                 bt = None
+        elif batch_level(new) > batch_level(bt):
+            bt = batched_like(bt, new)
+            set_tangent(base, bt)
         if bt is not None:
             view = bt.as_strided(x.size(), x.stride(), x.storage_offset() - base.storage_offset())
             view.copy_(new)
             set_tangent(x, view)
             return
     set_tangent(x, _owned(new, sources))
+
+
+# Note [Batched tangents in place]
+# Under torch.vmap (gg.func.jacfwd and hessian: Note [Batched tangents] in func.py) the
+# tangents of the dual inputs are batched, and a tangent graphgrad made itself (zeros for a
+# plain buffer that a dual is written into) is not. vmap cannot write a batched value into a
+# tensor that is not batched, so such a tangent is first repeated over the batch
+# (_compat.batched_like); for a view, its base's tangent is, and the view's tangent is taken
+# of that again.
+def _batched_tangent(x, t, new):
+    base = x._base
+    if base is None:
+        t = batched_like(t, new)
+        set_tangent(x, t)
+        return t
+    bt = tangent_of(base)
+    bt = batched_like(torch.zeros_like(base) if bt is None else bt, new)
+    set_tangent(base, bt)
+    t = bt.as_strided(x.size(), x.stride(), x.storage_offset() - base.storage_offset())
+    set_tangent(x, t)
+    return t
 
 
 # -- custom Functions ----------------------------------------------------------------------

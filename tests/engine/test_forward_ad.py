@@ -17,6 +17,7 @@ import graphgrad as gg
 from graphgrad import decompose, tangents
 from graphgrad.rules import RULES
 from graphgrad.tangents import form_of
+from helpers import F64
 from op_cases import rnd
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -412,6 +413,137 @@ def test_gg_func_matches_torch_func():
     torch.testing.assert_close(torch.Tensor(jv), v * x.cos(), **TOL)
     with pytest.raises(RuntimeError, match="tuples"):
         gg.func.jvp(torch.sin, x, v)
+
+
+def test_a_plain_tensor_written_with_a_dual_carries_its_tangent_on():
+    """A plain torch tensor a dual is written into gets the tangent, and the ops reading it
+    next carry it on (they reach graphgrad: the tensor became a graphgrad tensor)."""
+    x, v = rnd(4), rnd(4)
+
+    def f(x):
+        buf = torch.zeros(3, 4, dtype=x.dtype)
+        buf[1] = x.sin()
+        row = torch.ones(4, dtype=x.dtype)
+        row.mul_(x)
+        return buf.cumsum(0) * 2, row.exp()
+
+    got = gg.func.jvp(f, (gg.as_tensor(x),), (gg.as_tensor(v),))[1]
+    want = torch.func.jvp(f, (x,), (v,))[1]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.Tensor(g), w, **TOL)
+
+
+def test_jacfwd_and_hessian_take_one_batched_pass():
+    """gg.func.jacfwd and hessian push every basis vector through the function at once (tangents
+    batched by torch.vmap): the function runs once (a hessian: once per block)."""
+    w = rnd(6, 5)
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return torch.tanh(w @ x).sin() * x.sum()
+
+    x = rnd(5)
+    torch.testing.assert_close(torch.Tensor(gg.func.jacfwd(f)(x)), torch.func.jacfwd(f)(x), **TOL)
+    assert len(calls) == 2  # graphgrad's one pass, then torch's
+    calls.clear()
+    h = gg.func.hessian(lambda x: f(x).sum())(x)
+    assert len(calls) == 1
+    torch.testing.assert_close(torch.Tensor(h), torch.func.hessian(lambda x: f(x).sum())(x), **TOL)
+
+
+def test_jacfwd_batched_tangents_written_in_place():
+    """Batched tangents written into tensors without one (a plain buffer, a slice of it, an
+    in-place op on a plain tensor, index_fill with a dual value): against the reverse-mode
+    Jacobian (torch.func.jacfwd's index_fill column is wrong: torch's batching rule)."""
+    def f(x):
+        buf = torch.zeros(3, 4, dtype=x.dtype)
+        buf[1] = x.sin()
+        buf[2, :2] = x[:2] * 2
+        row = torch.ones(4, dtype=x.dtype)
+        row.mul_(x)
+        filled = torch.zeros(2, dtype=x.dtype).index_fill(0, torch.tensor([1]), x[3])
+        return buf.cumsum(0), row.exp(), filled
+
+    x = rnd(4)
+    got = gg.func.jacfwd(f)(x)
+    want = torch.autograd.functional.jacobian(f, x)
+    for g, wt in zip(got, want):
+        torch.testing.assert_close(torch.Tensor(g), wt, **TOL)
+
+
+def test_jacfwd_options_and_errors():
+    x = rnd(5)
+
+    def with_aux(x):
+        return x.exp(), {"doubled": x * 2}
+    jac, aux = gg.func.jacfwd(with_aux, has_aux=True)(x)
+    torch.testing.assert_close(torch.Tensor(jac), torch.diag(x.exp()), **TOL)
+    torch.testing.assert_close(torch.Tensor(aux["doubled"]), x * 2, **TOL)
+
+    def dropped(x):
+        return torch.nn.functional.dropout(x, 0.5)
+    with pytest.raises(RuntimeError, match="random"):
+        gg.func.jacfwd(dropped)(x)
+    torch.manual_seed(3)
+    got = gg.func.jacfwd(dropped, randomness="same")(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(torch.Tensor(got), torch.func.jacfwd(dropped, randomness="same")(x), **TOL)
+    with pytest.raises(RuntimeError, match="complex"):
+        gg.func.jacfwd(torch.sin)(torch.randn(3, dtype=torch.complex128))
+    with pytest.raises(RuntimeError, match="argument 1 is a int"):
+        gg.func.jacfwd(lambda x, n: x * n, argnums=1)(x, 3)
+    empty = gg.func.jacfwd(lambda x: x.sum() * torch.ones(2, dtype=x.dtype))(torch.zeros(0, dtype=F64))
+    assert empty.shape == (2, 0)
+
+
+def test_jacfwd_through_custom_functions_without_setup_context():
+    """torch's own Function.apply refuses a Function without setup_context under vmap; on
+    graphgrad tensors graphgrad runs it (with its jvp, or as a constant where nothing in it
+    carries a tangent)."""
+    class Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_forward(x)
+            ctx.save_for_backward(x)
+            return x ** 3
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 3 * x * x * g
+
+        @staticmethod
+        def jvp(ctx, t):
+            (x,) = ctx.saved_tensors
+            return 3 * x * x * t
+
+    c = gg.as_tensor(rnd(3))
+
+    def f(x):
+        return Cube.apply(x) + Cube.apply(c) * x
+    x = rnd(3)
+    want = torch.diag(3 * x * x + c.detach().as_subclass(torch.Tensor) ** 3)
+    torch.testing.assert_close(torch.Tensor(gg.func.jacfwd(f)(x)), want, **TOL)
+    h = gg.func.hessian(lambda x: f(x).sum())(x)
+    torch.testing.assert_close(torch.Tensor(h), torch.diag(6 * x), **TOL)
+
+
+def test_vmap_of_gg_jvp():
+    """A user's own torch.vmap over gg.func.jvp batches graphgrad's tangents the same way."""
+    w = rnd(4, 4)
+
+    def f(x):
+        out = torch.zeros(2, 4, dtype=x.dtype)
+        out[0] = torch.tanh(w @ x)
+        return out
+
+    x = gg.as_tensor(rnd(4))
+    vs = rnd(3, 4)
+    got = torch.vmap(lambda v: gg.func.jvp(f, (x,), (v,))[1])(vs)
+    for k in range(3):
+        one = gg.func.jvp(f, (x,), (vs[k],))[1]
+        torch.testing.assert_close(torch.Tensor(got[k]), torch.Tensor(one), **TOL)
 
 
 def pytree_leaves(tree):

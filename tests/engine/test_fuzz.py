@@ -131,11 +131,10 @@ printed with ``-s`` (lines starting ``RELIABILITY``).
 """
 
 import functools
-import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import graphgrad as gg
@@ -167,6 +166,7 @@ from fuzz_programs import (
     run_both,
     run_program,
 )
+from helpers import fuzz_settings
 
 
 # -- programs -------------------------------------------------------------------------------
@@ -228,19 +228,11 @@ def programs(draw):
             "budget": draw(st.sampled_from([None] * 6 + [128, 512])), "steps": steps}
 
 
-def _examples(config):
-    env = os.environ.get("GRAPHGRAD_FUZZ_EXAMPLES")
-    if env:
-        return int(env), False
-    return (20000 if config.getoption("--run-slow") else 2000), True
-
-
 def test_random_programs_match_torch_autograd(request, record_property):
-    n, derandomize = _examples(request.config)
+    n, fuzz = fuzz_settings(request.config, ci=2000, slow=20000)
     STATS.clear()
 
-    @settings(max_examples=n, deadline=None, derandomize=derandomize, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
+    @fuzz
     @given(programs())
     def check(program):
         run_program(program)

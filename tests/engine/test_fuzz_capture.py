@@ -35,16 +35,16 @@ runs N // 10 fresh random ones (at least 5).
 """
 
 import copy
-import os
 import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import graphgrad as gg
+from helpers import fuzz_settings
 
 DT = torch.float64
 
@@ -264,19 +264,11 @@ def run_training(c):
     return captured
 
 
-def _examples(config):
-    env = os.environ.get("GRAPHGRAD_FUZZ_EXAMPLES")
-    if env:
-        return max(5, int(env) // 10), False
-    return (300 if config.getoption("--run-slow") else 30), True
-
-
 def test_captured_steps_match_eager(request, record_property):
-    n, derandomize = _examples(request.config)
+    n, fuzz = fuzz_settings(request.config, ci=30, slow=300, fresh_divisor=10)
     stats = {"trainings": 0, "steps": 0, "records": 0, "replays": 0, "under_a_memory_budget": 0}
 
-    @settings(max_examples=n, deadline=None, derandomize=derandomize, database=None,
-              suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+    @fuzz
     @given(trainings())
     def check(c):
         with warnings.catch_warnings():

@@ -10,18 +10,21 @@ API, routed to graphgrad). After every step the values and tangents must match; 
 with forward over reverse (the tangent of ``gg.grad`` of a scalar) and reverse over forward (the
 gradient of a tangent with respect to the primal and the tangent), compared with torch.
 
-CI runs 150 examples (derandomized); ``--run-slow`` 1,500; ``GRAPHGRAD_FUZZ_EXAMPLES=N`` runs N
-fresh ones.
-"""
+Each program is also run as a function of its leaves through ``gg.func.jacfwd`` and
+``gg.func.hessian`` (all basis vectors in one pass, tangents batched by torch.vmap) against
+torch's forward AD one column at a time.
 
-import os
+CI runs 150 examples (60 batched; derandomized); ``--run-slow`` 1,500 (600);
+``GRAPHGRAD_FUZZ_EXAMPLES=N`` runs N fresh ones (N / 4).
+"""
 
 import torch
 import torch.autograd.forward_ad as fwAD
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import graphgrad as gg
+from helpers import fuzz_settings
 
 TOL = dict(rtol=1e-8, atol=1e-8, equal_nan=True)
 
@@ -174,10 +177,11 @@ def _step(side, step, pool):
         out = _Cube.apply(x)
     elif kind == "checkpoint":
         out = side.checkpoint(_block, x)
-    elif kind == "buffer":
-        buf = side.tensor(torch.zeros((2,) + tuple(x.shape), dtype=torch.float64))
+    elif kind == "buffer":  # (a plain torch buffer, or a graphgrad one; read again, or not)
+        buf = torch.zeros((2,) + tuple(x.shape), dtype=torch.float64)
+        buf = buf if j % 2 else side.tensor(buf)
         buf[1] = x.sin()
-        out = buf
+        out = buf.cumsum(0) if i % 2 else buf
     else:  # no_grad: forward mode goes on
         with torch.no_grad():
             out = UNARY[u](x)
@@ -212,23 +216,120 @@ def run_program(program):
         _same(g, w, f"step {k} ({program['steps'][k][0] if k < len(program['steps']) else 'hvp'})")
 
 
-def _examples(config):
-    env = os.environ.get("GRAPHGRAD_FUZZ_EXAMPLES")
-    if env:
-        return int(env), False
-    return (1500 if config.getoption("--run-slow") else 150), True
-
-
 def test_random_dual_programs_match_torch_forward_ad(request):
-    n, derandomize = _examples(request.config)
+    n, fuzz = fuzz_settings(request.config, ci=150, slow=1500)
 
-    @settings(max_examples=n, deadline=None, derandomize=derandomize, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
+    @fuzz
     @given(programs())
     def check(program):
         run_program(program)
 
     check()
+
+
+# -- batched: gg.func.jacfwd and hessian (all basis vectors in one vmapped pass) ------------
+class _Plain(Side):
+    """A program as a function of its leaves (no dual level of its own: jacfwd makes them)."""
+
+    def __init__(self, graphgrad: bool):
+        super().__init__(graphgrad, False)
+
+    def tensor(self, t, requires_grad=False):
+        return gg.as_tensor(t.clone()) if self.gg else t
+
+
+def _as_function(program, side):
+    def f(*leaves):
+        pool = list(leaves)
+        for step in program["steps"]:
+            try:
+                out = _step(side, step, pool)
+            except (RuntimeError, IndexError) as error:  # a shape the op refuses (torch too)
+                if "vmap" in str(error):
+                    raise
+                continue
+            pool.append(out)
+        return tuple(pool[len(leaves):]) or (leaves[0] * 1.0,)
+    return f
+
+
+def _sum_of_sines(f):
+    return lambda *leaves: sum(o.sin().sum() for o in f(*leaves))
+
+
+def _columns(primals):
+    """Each standard basis vector of the leaves' joint space, split into one tensor per leaf."""
+    numels = [p.numel() for p in primals]
+    for row in torch.eye(sum(numels), dtype=torch.float64):
+        yield [part.reshape(p.shape) for part, p in zip(row.split(numels), primals)]
+
+
+def _torch_jacobian(f, primals):
+    """The Jacobian by torch's forward AD, one column (one unbatched pass) at a time."""
+    cols = []
+    for basis in _columns(primals):
+        with fwAD.dual_level():
+            outs = f(*[fwAD.make_dual(p, e) for p, e in zip(primals, basis)])
+            cols.append([torch.zeros_like(o) if fwAD.unpack_dual(o).tangent is None
+                         else fwAD.unpack_dual(o).tangent.clone() for o in outs])
+    numels = [p.numel() for p in primals]
+    result = []
+    for j, o in enumerate(outs):
+        stacked = torch.stack([c[j] for c in cols], -1).split(numels, -1)
+        result.append([s.reshape(o.shape + p.shape) for s, p in zip(stacked, primals)])
+    return result
+
+
+def _torch_hessian_block(s, primals, a, b):
+    """d^2 s / (d primals[a] d primals[b]) by torch, forward over reverse, one column a pass."""
+    cols = []
+    for basis in _columns([primals[b]]):
+        with fwAD.dual_level():
+            call = list(primals)
+            call[a] = pa = primals[a].clone().requires_grad_()
+            call[b] = fwAD.make_dual(call[b], basis[0])
+            (g,) = torch.autograd.grad(s(*call), pa, allow_unused=True)
+            t = None if g is None else fwAD.unpack_dual(g).tangent
+            cols.append(torch.zeros_like(pa) if t is None else t.detach().clone())
+    return torch.stack([c.reshape(-1) for c in cols], -1).reshape(primals[a].shape + primals[b].shape)
+
+
+def run_batched(program, stats):
+    gen = torch.Generator().manual_seed(program["seed"])
+    primals = [torch.randn(s, dtype=torch.float64, generator=gen) for s in program["shapes"]]
+    argnums = tuple(range(len(primals)))
+    want = _torch_jacobian(_as_function(program, _Plain(False)), primals)
+    got = gg.func.jacfwd(_as_function(program, _Plain(True)), argnums)(*primals)
+    for j, (go, wo) in enumerate(zip(got, want)):
+        for a, (g, w) in enumerate(zip(go, wo)):
+            torch.testing.assert_close(torch.Tensor(g), w, **TOL, msg=f"jacfwd: output {j}, input {a}")
+    stats["jacobians"] += 1
+    s_torch, s_gg = (_sum_of_sines(_as_function(program, _Plain(side))) for side in (False, True))
+    try:
+        want = [[_torch_hessian_block(s_torch, primals, a, b) for b in argnums] for a in argnums]
+    except RuntimeError:  # torch's reverse pass refuses (a saved value changed in place)
+        return
+    got = gg.func.hessian(s_gg, argnums)(*primals)
+    for a in argnums:
+        for b in argnums:
+            torch.testing.assert_close(torch.Tensor(got[a][b]), want[a][b], **TOL, msg=f"hessian {a}, {b}")
+    stats["hessians"] += 1
+
+
+def test_random_programs_batched_jacfwd_and_hessian_match_torch(request):
+    """Every program as a function: gg.func.jacfwd and hessian (one vmapped pass: batched
+    tangents through in-place ops, plain buffers, custom Functions, checkpoint) against torch's
+    forward AD column by column."""
+    n, fuzz = fuzz_settings(request.config, ci=60, slow=600, fresh_divisor=4)
+    stats = {"jacobians": 0, "hessians": 0}
+
+    @fuzz
+    @given(programs())
+    def check(program):
+        run_batched(program, stats)
+
+    check()
+    assert stats["jacobians"] >= n and stats["hessians"] >= n // 3, stats
 
 
 def test_the_comparison_can_fail():

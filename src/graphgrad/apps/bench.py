@@ -36,10 +36,11 @@ Workloads (the figures and how to read them: ``docs/performance.md``):
   graphgrad step (the budgets' targets: 1.05, 1.12, 1.25), the allocator peak of one step, and
   for the budgets the most bytes held for backward against the limit and whether the gradients
   equal the unconstrained step's exactly (``apps/bench_memory.py``).
-* F-W2, F-W5, F-JAC, F-W4 (CPU): forward mode — ``gg.func.jvp`` through the W2 MLP (tangents for
-  its parameters) and through W5's encoder layer (for its input and parameters), and
-  ``gg.func.jacfwd`` of a 64 -> 64 function, each against ``torch.func`` on plain tensors (the
-  ratio: median within a round; target 1.5); F-W4, W4's 20,000-op chain as a dual chain (forward
+* F-W2, F-W5, F-JAC, F-HES, F-W4 (CPU): forward mode — ``gg.func.jvp`` through the W2 MLP
+  (tangents for its parameters) and through W5's encoder layer (for its input and parameters),
+  ``gg.func.jacfwd`` of a 64 -> 64 function and ``gg.func.hessian`` of a scalar function of 32
+  inputs, each against ``torch.func`` on plain tensors (the ratio: median within a round;
+  target 1.5, none for F-HES); F-W4, W4's 20,000-op chain as a dual chain (forward
   only): its peak RSS delta beside torch.func.jvp's and the plain graphgrad chain's, each in a
   fresh process (``apps/bench_forward.py``).
 """

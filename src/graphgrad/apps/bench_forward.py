@@ -11,9 +11,12 @@ Workloads (``forward_rows`` gives ``bench``'s F- rows):
   (``torch.func.functional_call``), a tangent for each. torch.func runs it with torch's math
   attention (``sdpa_kernel(SDPBackend.MATH)``): torch has no forward formula for its CPU flash
   kernel, which graphgrad runs (its tangent rule is graphgrad's own).
-* F-JAC jacfwd: the Jacobian of ``x -> sin(tanh(W x)) * x``, 64 -> 64. torch.func batches its 64
-  Jacobian-vector products in one pass (vmap); graphgrad has no vmap and takes one pass per
-  input element, so this ratio is about 64 passes against one.
+* F-JAC jacfwd: the Jacobian of ``x -> sin(tanh(W x)) * x``, 64 -> 64. Both batch the 64
+  Jacobian-vector products in one pass under ``torch.vmap``: torch.func with its forward AD,
+  graphgrad with its own tangent rules on batched tangents.
+* F-HES hessian: the Hessian of ``x -> sum(sin(tanh(W x)) * x)``, 32 inputs: graphgrad's
+  forward over reverse (one reverse pass, its tangents batched) against ``torch.func.hessian``
+  (``jacfwd(jacrev)``). No target: the row shows what batched forward over reverse costs.
 * F-W4: W4's 20,000-op chain (mul, add, tanh, sin on a (4,) tensor), forward only, each variant
   in a fresh process as W4's memory rows: its peak RSS delta (MiB) and its time per op (one run)
   for the dual chain under ``gg.func.jvp`` (graphgrad column), the same under
@@ -128,14 +131,29 @@ def jac() -> tuple[dict[str, Callable[[], Any]], Callable[[], float]]:
     return calls, lambda: _max_rel_diff(calls["graphgrad"](), calls["torch"]())
 
 
+def hes() -> tuple[dict[str, Callable[[], Any]], Callable[[], float]]:
+    """The Hessian of a scalar function of 32 inputs, forward over reverse."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 32, generator=gen) * 0.1
+    x = torch.randn(32, generator=gen)
+    gx = gg.as_tensor(x)
+
+    def f(v):
+        return (torch.tanh(w @ v).sin() * v).sum()
+
+    calls = {"graphgrad": lambda: gg.func.hessian(f)(gx), "torch": lambda: torch.func.hessian(f)(x)}
+    return calls, lambda: _max_rel_diff(calls["graphgrad"](), calls["torch"]())
+
+
 #: name -> (workload, metric, calls per round (full, quick), what it is)
 WORKLOADS = {
     "F-W2": (w2, "jvp", (10, 5), "W2 MLP loss, tangents for its 6 parameters"),
     "F-W5": (w5, "jvp", (3, 2), "TransformerEncoderLayer d=128 heads=4 seq=64 batch=4, tangents for "
              "its input and parameters; torch.func with math attention (no forward formula for its "
              "flash kernel), graphgrad with the flash kernel"),
-    "F-JAC": (jac, "jacfwd", (3, 2), "jacfwd of sin(tanh(W x)) * x, 64 -> 64: torch.func one vmapped "
-              "pass, graphgrad 64 passes (no vmap)"),
+    "F-JAC": (jac, "jacfwd", (3, 2), "jacfwd of sin(tanh(W x)) * x, 64 -> 64: one vmapped pass each"),
+    "F-HES": (hes, "hessian", (3, 2), "hessian of sum(sin(tanh(W x)) * x), 32 inputs: graphgrad forward "
+              "over reverse in one vmapped pass, torch.func jacfwd(jacrev)"),
 }
 
 

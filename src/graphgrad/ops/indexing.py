@@ -124,12 +124,17 @@ def _setitem_jvp(t, input, index, value):
     return out
 
 
-def _fill_jvp(t, input, value=None):
-    return torch.zeros_like(input).fill_(_value_tangent(t[1], value))
+def _fill_jvp(t, input, value=None):  # (out of place: the value's tangent may be batched)
+    return torch.zeros_like(input).add(_value_tangent(t[1], value))
 
 
 def _index_fill_jvp(t, input, dim, index, value):
-    return _input_tangent(t[0], input).index_fill(dim, index, _value_tangent(t[3], value))
+    if t[3] is None:
+        return _input_tangent(t[0], input).index_fill(dim, index, 0.0)
+    # (a tensor value's tangent placed by where, not index_fill: under torch.vmap, index_fill of
+    # a tensor that is not batched with a batched value fills every row with the last value)
+    filled = torch.zeros_like(input, dtype=torch.bool).index_fill(dim, index, True)
+    return torch.where(filled, t[3], _input_tangent(t[0], input))
 
 
 def _masked_fill_jvp(t, input, mask, value):
