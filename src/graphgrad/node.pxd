@@ -51,7 +51,7 @@ cdef class AccumulateGrad(Node):
 
 @cython.locals(kinds=tuple, args=list, kw=dict, i=Py_ssize_t, kind=int, n_pos=Py_ssize_t,
                names=tuple)
-cpdef object _call_by_kinds(Rule rule, object grad, object saved, dict extra)
+cpdef object call_by_kinds(object fn, Rule rule, object grad, object saved, dict extra)
 cpdef Py_ssize_t edge_count(Node node) noexcept
 cpdef object edge_at(Node node, Py_ssize_t j)
 cpdef object meta_at(Node node, Py_ssize_t j)

@@ -216,7 +216,7 @@ class Node:
                 extra["needs_input_grad"] = _needs_input_grad(self)
         saved = unpack_saved(self.saved, create_graph)
         if not rule.all_positional:  # keyword-only or variadic parameters
-            return _call_by_kinds(rule, grad, saved, extra)
+            return call_by_kinds(rule.fn, rule, grad, saved, extra)
         if extra is _NO_EXTRA:  # every parameter positional, in saved's order
             return rule.fn(grad, *saved)
         return rule.fn(grad, *saved, **extra)
@@ -300,17 +300,19 @@ def _needs_input_grad(node):
 _NEEDS: dict = {}  # _needs_input_grad's tuples, by pattern
 
 
-def _call_by_kinds(rule, grad, saved, extra):
-    """``rule.fn(grad, ...)`` with each saved value passed as its parameter takes it
-    (``Rule.kinds``): positional, spread as ``*args``, by name, or merged as ``**kwargs``; the
-    engine's ``extra`` (``result``, ``needs_input_grad``) by name."""
+def call_by_kinds(fn, rule, grad, saved, extra):
+    """``fn(grad, ...)`` (the rule's backward, ``rule.fn``, or its tangent function,
+    ``rule.jvp``, whose first argument is then the tangents) with each saved value passed as
+    the rule's parameter takes it (``Rule.kinds``): positional, spread as ``*args``, by name,
+    or merged as ``**kwargs``; the engine's ``extra`` (``result``, ``needs_input_grad``) by
+    name."""
     if rule.no_variadic:  # positional parameters, then keyword-only ones
         n_pos = rule.n_positional
         kw = dict(extra)
         names = rule.params
         for i in range(n_pos, len(names)):
             kw[names[i]] = saved[i]
-        return rule.fn(grad, *saved[:n_pos], **kw)
+        return fn(grad, *saved[:n_pos], **kw)
     kinds = rule.kinds
     args = [grad]
     kw = None
@@ -332,7 +334,7 @@ def _call_by_kinds(rule, grad, saved, extra):
                     if key in kw:
                         raise TypeError(f"{rule.name}: keyword argument {key!r} given twice")
                     kw[key] = value[key]
-    return rule.fn(*args, **(extra if kw is None else kw))
+    return fn(*args, **(extra if kw is None else kw))
 
 
 def new_node(rule, next_nodes, next_nrs, slot_pos, input_meta, saved, versions, graph):

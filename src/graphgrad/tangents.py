@@ -43,12 +43,11 @@ from ._compat import tensor_is_view as _is_view
 from ._compat import tensor_shape as _shape
 from .autograd import grad as grad_of
 from .binding import bind
-from .codes import PARAM_KEYWORD_ONLY, PARAM_POSITIONAL, PARAM_VAR_KEYWORD, PARAM_VAR_POSITIONAL
 from .decompose import find as find_decomposition
 from .dispatch import call_primal
 from .executor import unbroadcast
 from .fastcalls import tensor_adopt
-from .node import _call_by_kinds
+from .node import call_by_kinds
 from .references import current_saved_hooks, pop_saved_hooks, push_no_saved_hooks
 from .rules import DECOMPOSITION, NONDIFFERENTIABLE, RULES, Rule, qualified_name, writes_first_argument
 from .tensor import Tensor, as_tensor
@@ -378,11 +377,10 @@ def _zeros_for(value):
 
 def _call_jvp(rule, values, tangents, out):
     fn = rule.jvp
+    extra = {"result": out} if _wants_result(fn) else {}
     if rule.all_positional:  # (the bound values are the positional arguments as they are)
-        return fn(tangents, *values, result=out) if _wants_result(fn) else fn(tangents, *values)
-    if _wants_result(fn):
-        return fn(tangents, *_positional(rule, values), **_keywords(rule, values), result=out)
-    return fn(tangents, *_positional(rule, values), **_keywords(rule, values))
+        return fn(tangents, *values, **extra)
+    return call_by_kinds(fn, rule, tangents, values, extra)
 
 
 _WANTS_RESULT: dict = {}
@@ -396,26 +394,6 @@ def _wants_result(fn) -> bool:
         wants = "result" in params and params["result"].kind is inspect.Parameter.KEYWORD_ONLY
         _WANTS_RESULT[fn] = wants
         return wants
-
-
-def _positional(rule, values):
-    out = []
-    for kind, v in zip(rule.kinds, values):
-        if kind == PARAM_POSITIONAL:
-            out.append(v)
-        elif kind == PARAM_VAR_POSITIONAL:
-            out.extend(v)
-    return out
-
-
-def _keywords(rule, values):
-    kw = {}
-    for name, kind, v in zip(rule.params, rule.kinds, values):
-        if kind == PARAM_KEYWORD_ONLY:
-            kw[name] = v
-        elif kind == PARAM_VAR_KEYWORD:
-            kw.update(v)
-    return kw
 
 
 def _swap(value, zeros_for_missing, laid_out=False):
@@ -476,7 +454,7 @@ def _call_rule(rule, grad, values, result, needs):
         extra["result"] = result
     if rule.wants_needs:
         extra["needs_input_grad"] = needs
-    gs = _call_by_kinds(rule, grad, values, extra)
+    gs = call_by_kinds(rule.fn, rule, grad, values, extra)
     if gs is None or isinstance(gs, TensorBase):
         return (gs,)
     return gs

@@ -1,5 +1,5 @@
 """The engine binds a call to a rule's parameters, and calls the rule in backward, exactly as
-Python would (``binding.bind``, ``node._call_by_kinds``), for every shape of signature
+Python would (``binding.bind``, ``node.call_by_kinds``), for every shape of signature
 a rule may have: positional parameters with and without defaults, ``*args``, keyword-only
 ones with and without defaults, ``**kwargs``, positional-only ones."""
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import graphgrad as gg
 from graphgrad import binding
-from graphgrad.node import _call_by_kinds
+from graphgrad.node import call_by_kinds
 from graphgrad.rules import DIFFERENTIABLE, RULES, Rule
 
 
@@ -112,7 +112,7 @@ def test_backward_call_passes_each_value_as_bound(fn, n_args, names):
     if rule.wants_needs:
         extra["needs_input_grad"] = (True,)
     rule.fn = probe
-    _call_by_kinds(rule, "G", values, extra)
+    call_by_kinds(rule.fn, rule, "G", values, extra)
     expected = inspect.signature(fn).bind("G", *args, **kwargs, **extra)
     expected.apply_defaults()
     bound = dict(seen["call"])
