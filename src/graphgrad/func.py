@@ -127,8 +127,8 @@ def _columns_to_jacobian(batched: torch.Tensor, out_shape: tuple, xs: list[torch
 # are batched by torch.vmap (each a functorch BatchedTensor inside a graphgrad tensor), the
 # primals are not. graphgrad's tangent rules are ordinary torch code, so each runs once on the
 # whole batch through torch's batching rules, and the primal computation, its reverse-mode
-# record included, runs once. A tangent graphgrad makes itself (zeros for an output with none)
-# is batched too when in-place writes may need it (tangents.zeros_for).
+# record included, runs once. A tangent graphgrad made itself that a batched one is written
+# into is repeated over the batch first (Note [Batched tangents in place] in tangents.py).
 def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
            randomness: str = "error") -> Callable:
     """The Jacobian of ``func`` with respect to the arguments ``argnums``, by forward mode, like
@@ -142,43 +142,52 @@ def jacfwd(func: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = F
     def jac(*args: Any) -> Any:
         nums, single = _argnums(argnums, len(args))
         _check_real("jacfwd", args)
-        primals = [_as_graphgrad(p) if isinstance(p, torch.Tensor) else p for p in args]
-        xs = []
-        for a in nums:
-            if not isinstance(primals[a], torch.Tensor):
-                raise RuntimeError(f"jacfwd: argument {a} is a {type(primals[a]).__name__}; the "
-                                   "arguments in argnums must be tensors.")
-            xs.append(primals[a])
-        if sum(x.numel() for x in xs) == 0:
-            return _empty_jacobian(func, args, xs, single, has_aux)
-
-        def push(*basis: torch.Tensor) -> Any:
-            with dual_level():
-                call = list(primals)
-                for a, x, e in zip(nums, xs, basis):
-                    call[a] = make_dual(x, as_tensor(e))
-                out = func(*call)
-                aux = None
-                if has_aux:
-                    out, aux = _split_aux(out)
-                _check_real("jacfwd", out)
-                value, tangent = _outputs_and_tangents(out)
-            return (value, tangent, aux) if has_aux else (value, tangent)
-
-        results = torch.vmap(push, randomness=randomness)(*_standard_basis(xs))
-        value, tangent = results[0], results[1]
-        aux = pytree.tree_map(lambda t: t[0] if isinstance(t, torch.Tensor) else t, results[2]) \
-            if has_aux else None
-        leaves, spec = pytree.tree_flatten(tangent)
-        values = pytree.tree_leaves(value)
-        per_output = []
-        for o, batched in zip(values, leaves):
-            blocks = _columns_to_jacobian(batched, tuple(o.shape)[1:], xs)
-            per_output.append(blocks[0] if single else tuple(blocks))
-        result = pytree.tree_unflatten(per_output, spec)
-        return (result, aux) if has_aux else result
+        return batched_jacobian(func, args, nums, single, has_aux, randomness, real_only=True)
 
     return jac
+
+
+def batched_jacobian(func: Callable, args: tuple, nums: tuple[int, ...], single: bool = False,
+                     has_aux: bool = False, randomness: str = "error", real_only: bool = False) -> Any:
+    """``jacfwd``'s Jacobian of ``func(*args)`` in the arguments ``nums`` (``single``: one, not a
+    tuple of blocks). Without ``real_only``, complex arguments are differentiated along the
+    real axis of each element, as ``torch.autograd.functional.jacobian`` does."""
+    primals = [_as_graphgrad(p) if isinstance(p, torch.Tensor) else p for p in args]
+    xs = []
+    for a in nums:
+        if not isinstance(primals[a], torch.Tensor):
+            raise RuntimeError(f"jacfwd: argument {a} is a {type(primals[a]).__name__}; the "
+                               "arguments in argnums must be tensors.")
+        xs.append(primals[a])
+    if sum(x.numel() for x in xs) == 0:
+        return _empty_jacobian(func, args, xs, single, has_aux)
+
+    def push(*basis: torch.Tensor) -> Any:
+        with dual_level():
+            call = list(primals)
+            for a, x, e in zip(nums, xs, basis):
+                call[a] = make_dual(x, as_tensor(e))
+            out = func(*call)
+            aux = None
+            if has_aux:
+                out, aux = _split_aux(out)
+            if real_only:
+                _check_real("jacfwd", out)
+            value, tangent = _outputs_and_tangents(out)
+        return (value, tangent, aux) if has_aux else (value, tangent)
+
+    results = torch.vmap(push, randomness=randomness)(*_standard_basis(xs))
+    value, tangent = results[0], results[1]
+    aux = pytree.tree_map(lambda t: t[0] if isinstance(t, torch.Tensor) else t, results[2]) \
+        if has_aux else None
+    leaves, spec = pytree.tree_flatten(tangent)
+    values = pytree.tree_leaves(value)
+    per_output = []
+    for o, batched in zip(values, leaves):
+        blocks = _columns_to_jacobian(batched, tuple(o.shape)[1:], xs)
+        per_output.append(blocks[0] if single else tuple(blocks))
+    result = pytree.tree_unflatten(per_output, spec)
+    return (result, aux) if has_aux else result
 
 
 def _empty_jacobian(func: Callable, args: tuple, xs: list, single: bool, has_aux: bool) -> Any:
@@ -202,26 +211,28 @@ def hessian(func: Callable, argnums: int | tuple[int, ...] = 0) -> Callable:
 
     def hess(*args: Any) -> Any:
         nums, single = _argnums(argnums, len(args))
-        args = tuple(_as_graphgrad(a) if isinstance(a, torch.Tensor) else a for a in args)
-        if single:
-            return _block(func, args, nums[0], nums[0])
-        blocks = []
-        for a in nums:
-            row = []
-            for b in nums:
-                row.append(_block(func, args, a, b))
-            blocks.append(tuple(row))
-        return tuple(blocks)
+        return batched_hessian(func, args, nums, single, real_only=True)
 
     return hess
 
 
-def _block(func: Callable, args: tuple, a: int, b: int) -> torch.Tensor:
+def batched_hessian(func: Callable, args: tuple, nums: tuple[int, ...], single: bool = False,
+                    real_only: bool = False) -> Any:
+    """``hessian``'s blocks of a scalar ``func(*args)`` in the arguments ``nums`` (``single``:
+    one block, not a tuple of tuples); complex arguments as in ``batched_jacobian``."""
+    args = tuple(_as_graphgrad(a) if isinstance(a, torch.Tensor) else a for a in args)
+    if single:
+        return _block(func, args, nums[0], nums[0], real_only)
+    return tuple(tuple(_block(func, args, a, b, real_only) for b in nums) for a in nums)
+
+
+def _block(func: Callable, args: tuple, a: int, b: int, real_only: bool) -> torch.Tensor:
     """d^2 f / (d args[a] d args[b]) of a scalar ``func``: the reverse-mode gradient in ``a``,
     its tangents along every basis vector of ``b`` in one batched pass (Note [Batched
     tangents])."""
     xa, xb = args[a], args[b]
-    _check_real("hessian", (xa, xb))
+    if real_only:
+        _check_real("hessian", (xa, xb))
     if xa.numel() == 0 or xb.numel() == 0:
         return as_tensor(xa.new_zeros(tuple(xa.shape) + tuple(xb.shape)))
 

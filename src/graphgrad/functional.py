@@ -16,9 +16,11 @@ the products it needs:
 - ``jacobian``: one reverse pass per output element (rows of the Jacobian), graph retained.
   ``vectorize=True`` is accepted and computes the same result row by row (there is no batched
   backward); as in torch it cannot be combined with ``strict=True``. ``strategy=
-  "forward-mode"``: one forward pass per input element (columns), as torch, without
-  ``strict`` or ``create_graph``.
-- ``hessian``: the Jacobian of the (differentiable, ``create_graph=True``) Jacobian.
+  "forward-mode"``: every column in one batched forward pass (``gg.func.jacfwd``'s; torch
+  asks for ``vectorize=True`` there, graphgrad takes either), without ``strict`` or
+  ``create_graph``.
+- ``hessian``: the Jacobian of the (differentiable, ``create_graph=True``) Jacobian;
+  ``outer_jacobian_strategy="forward-mode"``: forward over reverse, ``gg.func.hessian``'s.
 - ``vhp``: a vjp of the gradient; ``hvp``: forward over reverse (the tangent of the gradient,
   one reverse pass on dual tensors); ``strategy="reverse-mode"`` or ``strict=True``: torch's
   double-vjp trick applied to the gradient.
@@ -42,6 +44,7 @@ import torch
 from . import _compat
 from .autograd import grad as _gg_grad
 from .forward_ad import dual_level, make_dual, unpack_dual
+from .func import batched_hessian, batched_jacobian
 from .tensor import Tensor, as_tensor
 
 __all__ = ["vjp", "jvp", "jacobian", "hessian", "hvp", "vhp"]
@@ -359,7 +362,7 @@ def jacobian(func: Callable[..., TensorOrTensors], inputs: TensorOrTensors, crea
 
     ``J[i][j]`` has shape ``outputs[i].shape + inputs[j].shape``; the tuple levels are dropped
     where the outputs / inputs are single tensors. ``vectorize=True`` gives the same result
-    (computed row by row); ``strategy="forward-mode"`` raises ``NotImplementedError``.
+    (computed row by row); ``strategy="forward-mode"`` takes every column in one batched pass.
     """
     if strategy not in ("forward-mode", "reverse-mode"):
         raise AssertionError('Expected strategy to be either "forward-mode" or "reverse-mode". Hint: If '
@@ -422,40 +425,20 @@ def jacobian(func: Callable[..., TensorOrTensors], inputs: TensorOrTensors, crea
 
 
 def _jacobian_forward(func: Callable, inputs: TensorOrTensors) -> NestedTensors:
-    """``jacobian`` in forward mode: one pass on dual tensors per input element (a column)."""
+    """``jacobian`` in forward mode: ``gg.func.jacfwd``'s, every column in one batched pass
+    (a complex input along the real axis of each element, as torch)."""
     is_inputs_tuple, inputs = _as_tuple(inputs, "inputs", "jacobian")
     inputs = _grad_preprocess(inputs, create_graph=False, need_graph=False)
-    columns: list[list[tuple]] = [[] for _ in inputs]  # [input][element] -> output tangents
-    outputs = None
-    is_outputs_tuple = False
-    for j, inp in enumerate(inputs):
-        for k in range(inp.nelement()):
-            with _Disable():
-                e = torch.zeros(inp.nelement(), dtype=inp.dtype, device=inp.device)
-                e[k] = 1
-            with dual_level():
-                duals = tuple(make_dual(x, as_tensor(e.view_as(x)) if i == j else _zeros_like(x))
-                              for i, x in enumerate(inputs))
-                out = func(*duals)
-                is_outputs_tuple, out = _as_tuple(out, "outputs of the user-provided function", "jacobian")
-                outputs, tans = _tangents(out)
-            columns[j].append(tans)
-    if outputs is None:  # no input has an element
-        is_outputs_tuple, outputs = _as_tuple(func(*inputs), "outputs of the user-provided function",
-                                              "jacobian")
-    jac = []
-    for i, out in enumerate(outputs):
-        per_input = []
-        for j, inp in enumerate(inputs):
-            if columns[j]:
-                with _Disable():
-                    block = torch.stack([c[i] for c in columns[j]], dim=-1)
-            else:
-                block = out.new_zeros(tuple(out.shape) + (0,))
-            per_input.append(block.reshape(out.size() + inp.size()))
-        jac.append(tuple(per_input))
-    result = _grad_postprocess(tuple(jac), False)
-    return _tuple_postprocess(result, (is_outputs_tuple, is_inputs_tuple))
+    is_outputs_tuple = []
+
+    def outputs_as_tuple(*args: torch.Tensor) -> tuple:
+        is_tuple, out = _as_tuple(func(*args), "outputs of the user-provided function", "jacobian")
+        is_outputs_tuple.append(is_tuple)
+        return out
+
+    jac = batched_jacobian(outputs_as_tuple, inputs, tuple(range(len(inputs))))
+    result = _grad_postprocess(tuple(tuple(blocks) for blocks in jac), False)
+    return _tuple_postprocess(result, (is_outputs_tuple[0], is_inputs_tuple))
 
 
 def hessian(func: Callable[..., torch.Tensor], inputs: TensorOrTensors, create_graph: bool = False,
@@ -498,24 +481,18 @@ def hessian(func: Callable[..., torch.Tensor], inputs: TensorOrTensors, create_g
 
 
 def _hessian_forward(func: Callable, inputs: tuple) -> tuple:
-    """The Hessian forward over reverse: one ``hvp`` per input element (a column)."""
-    columns: list[list[list]] = [[[] for _ in inputs] for _ in inputs]  # [i][j] -> columns
-    for j, inp in enumerate(inputs):
-        for k in range(inp.nelement()):
-            with _Disable():
-                e = torch.zeros(inp.nelement(), dtype=inp.dtype, device=inp.device)
-                e[k] = 1
-            v = tuple(as_tensor(e.view_as(x)) if i == j else _zeros_like(x) for i, x in enumerate(inputs))
-            _, hv = _hvp_forward(func, tuple(inputs), v, False)
-            for i in range(len(inputs)):
-                columns[i][j].append(hv[i])
-    rows = []
-    with _Disable():
-        for i, a in enumerate(inputs):
-            rows.append(tuple(
-                (torch.stack(columns[i][j], dim=-1) if columns[i][j] else a.new_zeros(tuple(a.shape) + (0,)))
-                .reshape(a.size() + b.size()) for j, b in enumerate(inputs)))
-    return tuple(rows)
+    """The Hessian forward over reverse: ``gg.func.hessian``'s blocks, each in one batched
+    pass."""
+    inputs = _grad_preprocess(inputs, create_graph=False, need_graph=False)
+
+    def scalar(*args: torch.Tensor) -> torch.Tensor:
+        out = func(*args)
+        if not isinstance(out, torch.Tensor) or out.nelement() != 1:
+            raise RuntimeError("The Tensor returned by the function given to hessian should contain a "
+                               "single element")
+        return out
+
+    return _grad_postprocess(batched_hessian(scalar, inputs, tuple(range(len(inputs)))), False)
 
 
 def _scalar_func_setup(func: Callable[..., torch.Tensor], inputs: TensorOrTensors,

@@ -299,6 +299,7 @@ def test_forward_mode_strategies_match_torch_and_reverse_mode():
 
     y = torch.randn(3, dtype=torch.float64)
     args = (X.clone(), y)
+    Z = torch.randn(3, dtype=torch.complex128)
     for got, want in (
             (ggf.jacobian(two, args, strategy="forward-mode"), taf.jacobian(two, args, vectorize=True,
                                                                              strategy="forward-mode")),
@@ -306,8 +307,11 @@ def test_forward_mode_strategies_match_torch_and_reverse_mode():
             (ggf.hessian(scalar, args, outer_jacobian_strategy="forward-mode"), taf.hessian(scalar, args)),
             (ggf.jvp(two, args, args, strategy="reverse-mode"), taf.jvp(two, args, args)),
             (ggf.hvp(scalar, args, args, strategy="reverse-mode"), taf.hvp(scalar, args, args)),
-            (ggf.hvp(scalar, args, args), taf.hvp(scalar, args, args))):
+            (ggf.hvp(scalar, args, args), taf.hvp(scalar, args, args)),
+            (ggf.jacobian(torch.sin, Z, strategy="forward-mode"),  # complex: along the real axis
+             taf.jacobian(torch.sin, Z, vectorize=True, strategy="forward-mode"))):
         for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+            assert type(g) is torch.Tensor  # (plain, detached: torch's)
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
     with pytest.raises(NotImplementedError, match="create_graph"):
         ggf.jacobian(torch.sin, X, strategy="forward-mode", create_graph=True)

@@ -6,12 +6,14 @@ and compares values and tangents. The op_db sweep is tests/ops/test_opdb_forward
 explicit tangent rules of the hot ops are tests/ops/test_tangent_rules.py.
 """
 
+import copy
 import gc
 import weakref
 
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import graphgrad as gg
 from graphgrad import decompose, tangents
@@ -527,6 +529,45 @@ def test_jacfwd_through_custom_functions_without_setup_context():
     torch.testing.assert_close(torch.Tensor(gg.func.jacfwd(f)(x)), want, **TOL)
     h = gg.func.hessian(lambda x: f(x).sum())(x)
     torch.testing.assert_close(torch.Tensor(h), torch.diag(6 * x), **TOL)
+
+
+def test_jacfwd_and_hessian_of_modules():
+    """Batched Jacobians through torch.nn modules: an encoder layer (graphgrad with torch's
+    fused attention kernel, torch.func with its math attention), a CNN in training mode (its
+    BatchNorm updates running statistics in place, which torch.func refuses: against the
+    reverse-mode Jacobian), an LSTM; the Hessian of an MLP's loss in two parameters."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).double()
+    x = rnd(1, 5, 16)
+    with sdpa_kernel(SDPBackend.MATH):
+        want = torch.func.jacfwd(lambda v: layer(v).sum(-1))(x)
+    glayer = gg.nn.adopt(copy.deepcopy(layer))
+    torch.testing.assert_close(torch.Tensor(gg.func.jacfwd(lambda v: glayer(v).sum(-1))(x)), want, **TOL)
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3), torch.nn.ReLU(),
+                              torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(12, 4)).double()
+    gnet = gg.nn.adopt(copy.deepcopy(net))
+    xb = rnd(3, 2, 6, 6)
+    want = torch.autograd.functional.jacobian(lambda v: copy.deepcopy(net)(v), xb)
+    torch.testing.assert_close(torch.Tensor(gg.func.jacfwd(gnet)(xb)), want, **TOL)
+
+    lstm = torch.nn.LSTM(4, 5, batch_first=True).double()
+    glstm = gg.nn.adopt(copy.deepcopy(lstm))
+    xs = rnd(2, 3, 4)
+    torch.testing.assert_close(torch.Tensor(gg.func.jacfwd(lambda v: glstm(v)[0])(xs)),
+                               torch.func.jacfwd(lambda v: lstm(v)[0])(xs), **TOL)
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    names = [n for n, _ in mlp.named_parameters()]
+    params = tuple(p.detach() for p in mlp.parameters())
+    xin = rnd(5, 3)
+
+    def loss(*ps):
+        return torch.func.functional_call(mlp, dict(zip(names, ps)), (xin,)).pow(2).mean()
+    got, want = gg.func.hessian(loss, (0, 1))(*params), torch.func.hessian(loss, (0, 1))(*params)
+    for a in range(2):
+        for b in range(2):
+            torch.testing.assert_close(torch.Tensor(got[a][b]), want[a][b], **TOL)
 
 
 def test_vmap_of_gg_jvp():

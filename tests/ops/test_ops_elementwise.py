@@ -257,6 +257,12 @@ METHOD_CASES = [  # method spellings (the functions are checked on op_db samples
     case("frexp_method", lambda a: a.frexp().mantissa, _r(3, 4), gradcheck=False),
     # probabilities 0 and 1 draw the same on both sides: a zero gradient through the draw
     case("bernoulli_method", lambda a: a * a.sigmoid().round().bernoulli(), _r(3, 4)),
+    # normal draws from a seeded generator on both sides: zero gradients through the draw, as
+    # torch's (finite differences would see mean + std * noise: no gradcheck)
+    case("normal", lambda a, b: a * torch.normal(a, b.abs() + 1, generator=torch.Generator().manual_seed(0)),
+         _r(3, 4), _r(4), gradcheck=False),
+    case("normal_method", lambda a: a + (a * 2).normal_(1.0, 2.0, generator=torch.Generator().manual_seed(0)),
+         _r(3, 4), gradcheck=False),
 ]
 
 

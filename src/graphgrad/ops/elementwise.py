@@ -672,6 +672,16 @@ def bernoulli(grad, input: Meta, p=None, *, generator=None):
     return torch.zeros_like(grad)
 
 
+@derivative(torch.normal, inplace=(T.normal_,), elementwise=True)
+def normal(grad, mean: Meta, std: Meta = 1.0, size=None, *, generator=None, out=None, needs_input_grad):
+    """A draw from N(mean, std) (or ``x.normal_(mean, std)``): zero gradients for a tensor mean
+    and std, as torch's (the draw is not reparameterized: for gradients through it, write
+    ``mean + std * torch.randn_like(mean)``). The draw is torch's own kernel's, so it follows
+    the seed."""
+    return (torch.zeros_like(grad) if needs_input_grad[0] else None,
+            torch.zeros_like(grad) if len(needs_input_grad) > 1 and needs_input_grad[1] else None)
+
+
 @derivative(torch.round, T.round, _special.special_round, inplace=(torch.round_, T.round_), elementwise=True)
 def round(grad, input: Meta, *, decimals=0):
     """Piecewise constant at any number of decimals: zero gradient."""

@@ -604,8 +604,8 @@ def _is_vector_rhs(A, B) -> bool:
 
 
 def _solve_grads(grad, A, B, X, left, need_A):
-    """``X = A^-1 B`` (or ``B A^-1``): ``gB = A^-H gX``, ``gA = -gB X^H`` (or ``-X^H gB``)."""
-    _real_only("torch.linalg.solve", A)
+    """``X = A^-1 B`` (or ``B A^-1``): ``gB = A^-H gX``, ``gA = -gB X^H`` (or ``-X^H gB``);
+    complex matrices too (the adjoints are the conjugations torch's convention asks for)."""
     vector = left and _is_vector_rhs(A, B)
     g = grad.unsqueeze(-1) if vector else grad
     gB = linalg.solve(A.mH, g, left=left)

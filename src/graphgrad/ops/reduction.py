@@ -844,3 +844,13 @@ def safe_softmax(grad, input, dim, dtype=None, *, result):
     if grad.dtype != result.dtype:
         grad = grad.to(result.dtype)
     return torch._softmax_backward_data(grad, result, dim, result.dtype)
+
+
+@derivative(torch.segment_reduce, view=False)
+def segment_reduce(grad, data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False,
+                   initial=None, result):
+    """Reductions over consecutive segments of ``data`` (given by ``lengths`` or ``offsets``):
+    torch's own backward kernel (``_segment_reduce_backward``; like torch, no second
+    derivative)."""
+    return torch.ops.aten._segment_reduce_backward(grad, result, data, reduce, lengths=lengths,
+                                                   offsets=offsets, axis=axis, initial=initial)
