@@ -61,3 +61,24 @@ def fuzz_settings(config, ci: int, slow: int, fresh_divisor: int = 1):
     return n, settings(max_examples=n, deadline=None, derandomize=derandomize, database=None,
                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                        print_blob=True)
+
+
+class CubeWithJvp(torch.autograd.Function):
+    """``x ** 3`` as a custom Function (no ``setup_context``) with a backward and a ``jvp``
+    reading what ``save_for_forward`` kept: forward-mode tests run it on both engines."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_forward(x)
+        ctx.save_for_backward(x)
+        return x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * t

@@ -19,7 +19,7 @@ import graphgrad as gg
 from graphgrad import decompose, tangents
 from graphgrad.rules import RULES
 from graphgrad.tangents import form_of
-from helpers import F64
+from helpers import F64, CubeWithJvp
 from op_cases import rnd
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -503,27 +503,10 @@ def test_jacfwd_through_custom_functions_without_setup_context():
     """torch's own Function.apply refuses a Function without setup_context under vmap; on
     graphgrad tensors graphgrad runs it (with its jvp, or as a constant where nothing in it
     carries a tangent)."""
-    class Cube(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_forward(x)
-            ctx.save_for_backward(x)
-            return x ** 3
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 3 * x * x * g
-
-        @staticmethod
-        def jvp(ctx, t):
-            (x,) = ctx.saved_tensors
-            return 3 * x * x * t
-
     c = gg.as_tensor(rnd(3))
 
     def f(x):
-        return Cube.apply(x) + Cube.apply(c) * x
+        return CubeWithJvp.apply(x) + CubeWithJvp.apply(c) * x
     x = rnd(3)
     want = torch.diag(3 * x * x + c.detach().as_subclass(torch.Tensor) ** 3)
     torch.testing.assert_close(torch.Tensor(gg.func.jacfwd(f)(x)), want, **TOL)

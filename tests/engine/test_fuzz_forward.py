@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import graphgrad as gg
-from helpers import fuzz_settings
+from helpers import CubeWithJvp, fuzz_settings
 
 TOL = dict(rtol=1e-8, atol=1e-8, equal_nan=True)
 
@@ -49,24 +49,6 @@ VIEWS = {
     "select": lambda x: x.select(-1, 0),
 }
 INPLACE = ("mul_", "add_", "sin_", "clamp_", "copy_")
-
-
-class _Cube(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_forward(x)
-        ctx.save_for_backward(x)
-        return x ** 3
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 3 * x * x * g
-
-    @staticmethod
-    def jvp(ctx, t):
-        (x,) = ctx.saved_tensors
-        return 3 * x * x * t
 
 
 def _block(x):
@@ -174,7 +156,7 @@ def _step(side, step, pool):
         a = x if x.dim() == 2 else x.reshape(1, -1)
         out = a @ a.transpose(-1, -2).tanh()
     elif kind == "function":
-        out = _Cube.apply(x)
+        out = CubeWithJvp.apply(x)
     elif kind == "checkpoint":
         out = side.checkpoint(_block, x)
     elif kind == "buffer":  # (a plain torch buffer, or a graphgrad one; read again, or not)
