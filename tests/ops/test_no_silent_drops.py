@@ -134,7 +134,7 @@ def test_the_suggested_spelling_is_public():
     x = gg.tensor([0.5], requires_grad=True)
     for call, spelling in [(lambda: torch.special.erfcx(x), "torch.special.erfcx"),
                            (lambda: torch.histc(x), "torch.histc"),
-                           (lambda: torch.normal(x, 1.0), "torch.normal")]:
+                           (lambda: torch.special.airy_ai(x), "torch.special.airy_ai")]:
         with pytest.raises(NotImplementedError) as info:
             call()
         assert f"@graphgrad.derivative({spelling})" in str(info.value)

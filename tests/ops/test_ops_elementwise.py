@@ -261,6 +261,8 @@ METHOD_CASES = [  # method spellings (the functions are checked on op_db samples
     # torch's (finite differences would see mean + std * noise: no gradcheck)
     case("normal", lambda a, b: a * torch.normal(a, b.abs() + 1, generator=torch.Generator().manual_seed(0)),
          _r(3, 4), _r(4), gradcheck=False),
+    case("poisson", lambda a: a * torch.poisson(a.abs(), generator=torch.Generator().manual_seed(0)),
+         _r(3, 4), gradcheck=False),
     case("normal_method", lambda a: a + (a * 2).normal_(1.0, 2.0, generator=torch.Generator().manual_seed(0)),
          _r(3, 4), gradcheck=False),
 ]

@@ -85,10 +85,8 @@ REFERENCE = {
     "lu": {},
     "linalg.householder_product": {},
     "ormqr": {},
-    # first order only: their backward solves a complex system, and linalg.solve's complex
-    # derivative is not implemented (a second derivative raises NotImplementedError)
-    "linalg.eig": {"second_order": False},
-    "linalg.eigvals": {"second_order": False},
+    "linalg.eig": {},
+    "linalg.eigvals": {},
 }
 
 unsupported = None
@@ -414,16 +412,15 @@ def test_qr_mode_r_and_complete_tall_are_not_differentiable():
         torch.linalg.qr(a, mode="complete")[0].sum().backward()
 
 
-@pytest.mark.parametrize("fn", [torch.linalg.inv, torch.linalg.det, torch.linalg.matrix_exp,
-                                lambda a: torch.linalg.solve(a, a), torch.linalg.cholesky])
-def test_complex_inputs_raise_a_clear_error(fn):
-    """The rules are real-only: a complex input raises instead of a gradient lacking its
-    conjugations."""
-    a = torch.eye(3, dtype=torch.complex128) * 2 + 0.1j
-    x = gg.as_tensor(a, requires_grad=True)
-    out = fn(x)
-    with pytest.raises(NotImplementedError, match="complex inputs"):
-        gg.grad(out.abs().sum(), x)
+def test_complex_cdist_raises_as_torch():
+    """cdist stays real-only: torch has no complex cdist (its forward raises), and graphgrad's
+    rule says so for a complex input that reaches it. (The other linalg rules take complex
+    inputs: tests/ops/test_linalg_complex.py.)"""
+    a = torch.randn(3, 2, dtype=torch.complex128)
+    with pytest.raises(RuntimeError):
+        torch.cdist(a, a)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        torch.cdist(gg.as_tensor(a, requires_grad=True), gg.as_tensor(a))
 
 
 def test_linalg_out_is_refused_while_recording():

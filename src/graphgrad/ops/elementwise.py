@@ -672,6 +672,12 @@ def bernoulli(grad, input: Meta, p=None, *, generator=None):
     return torch.zeros_like(grad)
 
 
+@derivative(torch.poisson, elementwise=True)
+def poisson(grad, input: Meta, generator=None):
+    """A Poisson draw with rates ``input``: zero gradient, as torch's."""
+    return torch.zeros_like(grad)
+
+
 @derivative(torch.normal, inplace=(T.normal_,), elementwise=True)
 def normal(grad, mean: Meta, std: Meta = 1.0, size=None, *, generator=None, out=None, needs_input_grad):
     """A draw from N(mean, std) (or ``x.normal_(mean, std)``): zero gradients for a tensor mean

@@ -2,8 +2,9 @@
 baddbmm addbmm, einsum, F.linear, linalg.matrix_norm and linalg.norm, and the SVD they need
 (linalg.svd, linalg.svdvals, svd; real inputs); solves (solve, solve_triangular,
 triangular_solve, cholesky_solve), inverses (inv, cholesky_inverse, pinv), determinants
-(det, slogdet, logdet), factorizations (cholesky, eigh, qr), lstsq, matrix_power,
-matrix_exp and cdist (real inputs: a complex one raises NotImplementedError).
+(det, slogdet, logdet), factorizations (cholesky, eigh, qr), lstsq, matrix_power and
+matrix_exp, complex inputs too; and cdist (real inputs: a complex one raises
+NotImplementedError, as torch has no complex cdist).
 
 Formulas follow torch's (``derivatives.yaml``), so ``beta=0`` gives a zero gradient to
 ``input`` like torch does. For complex tensors each factor's gradient multiplies by the
@@ -585,7 +586,14 @@ def trace(grad, input: Meta):
 # -- solves, inverses, determinants, factorizations ------------------------------------------
 # Formulas are torch's (FunctionsManual.cpp). Each gradient is written with the same functions
 # (a solve's gradient is a solve with the adjoint), so under create_graph it is recorded and
-# differentiates again. Real inputs only: the complex forms need conjugations these omit.
+# differentiates again. Complex inputs take torch's convention (the conjugate Wirtinger
+# derivative: a holomorphic op's gradient is ``J^H grad``, so the formulas carry ``.mH`` and
+# conjugates where torch's do), checked against torch.autograd at first and second order in
+# complex128 (tests/ops/test_linalg_complex.py): solve, solve_triangular, triangular_solve,
+# inv, det, slogdet (logdet), cholesky, cholesky_solve, cholesky_inverse, eigh, qr, pinv, lstsq
+# and matrix_exp. A singular complex matrix's det under create_graph needs the SVD of complex
+# matrices, which has no rule yet (it raises there). Real inputs only: cdist (torch has no
+# complex cdist either), through ``_real_only``.
 linalg = torch.linalg
 
 
@@ -650,7 +658,6 @@ def solve_triangular(grad, input, B: Meta, *, upper, left=True, unitriangular=Fa
                      result, needs_input_grad):
     """As a solve (``input`` is the triangular A), with A's gradient kept to its triangle
     (without the diagonal if unit)."""
-    _real_only("torch.linalg.solve_triangular", input)
     gB = linalg.solve_triangular(input.mH, grad, upper=not upper, left=left,
                                  unitriangular=unitriangular)
     gA = None
@@ -678,16 +685,16 @@ def _triangular_solve_jvp(tangents, input, A, upper=True, transpose=False, unitr
             jvp=_triangular_solve_jvp)
 def triangular_solve(grads, input, A, upper=True, transpose=False, unitriangular=False, *,
                      out=None, result, needs_input_grad):
-    """``(solution, cloned_coefficient)`` of ``op(A) X = input``, ``op`` a transpose or not;
-    the copy of A passes its gradient straight back to A."""
-    _real_only("torch.triangular_solve", A)
+    """``(solution, cloned_coefficient)`` of ``op(A) X = input``, ``op`` a transpose (not
+    conjugated) or not; the copy of A passes its gradient straight back to A. Complex as torch:
+    the adjoint solve is with ``conj(A)``, and A's gradient multiplies by ``conj(X)``."""
     gX, gM = grads
     g_input = g_A = None
     if gX is not None:
-        g_input = torch.triangular_solve(gX, A, upper, not transpose, unitriangular)[0]
+        g_input = torch.triangular_solve(gX, _cj(A), upper, not transpose, unitriangular)[0]
         if needs_input_grad[1]:
             X = result[0]
-            g_A = -(X @ g_input.mT) if transpose else -(g_input @ X.mT)
+            g_A = -(_cj(X) @ g_input.mT) if transpose else -(g_input @ X.mH)
             g_A = g_A.triu(int(unitriangular)) if upper else g_A.tril(-int(unitriangular))
     if gM is not None and needs_input_grad[1]:
         g_A = gM if g_A is None else g_A + gM
@@ -695,7 +702,6 @@ def triangular_solve(grads, input, A, upper=True, transpose=False, unitriangular
 
 
 def _inv_grad(grad, inverse):
-    _real_only("torch.linalg.inv", inverse)
     return -(inverse.mH @ (grad @ inverse.mH))
 
 
@@ -726,7 +732,7 @@ def _prod_safe_zeros_backward(grad, input):
 def _det_grad_singular(A, grad):
     """Through the SVD, ``det A = det U det Vh prod S``: no division by a zero determinant."""
     U, S, Vh = linalg.svd(A)
-    alpha = linalg.det(U) * linalg.det(Vh)
+    alpha = _cj(linalg.det(U) * linalg.det(Vh))
     D = _prod_safe_zeros_backward((grad * alpha).unsqueeze(-1), S)
     return (U * D.unsqueeze(-2)) @ Vh
 
@@ -738,14 +744,14 @@ def _det_grad_nonsingular(A, d):
 
 @derivative(linalg.det, torch.det, T.det, view=False)
 def det(grad, A, *, out=None, result):
-    """torch's ``linalg_det_backward``: ``grad det A^-H``. A first derivative solves with the
-    LU factors, a zero pivot nudged to eps (det is C^1, so singular matrices get the limit);
+    """torch's ``linalg_det_backward``: ``grad conj(det) A^-H``. A first derivative solves with
+    the LU factors, a zero pivot nudged to eps (det is C^1, so singular matrices get the limit);
     under ``create_graph`` (nearly) singular matrices take the SVD formula, whose own
-    derivative exists there, as torch does."""
-    _real_only("torch.linalg.det", A)
+    derivative exists there, as torch does (a complex one raises there: the SVD of complex
+    matrices has no rule)."""
     if A.numel() == 0:
         return torch.zeros_like(A)
-    d = grad * result
+    d = grad * _cj(result)
     eps = torch.finfo(A.dtype).eps
     if not torch.is_grad_enabled():
         transposed = A.is_contiguous()
@@ -769,30 +775,39 @@ def det(grad, A, *, out=None, result):
 
 
 @derivative(linalg.slogdet, torch.slogdet, T.slogdet, multi_output=True, view=False)
-def slogdet(grads, A, *, out=None):
+def slogdet(grads, A, *, out=None, result):
     """``(sign, logabsdet)``: the sign is constant for real matrices; log|det|' is ``A^-H``.
-    As torch: a first derivative solves with the LU factors (a singular matrix gives infs, not
-    an error), one under create_graph with ``linalg.solve``."""
-    _real_only("torch.linalg.slogdet", A)
-    if grads[1] is None:
+    A complex sign's phase moves by ``Im tr(A^-1 dA)``, so (torch's ``slogdet_backward``) the
+    gradient is ``g A^-H`` with ``g = g_logabsdet - i Im(conj(g_sign) sign)``. As torch: a
+    first derivative solves with the LU factors (a singular matrix gives infs, not an error),
+    one under create_graph with ``linalg.solve``."""
+    g_sign, g = grads
+    if A.is_complex() and g_sign is not None:
+        phase = -1j * (_cj(g_sign) * result[0]).imag
+        g = phase if g is None else g + phase
+    if g is None:
         return None
+    if g.dtype != A.dtype:
+        g = g.to(A.dtype)
     if not torch.is_grad_enabled():
         LU, pivots, _ = linalg.lu_factor_ex(A)
-        d = torch.diag_embed(grads[1].unsqueeze(-1).expand(pivots.shape))
+        d = torch.diag_embed(g.unsqueeze(-1).expand(pivots.shape))
         return linalg.lu_solve(LU, pivots, d, adjoint=True)
-    return _det_grad_nonsingular(A, grads[1])
+    return _det_grad_nonsingular(A, g)
 
 
 @decomposition(torch.logdet, T.logdet, view=False)
 def logdet(input):
-    """torch's composite: ``log|det|``, NaN where the determinant is negative."""
+    """torch's composite: ``log|det|``, NaN where the determinant is negative; for complex
+    matrices the complex ``log(sign) + log|det|``."""
     sign, logabsdet = linalg.slogdet(input)
+    if input.is_complex():
+        return sign.log() + logabsdet
     return logabsdet.masked_fill(sign == -1, math.nan)
 
 
 def _cholesky_grad(gL, L, upper):
     """torch's ``cholesky_backward``: ``L^-H sym(tril(L^H gL)) L^-1``."""
-    _real_only("torch.linalg.cholesky", L)
     if upper:
         L, gL = L.mH, gL.mH
     gA = (L.mH @ gL).tril()
@@ -849,7 +864,6 @@ def cholesky_ex(grads, input: Meta, *, upper=False, check_errors=False, out=None
 @derivative(torch.cholesky_solve, T.cholesky_solve, view=False)
 def cholesky_solve(grad, input, input2, upper=False, *, out=None, result, needs_input_grad):
     """``X = (L L^H)^-1 B`` (``input`` is B, ``input2`` the factor L, or U with ``upper``)."""
-    _real_only("torch.cholesky_solve", input2)
     g_input = torch.cholesky_solve(grad, input2, upper)
     g_input2 = None
     if needs_input_grad[1]:
@@ -862,7 +876,6 @@ def cholesky_solve(grad, input, input2, upper=False, *, out=None, result, needs_
 @derivative(torch.cholesky_inverse, T.cholesky_inverse, view=False)
 def cholesky_inverse(grad, input, upper=False, *, out=None, result):
     """``(L L^H)^-1`` from the factor L (or U with ``upper``)."""
-    _real_only("torch.cholesky_inverse", input)
     common = result @ ((grad + grad.mH) @ result)
     return -(input @ common) if upper else -(common @ input)
 
@@ -899,7 +912,6 @@ def eigh(grads, input: Meta, UPLO="L", *, out=None, result):
     diag(gL)) V^H`` with ``E[i, j] = L[j] - L[i]`` (distinct eigenvalues)."""
     gL, gV = grads
     L, V = result
-    _real_only("torch.linalg.eigh", V)
     if gV is None:
         return (V * gL.unsqueeze(-2)) @ V.mH
     VhgV = V.mH @ gV
@@ -919,13 +931,17 @@ def eigvalsh(input, UPLO="L", *, out=None):
 
 
 def _qr_grad_tall(gQ, gR, Q, R):
-    """A = QR with R square: ``(gQ + Q copyltu(M)) R^-H``, ``M = R gR^H - gQ^H Q``."""
+    """A = QR with R square: ``(gQ + Q copyltu(M)) R^-H``, ``M = R gR^H - gQ^H Q``; for
+    complex matrices (torch's ``linalg_qr_backward``) the diagonal of ``copyltu(M)`` keeps only
+    its real part (R's diagonal is real: its phase is no freedom)."""
     M = None
     if gR is not None:
         M = R @ gR.mH
     if gQ is not None:
         M = -(gQ.mH @ Q) if M is None else M - gQ.mH @ Q
-    b = Q @ (M.tril() + M.tril(-1).mH)
+    sym = M.tril()
+    sym = sym + sym.mH
+    b = Q @ (sym - 0.5 * torch.diag_embed(sym.diagonal(0, -2, -1)))
     if gQ is not None:
         b = b + gQ
     return linalg.solve_triangular(R.mH, b, upper=False, left=False)
@@ -934,7 +950,6 @@ def _qr_grad_tall(gQ, gR, Q, R):
 def _qr_grad(gQ, gR, Q, R, mode):
     """torch's checks, then the square-R formula; a wide A = [X | Y] (X square) is split:
     ``Y = Q V`` adds ``Y``'s share to Q's gradient."""
-    _real_only("torch.linalg.qr", R)
     if mode == "r":
         raise RuntimeError(
             "The derivative of linalg.qr depends on Q, which is not computed when mode='r'. "
@@ -974,7 +989,6 @@ def qr_legacy(grads, input: Meta, some=True, *, out=None, result):
 # -- least squares, the pseudo-inverse, powers, the exponential -----------------------------
 def _pinv_grad(grad, pinvA, A):
     """torch's ``pinv_backward`` (the smaller of the two products is formed)."""
-    _real_only("torch.linalg.pinv", A)
     m, n = A.shape[-2], A.shape[-1]
     pinvAh, gradh = pinvA.mH, grad.mH
     if m <= n:
@@ -1004,7 +1018,6 @@ def lstsq(grads, input, b, rcond=None, *, driver=None, result, needs_input_grad)
     """``(solution, residuals, rank, singular_values)``: the solution is ``pinv(A) B``; the
     residuals ``|A X - B|^2`` are at a minimum in X, so only their explicit dependence counts."""
     A, B = input, b
-    _real_only("torch.linalg.lstsq", A)
     gX, g_res = grads[0], grads[1]
     X = result[0]
     vector = _is_vector_rhs(A, B)
@@ -1055,7 +1068,6 @@ def matrix_power(input, n, *, out=None):
 @derivative(linalg.matrix_exp, torch.matrix_exp, T.matrix_exp, view=False)
 def matrix_exp(grad, input):
     """The adjoint of the Fréchet derivative: the top-right block of ``exp([[A^H, G], [0, A^H]])``."""
-    _real_only("torch.linalg.matrix_exp", input)
     n = input.shape[-1]
     top = torch.cat((input.mH, grad), -1)
     bottom = torch.cat((torch.zeros_like(grad), input.mH), -1)
