@@ -35,12 +35,27 @@ UNARY = {
     "softmax": lambda x: torch.softmax(x, -1), "cumsum": lambda x: torch.cumsum(x, -1),
     "sum_keep": lambda x: x.sum(-1, keepdim=True), "mean": lambda x: x.mean(),
     "max_dim": lambda x: x.max(-1, keepdim=True).values, "norm": lambda x: x.norm(dim=-1, keepdim=True),
-    "logsumexp": lambda x: x.logsumexp(-1, keepdim=True), "scale": lambda x: x * 0.5 + 1.0,
+    "logsumexp": lambda x: _logsumexp(x), "scale": lambda x: x * 0.5 + 1.0,
     "where": lambda x: torch.where(x > 0, x, x * 0.1), "clamp": lambda x: x.clamp(-0.5, 0.5),
 }
+def _atan2(a, b):
+    if bool(((a == 0) & (b == 0)).any()):  # a documented difference (docs/reliability.md): at
+        # (0, 0) torch's forward formula gives NaN, its backward 0; graphgrad follows each, and
+        # the NaN then spreads differently through later ops' formulas: not drawn
+        raise RuntimeError("atan2 at (0, 0): not compared")
+    return torch.atan2(a, b)
+
+
+def _logsumexp(x):
+    if x.dim() and x.shape[-1] == 0:  # a documented difference (docs/reliability.md): over no
+        # elements torch's tangent is its formula's 0 / 0 = NaN, graphgrad's 0; not drawn
+        raise RuntimeError("logsumexp over no elements: not compared")
+    return x.logsumexp(-1, keepdim=True)
+
+
 BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul,
-    "div": lambda a, b: a / (b.abs() + 1), "atan2": torch.atan2, "maximum": torch.maximum,
+    "div": lambda a, b: a / (b.abs() + 1), "atan2": lambda a, b: _atan2(a, b), "maximum": torch.maximum,
     "hypot": torch.hypot,
 }
 VIEWS = {
@@ -155,12 +170,15 @@ def _step(side, step, pool):
     elif kind == "matmul":
         a = x if x.dim() == 2 else x.reshape(1, -1)
         out = a @ a.transpose(-1, -2).tanh()
-    elif kind == "function":
-        out = CubeWithJvp.apply(x)
+    elif kind == "function":  # (on a graphgrad tensor: torch's own apply refuses a Function
+        # without setup_context under vmap, in gg.func.jacfwd as in torch.func.jacfwd)
+        out = CubeWithJvp.apply(side.tensor(x) if side.gg and type(x) is torch.Tensor else x)
     elif kind == "checkpoint":
         out = side.checkpoint(_block, x)
     elif kind == "buffer":  # (a plain torch buffer, or a graphgrad one; read again, or not)
-        buf = torch.zeros((2,) + tuple(x.shape), dtype=torch.float64)
+        # (filled with 0.5, not 0: exact zeros make 0/0 points, hypot's and atan2's, whose NaN
+        # tangents torch's and graphgrad's maximum spread differently; docs/reliability.md)
+        buf = torch.full((2,) + tuple(x.shape), 0.5, dtype=torch.float64)
         buf = buf if j % 2 else side.tensor(buf)
         buf[1] = x.sin()
         out = buf.cumsum(0) if i % 2 else buf
