@@ -117,32 +117,30 @@ def w5() -> tuple[dict[str, Callable[[], Any]], Callable[[], float]]:
     return calls, lambda: _max_rel_diff(calls["graphgrad"]()[1], calls["torch"]()[1])
 
 
-def jac() -> tuple[dict[str, Callable[[], Any]], Callable[[], float]]:
-    """The forward-mode Jacobian of a 64 -> 64 function."""
+def _transform_of(n: int, f: Callable, gg_transform: Callable, torch_transform: Callable) -> tuple[
+        dict[str, Callable[[], Any]], Callable[[], float]]:
+    """``f`` of ``n`` inputs under each engine's transform (jacfwd, hessian), from one seed."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(64, 64, generator=gen) * 0.1
-    x = torch.randn(64, generator=gen)
+    w = torch.randn(n, n, generator=gen) * 0.1
+    x = torch.randn(n, generator=gen)
     gx = gg.as_tensor(x)
 
-    def f(v):
-        return torch.tanh(w @ v).sin() * v
+    def fw(v):
+        return f(w, v)
 
-    calls = {"graphgrad": lambda: gg.func.jacfwd(f)(gx), "torch": lambda: torch.func.jacfwd(f)(x)}
+    calls = {"graphgrad": lambda: gg_transform(fw)(gx), "torch": lambda: torch_transform(fw)(x)}
     return calls, lambda: _max_rel_diff(calls["graphgrad"](), calls["torch"]())
+
+
+def jac() -> tuple[dict[str, Callable[[], Any]], Callable[[], float]]:
+    """The forward-mode Jacobian of a 64 -> 64 function."""
+    return _transform_of(64, lambda w, v: torch.tanh(w @ v).sin() * v, gg.func.jacfwd, torch.func.jacfwd)
 
 
 def hes() -> tuple[dict[str, Callable[[], Any]], Callable[[], float]]:
     """The Hessian of a scalar function of 32 inputs, forward over reverse."""
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(32, 32, generator=gen) * 0.1
-    x = torch.randn(32, generator=gen)
-    gx = gg.as_tensor(x)
-
-    def f(v):
-        return (torch.tanh(w @ v).sin() * v).sum()
-
-    calls = {"graphgrad": lambda: gg.func.hessian(f)(gx), "torch": lambda: torch.func.hessian(f)(x)}
-    return calls, lambda: _max_rel_diff(calls["graphgrad"](), calls["torch"]())
+    return _transform_of(32, lambda w, v: (torch.tanh(w @ v).sin() * v).sum(), gg.func.hessian,
+                         torch.func.hessian)
 
 
 #: name -> (workload, metric, calls per round (full, quick), what it is)
